@@ -1,0 +1,58 @@
+"""``LowBitTrainingArguments``: ``TrainingArguments`` plus the low-bit recipe switches.
+
+Every field carries ``help`` metadata, so ``HfArgumentParser`` turns it into a CLI flag, and is
+validated in ``__post_init__`` with an error that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class LowBitTrainingArguments(TrainingArguments):
+    int8_mixed_precision: bool = field(default=False, metadata={"help": (
+        "Run the forward and backward matmuls of the model's nn.Linear layers in INT8 with dynamic "
+        "row-wise scaling; weights, optimizer state and everything else keep their precision.")})
+    lowbit_output: bool = field(default=True, metadata={"help": (
+        "Low-bit forward matmul Y = X·Wᵀ (X per token, W per output channel). --no_lowbit_output runs it "
+        "in the compute dtype.")})
+    lowbit_grad_input: bool = field(default=True, metadata={"help": (
+        "Low-bit input-gradient matmul dX = dY·W (dY per token, W per input channel).")})
+    lowbit_grad_weight: bool = field(default=True, metadata={"help": (
+        "Low-bit weight-gradient matmul dW = dYᵀ·X (both per feature, across tokens).")})
+    lowbit_exclude_modules: list[str] = field(default_factory=lambda: ["lm_head"], metadata={"help": (
+        "Module names or glob patterns that keep full-precision matmuls; 'lm_head' also matches "
+        "'model.lm_head'. The model's output embedding is always excluded.")})
+    lowbit_min_features: int = field(default=64, metadata={"help": (
+        "Skip (and report) linears whose in_features or out_features is below this: such matmuls are "
+        "too small for low-bit kernels to pay.")})
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("int8_mixed_precision", "lowbit_output", "lowbit_grad_input", "lowbit_grad_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"LowBitTrainingArguments.{name} must be True or False, got {value!r}")
+        if isinstance(self.lowbit_exclude_modules, str):
+            self.lowbit_exclude_modules = [self.lowbit_exclude_modules]
+        bad = [p for p in self.lowbit_exclude_modules if not isinstance(p, str) or not p.strip()]
+        if bad:
+            raise ValueError("LowBitTrainingArguments.lowbit_exclude_modules must be non-empty module names "
+                             f"or glob patterns, got {bad!r}")
+        if isinstance(self.lowbit_min_features, bool) or not isinstance(self.lowbit_min_features, int) \
+                or self.lowbit_min_features < 1:
+            raise ValueError("LowBitTrainingArguments.lowbit_min_features must be an integer >= 1, "
+                             f"got {self.lowbit_min_features!r}")
+        if self.int8_mixed_precision and not (self.lowbit_output or self.lowbit_grad_input
+                                              or self.lowbit_grad_weight):
+            raise ValueError("LowBitTrainingArguments.int8_mixed_precision=True with lowbit_output, "
+                             "lowbit_grad_input and lowbit_grad_weight all False quantizes nothing: "
+                             "enable at least one matmul or set int8_mixed_precision=False")
+
+    @property
+    def lowbit_recipes(self) -> list[str]:
+        """The low-bit recipes these arguments switch on, in the order they are applied."""
+        return [name for name in ("int8_mixed_precision",) if getattr(self, name)]

@@ -1,0 +1,210 @@
+"""Data for supervised fine-tuning: loading, chat/instruction formatting, packing into fixed blocks.
+
+Packing matters for low-bit training: every block has the same shape, so a compiled model never
+recompiles and the matmul autotuner sees one shape. Also here: the embedded default task
+(arithmetic Q/A, generated, no download) with its character tokenizer and accuracy check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Iterable
+
+import torch
+from torch.utils.data import Dataset
+
+LOCAL_FORMATS = (".json", ".jsonl", ".parquet")
+RECORD_FORMATS = ("'text'", "'messages' (list of {role, content})", "'prompt' + 'completion'",
+                  "'instruction' (+ 'input') + 'output' or 'response'")
+
+
+class DataFormatError(ValueError):
+    """A data file or record that cannot be used; the message names the file and the record."""
+
+
+# --------------------------------------------------------------------------------------- loading
+def load_records(dataset: str, split: str = "train") -> list[dict]:
+    """Records from a local .json/.jsonl/.parquet file, or a dataset on the Hub (through ``datasets``)."""
+    if dataset.endswith(LOCAL_FORMATS) or os.path.exists(dataset):
+        if not os.path.isfile(dataset):
+            raise FileNotFoundError(f"--dataset {dataset!r}: no such file")
+        if dataset.endswith(".jsonl"):
+            return _read_jsonl(dataset)
+        if dataset.endswith(".json"):
+            return _read_json(dataset)
+        if dataset.endswith(".parquet"):
+            import datasets
+
+            try:
+                return list(datasets.load_dataset("parquet", data_files=dataset, split="train"))
+            except Exception as e:  # pyarrow's errors do not name the file
+                raise DataFormatError(f"{dataset}: not a readable parquet file ({e})") from e
+        raise DataFormatError(f"--dataset {dataset!r}: local files must end in {', '.join(LOCAL_FORMATS)}")
+    import datasets
+
+    return list(datasets.load_dataset(dataset, split=split))
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(f"{path}, line {lineno}: invalid JSON ({e.msg})") from e
+            if not isinstance(record, dict):
+                raise DataFormatError(f"{path}, line {lineno}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    return records
+
+
+def _read_json(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataFormatError(f"{path}: invalid JSON at line {e.lineno} ({e.msg})") from e
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if not isinstance(data, list):
+        raise DataFormatError(f"{path}: expected a list of records (or {{'data': [...]}})")
+    for i, record in enumerate(data):
+        if not isinstance(record, dict):
+            raise DataFormatError(f"{path}, record {i}: expected a JSON object, got {type(record).__name__}")
+    return data
+
+
+# ------------------------------------------------------------------------------------ formatting
+def format_record(record: dict, tokenizer, where: str = "record") -> str:
+    """One training text from a record in any of the supported formats."""
+
+    def text(key):
+        value = record.get(key)
+        if not isinstance(value, str):
+            raise DataFormatError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+        return value
+
+    if "text" in record:
+        return text("text")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise DataFormatError(f"{where}: 'messages' must be a non-empty list of {{'role': str, 'content': str}}")
+        if getattr(tokenizer, "chat_template", None):
+            return tokenizer.apply_chat_template(messages, tokenize=False)
+        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    if "prompt" in record and "completion" in record:
+        return text("prompt") + text("completion")
+    if "instruction" in record and ("output" in record or "response" in record):
+        answer = text("output" if "output" in record else "response")
+        context = f"\n\n### Input:\n{text('input')}" if record.get("input") else ""
+        return f"### Instruction:\n{text('instruction')}{context}\n\n### Response:\n{answer}"
+    raise DataFormatError(f"{where}: unrecognised record with keys {sorted(record)}; expected one of "
+                          + "; ".join(RECORD_FORMATS))
+
+
+def format_records(records: list[dict], tokenizer, source: str) -> list[str]:
+    return [format_record(r, tokenizer, where=f"{source}, record {i}") for i, r in enumerate(records)]
+
+
+# --------------------------------------------------------------------------------------- packing
+class PackedDataset(Dataset):
+    """Fixed-length blocks of token ids; labels are the inputs (the model shifts them)."""
+
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> dict:
+        ids = self.blocks[i]
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def pack(texts: Iterable[str], tokenizer, block_size: int) -> PackedDataset:
+    """Tokenize, append EOS to each text, concatenate, cut into ``block_size`` blocks (remainder dropped)."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos_token: packing needs one to separate documents")
+    stream: list[int] = []
+    for t in texts:
+        stream.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+        stream.append(tokenizer.eos_token_id)
+    n = len(stream) // block_size
+    if n == 0:
+        raise ValueError(f"the data holds {len(stream)} tokens, fewer than one block of block_size={block_size}")
+    return PackedDataset(torch.tensor(stream[: n * block_size], dtype=torch.long).view(n, block_size))
+
+
+def split_records(records: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """Shuffle and split off ``eval_fraction`` of the records (at least one, if the fraction is > 0)."""
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    records = list(records)
+    random.Random(seed).shuffle(records)
+    n_eval = max(1, round(len(records) * eval_fraction)) if eval_fraction > 0 else 0
+    return records[n_eval:], records[:n_eval]
+
+
+# ----------------------------------------------------------------------- the embedded default task
+ARITHMETIC_CHARS = list("0123456789+=")
+
+
+def arithmetic_records(n_train: int, n_eval: int, seed: int = 0, max_operand: int = 99) -> tuple[list, list]:
+    """Addition problems ``{"prompt": "12+34=", "completion": "46"}``; eval pairs never appear in training."""
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    if n_eval >= len(pairs):
+        raise ValueError(f"n_eval={n_eval} leaves no training problems (there are {len(pairs)})")
+    rng = random.Random(seed)
+    rng.shuffle(pairs)
+    held_out, pool = pairs[:n_eval], pairs[n_eval:]
+    make = lambda a, b: {"prompt": f"{a}+{b}=", "completion": str(a + b)}
+    return [make(*rng.choice(pool)) for _ in range(n_train)], [make(a, b) for a, b in held_out]
+
+
+def build_char_tokenizer(chars: list[str]):
+    """A character-level fast tokenizer (built locally: nothing is downloaded)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+
+
+@torch.no_grad()
+def completion_accuracy(model, tokenizer, records: list[dict], max_new_tokens: int = 8,
+                        batch_size: int = 64) -> float:
+    """Share of records whose greedy completion of ``prompt`` equals ``completion`` exactly."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    by_len: dict[int, list[dict]] = {}
+    for r in records:  # same-length prompts batch without padding
+        by_len.setdefault(len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]), []).append(r)
+    correct = 0
+    for group in by_len.values():
+        for i in range(0, len(group), batch_size):
+            chunk = group[i: i + batch_size]
+            ids = torch.tensor([tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in chunk],
+                               device=device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+            for r, row in zip(chunk, out[:, ids.shape[1]:]):
+                correct += tokenizer.decode(row, skip_special_tokens=True).strip() == r["completion"]
+    model.train(was_training)
+    return correct / max(1, len(records))

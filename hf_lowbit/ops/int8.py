@@ -1,0 +1,100 @@
+"""INT8 building blocks: row-wise quantization and the scaled INT8 matmul custom op.
+
+* :func:`quantize_int8` is plain PyTorch on purpose: under ``torch.compile`` Inductor fuses the
+  abs/amax/divide/round/clamp/cast chain with its neighbours instead of running eager kernels.
+* :func:`int8_scaled_mm` is a ``torch.library`` custom op (``hf_lowbit::int8_scaled_mm``) with a fake
+  implementation, so ``torch.compile`` traces through it without a graph break. CUDA runs the
+  Triton kernel in :mod:`hf_lowbit.ops.triton_int8`; every other device runs an exact integer
+  reference (chunked float32 products, each chunk exact, summed in int32).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Smallest absmax we divide by. A row whose absmax is below it quantizes to zeros (its true values
+# are < 1e-30, i.e. zero for any bf16/fp32 consumer). NaN rows keep a NaN scale on purpose: the
+# NaN then reaches the output instead of vanishing in the cast to int8.
+_MIN_AMAX = 1e-30
+INT8_MAX = 127.0
+
+
+def quantize_int8(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
+    """Symmetric absmax quantization of ``x`` along ``dim`` (the matmul's reduction dim).
+
+    Returns ``(q, scale)`` with ``q`` int8 in [-127, 127], ``scale`` float32 with ``dim`` kept as
+    size 1, and ``x ≈ q * scale``. Non-finite rows give non-finite scales (never silently finite).
+    """
+    x32 = x.float()
+    amax = x32.abs().amax(dim=dim, keepdim=True)
+    scale = amax.clamp(min=_MIN_AMAX) / INT8_MAX  # clamp keeps NaN, so NaN rows stay NaN
+    q = (x32 / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def _check_mm_args(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> None:
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "int8_scaled_mm: a and b must be 2-D")
+    torch._check(a.dtype == torch.int8 and b.dtype == torch.int8,
+                 lambda: f"int8_scaled_mm: a and b must be int8, got {a.dtype} and {b.dtype}")
+    torch._check(a.shape[1] == b.shape[1],
+                 lambda: f"int8_scaled_mm: reduction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)} (b is [N, K])")
+    torch._check(a_scale.numel() == a.shape[0] and b_scale.numel() == b.shape[0],
+                 lambda: "int8_scaled_mm: a_scale needs one value per row of a, b_scale one per row of b")
+
+
+# fp32 holds every integer below 2**24 exactly; a chunk of k int8×int8 products sums to at most
+# k * 127 * 127, so chunks of 1024 are exact and the chunk sums can be added in int32.
+_EXACT_FP32_CHUNK = 1024
+
+
+def int8_mm_reference(a: Tensor, b: Tensor) -> Tensor:
+    """Exact ``a @ b.T`` for int8 ``a [M, K]``, ``b [N, K]``, as int32 (any device, fast on CPU)."""
+    out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.int32, device=a.device)
+    for k0 in range(0, a.shape[1], _EXACT_FP32_CHUNK):
+        a_c = a[:, k0:k0 + _EXACT_FP32_CHUNK].float()
+        b_c = b[:, k0:k0 + _EXACT_FP32_CHUNK].float()
+        out += (a_c @ b_c.T).to(torch.int32)
+    return out
+
+
+@torch.library.custom_op("hf_lowbit::int8_scaled_mm", mutates_args=())
+def int8_scaled_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
+                   out_dtype: torch.dtype) -> Tensor:
+    """``(a @ b.T) * a_scale[:, None] * b_scale[None, :]`` in ``out_dtype``.
+
+    ``a`` is int8 ``[M, K]``, ``b`` int8 ``[N, K]`` (any strides: transposed views are fine),
+    ``a_scale`` float32 with M elements, ``b_scale`` float32 with N elements. Accumulation is int32.
+    """
+    _check_mm_args(a, b, a_scale, b_scale)
+    acc = int8_mm_reference(a, b).float()
+    return (acc * a_scale.reshape(-1, 1).float() * b_scale.reshape(1, -1).float()).to(out_dtype)
+
+
+@int8_scaled_mm.register_fake
+def _(a, b, a_scale, b_scale, out_dtype):
+    _check_mm_args(a, b, a_scale, b_scale)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@int8_scaled_mm.register_kernel("cuda")
+def _(a, b, a_scale, b_scale, out_dtype):
+    from .triton_int8 import int8_scaled_mm_triton
+
+    _check_mm_args(a, b, a_scale, b_scale)
+    return int8_scaled_mm_triton(a, b, a_scale, b_scale, out_dtype)
+
+
+def int8_matmul(x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dtype: torch.dtype) -> Tensor:
+    """Quantize two 2-D operands along their reduction dims and multiply them.
+
+    ``x`` is reduced over ``x_dim`` and ``w`` over ``w_dim``; the result has ``x``'s other dim as
+    rows and ``w``'s other dim as columns. Transposed operands are passed as views, never copied.
+    """
+    qx, sx = quantize_int8(x, dim=x_dim)
+    qw, sw = quantize_int8(w, dim=w_dim)
+    if x_dim == 0:
+        qx, sx = qx.T, sx.T
+    if w_dim == 0:
+        qw, sw = qw.T, sw.T
+    return int8_scaled_mm(qx, qw, sx.reshape(-1), sw.reshape(-1), out_dtype)

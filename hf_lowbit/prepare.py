@@ -1,0 +1,64 @@
+"""``prepare_model``: apply the recipes that ``LowBitTrainingArguments`` switch on, in one place.
+
+``LowBitTrainer`` calls this when it is constructed; custom training loops call it themselves,
+before ``accelerator.prepare`` / ``torch.compile`` / ``fully_shard``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from torch import nn
+
+from .args import LowBitTrainingArguments
+from .int8_mixed_precision import Int8MixedPrecisionConfig, Int8MixedPrecisionLinear
+from .swap import LinearFilter, SwapReport, swap_linears
+
+logger = logging.getLogger("hf_lowbit")
+
+
+def _linear_filter(args: LowBitTrainingArguments) -> LinearFilter:
+    return LinearFilter(exclude=tuple(args.lowbit_exclude_modules), min_features=args.lowbit_min_features)
+
+
+def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=None) -> tuple[nn.Module, list[SwapReport]]:
+    """Swap modules as ``args`` asks and attach ``peft_config`` (if any); return the model and reports."""
+    if not isinstance(args, LowBitTrainingArguments):
+        raise TypeError(f"args must be LowBitTrainingArguments, got {type(args).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    reports = []
+    if args.int8_mixed_precision:
+        config = Int8MixedPrecisionConfig(output=args.lowbit_output, grad_input=args.lowbit_grad_input,
+                                          grad_weight=args.lowbit_grad_weight)
+        reports.append(swap_linears(
+            model, lambda name, linear: Int8MixedPrecisionLinear.from_linear(linear, config),
+            recipe="int8_mixed_precision", target="INT8 matmuls", filter=_linear_filter(args),
+            already=(Int8MixedPrecisionLinear,)))
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    return model, reports
+
+
+def log_reports(reports: list[SwapReport]) -> None:
+    """Print each report's summary on the main process and log every entry at INFO."""
+    main = int(os.environ.get("RANK", "0")) == 0
+    for report in reports:
+        if main:
+            print(report.summary(), flush=True)
+        for e in report.entries:
+            logger.info("%s %s %s %s: %s", report.recipe, e.action, e.name, e.shape, e.reason)
+
+
+def prepare_model(model: nn.Module, args: LowBitTrainingArguments, peft_config=None) -> nn.Module:
+    """Return ``model`` prepared for low-bit training as ``args`` describe (maybe a ``PeftModel``).
+
+    Modules are swapped in place; parameters are shared, not copied, and ``state_dict`` keys do not
+    change. Prints a report of what was swapped and why the rest was not.
+    """
+    model, reports = apply_recipes(model, args, peft_config)
+    log_reports(reports)
+    return model

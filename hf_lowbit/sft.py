@@ -1,0 +1,139 @@
+"""Supervised fine-tuning entry point behind ``scripts/sft.py``.
+
+With no ``--model_name_or_path`` and no ``--dataset`` it runs the embedded default: a tiny
+Llama-style model built from a config learns 2-digit addition (generated data, character tokenizer)
+with INT8 mixed precision, in a few minutes on a laptop CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, LlamaConfig
+
+from .args import LowBitTrainingArguments
+from .data import (ARITHMETIC_CHARS, arithmetic_records, build_char_tokenizer, completion_accuracy,
+                   format_records, load_records, pack, split_records)
+from .trainer import LowBitTrainer
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(default=None, metadata={"help": (
+        "Hub model id or local directory of a causal LM. Default: a tiny Llama built from a config "
+        "(the embedded default run).")})
+    model_dtype: str = field(default="auto", metadata={"help": (
+        "dtype to load the weights in: auto, bfloat16, float16 or float32.")})
+
+    def __post_init__(self):
+        if self.model_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"--model_dtype must be auto, bfloat16, float16 or float32, got {self.model_dtype!r}")
+
+
+@dataclass
+class DataArguments:
+    dataset: str | None = field(default=None, metadata={"help": (
+        "Hub dataset name, or a local .json/.jsonl/.parquet file. Records hold 'text', 'messages', "
+        "'prompt'+'completion' or 'instruction'(+'input')+'output'. Default: generated addition problems.")})
+    dataset_split: str = field(default="train", metadata={"help": "Split to load from a Hub dataset."})
+    block_size: int = field(default=128, metadata={"help": (
+        "Tokens per packed training block; every step sees the same shape (what compiled low-bit "
+        "training needs).")})
+    eval_fraction: float = field(default=0.05, metadata={"help": "Share of records held out for evaluation."})
+    max_records: int | None = field(default=None, metadata={"help": "Use at most this many records."})
+    arithmetic_train_records: int = field(default=40000, metadata={"help": (
+        "Embedded default only: addition problems to train on.")})
+    arithmetic_eval_records: int = field(default=200, metadata={"help": (
+        "Embedded default only: held-out problems for the final accuracy.")})
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"--block_size must be >= 2, got {self.block_size}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.max_records is not None and self.max_records < 1:
+            raise ValueError(f"--max_records must be >= 1, got {self.max_records}")
+
+
+# Training defaults of the embedded run; any flag given on the command line wins.
+EMBEDDED_DEFAULTS = dict(
+    output_dir="runs/sft-default", int8_mixed_precision=True, max_steps=300, per_device_train_batch_size=16,
+    per_device_eval_batch_size=32, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20,
+    weight_decay=0.0, logging_steps=20, eval_strategy="steps", eval_steps=100, save_strategy="no",
+    report_to="none", seed=0, optim="adamw_torch", dataloader_num_workers=0,
+)
+
+
+def tiny_llama_config(vocab_size: int, block_size: int, **overrides) -> LlamaConfig:
+    """The embedded default model: 2 layers, hidden 128, about 0.4M parameters."""
+    kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(block_size, 64),
+              tie_word_embeddings=False, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def parse_args(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser = HfArgumentParser((ModelArguments, DataArguments, LowBitTrainingArguments))
+    embedded = not any(a.split("=")[0] in ("--model_name_or_path", "--dataset") for a in argv)
+    if embedded:
+        parser.set_defaults(**EMBEDDED_DEFAULTS)
+    model_args, data_args, train_args = parser.parse_args_into_dataclasses(args=argv)
+    return model_args, data_args, train_args, embedded
+
+
+def main(argv: list[str] | None = None) -> dict:
+    model_args, data_args, args, embedded = parse_args(argv)
+    if (model_args.model_name_or_path is None) != (data_args.dataset is None):
+        raise SystemExit("give both --model_name_or_path and --dataset, or neither (the embedded default)")
+
+    eval_records = None
+    if embedded:
+        tokenizer = build_char_tokenizer(ARITHMETIC_CHARS)
+        train_records, eval_records = arithmetic_records(data_args.arithmetic_train_records,
+                                                         data_args.arithmetic_eval_records, seed=args.seed)
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(tiny_llama_config(len(tokenizer), data_args.block_size))
+        source = "embedded arithmetic"
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        dtype = model_args.model_dtype if model_args.model_dtype == "auto" else getattr(torch, model_args.model_dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype)
+        records = load_records(data_args.dataset, data_args.dataset_split)
+        if data_args.max_records:
+            records = records[: data_args.max_records]
+        train_records, eval_records = split_records(records, data_args.eval_fraction, args.seed)
+        source = data_args.dataset
+
+    train_ds = pack(format_records(train_records, tokenizer, source), tokenizer, data_args.block_size)
+    eval_ds = (pack(format_records(eval_records, tokenizer, source + " (eval)"), tokenizer, data_args.block_size)
+               if eval_records else None)
+    if eval_ds is None and args.eval_strategy != "no":
+        args.eval_strategy = "no"
+
+    trainer = LowBitTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                            processing_class=tokenizer)
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+
+    metrics = {"train_blocks": len(train_ds), "block_size": data_args.block_size}
+    if eval_ds is not None:
+        ev = trainer.evaluate()
+        metrics.update(eval_loss=ev["eval_loss"], eval_perplexity=math.exp(min(ev["eval_loss"], 50)))
+    if embedded:
+        metrics["eval_accuracy"] = completion_accuracy(trainer.model, tokenizer, eval_records)
+    trainer.save_model(args.output_dir)
+    if trainer.is_world_process_zero():
+        with open(os.path.join(args.output_dir, "sft_metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
+        print("[hf_lowbit] final: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                for k, v in metrics.items()))
+        print(f"[hf_lowbit] model and tokenizer saved to {args.output_dir}")
+    return metrics

@@ -1,0 +1,150 @@
+"""The one module-swap walker every recipe uses, and the report it returns.
+
+:func:`swap_linears` visits every module of a model once. An ``nn.Linear`` that passes the filter
+(not excluded by name, not the output embedding, large enough) is replaced by what the recipe's
+factory builds from it; everything else that holds a matrix (``Conv1D``, ``Embedding``, linears of
+other classes, filtered linears) is recorded with the reason it was left alone.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+from torch import nn
+
+SWAPPED = "swapped"
+SKIPPED = "skipped"
+
+
+@dataclass
+class SwapEntry:
+    name: str
+    module_type: str
+    shape: tuple[int, ...]  # (out_features, in_features) for linears, the weight's shape otherwise
+    action: str  # SWAPPED or SKIPPED
+    reason: str  # what it became, or why not
+
+
+@dataclass
+class SwapReport:
+    """What a recipe did to each matrix-holding module of a model."""
+
+    recipe: str
+    entries: list[SwapEntry] = field(default_factory=list)
+
+    @property
+    def swapped(self) -> list[SwapEntry]:
+        return [e for e in self.entries if e.action == SWAPPED]
+
+    @property
+    def skipped(self) -> list[SwapEntry]:
+        return [e for e in self.entries if e.action == SKIPPED]
+
+    def to_dict(self) -> dict:
+        return {"recipe": self.recipe, "entries": [asdict(e) for e in self.entries]}
+
+    def summary(self) -> str:
+        """Compact text: one line per (name pattern, shape, outcome), layer indices folded to ``*``."""
+        groups: Counter = Counter()
+        for e in self.entries:
+            pattern = re.sub(r"\.\d+\.", ".*.", e.name)
+            groups[(e.action, pattern, e.module_type, e.shape, e.reason)] += 1
+        lines = [f"[hf_lowbit] {self.recipe}: {len(self.swapped)} modules swapped, "
+                 f"{len(self.skipped)} left as they were"]
+        for (action, pattern, mtype, shape, reason), n in sorted(groups.items(), key=lambda kv: kv[0][0] != SWAPPED):
+            dims = "x".join(map(str, shape))
+            count = f" (x{n})" if n > 1 else ""
+            lines.append(f"  {action:7s} {pattern}{count} [{mtype} {dims}]: {reason}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+@dataclass(frozen=True)
+class LinearFilter:
+    """Which ``nn.Linear`` modules a recipe may take.
+
+    ``exclude``: module names or glob patterns; a pattern also matches a name that ends with
+    ``"." + pattern`` (so ``"lm_head"`` matches ``"model.lm_head"``). ``min_features``: layers with
+    ``in_features`` or ``out_features`` below it are too small for low-bit matmuls to pay.
+    ``exclude_output_embeddings``: also skip the model's LM head whatever its name.
+    """
+
+    exclude: tuple[str, ...] = ("lm_head",)
+    min_features: int = 1
+    exclude_output_embeddings: bool = True
+
+
+def name_matches(name: str, patterns: Iterable[str]) -> str | None:
+    """The first pattern that matches module ``name``, or None."""
+    for p in patterns:
+        if name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p):
+            return p
+    return None
+
+
+def _parent_and_attr(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), attr
+
+
+def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], *, recipe: str,
+                 target: str, filter: LinearFilter = LinearFilter(),
+                 already: tuple[type, ...] = ()) -> SwapReport:
+    """Replace each eligible ``nn.Linear`` of ``model`` by ``make(name, linear)``, in place.
+
+    ``target`` describes what a swapped module becomes (for the report); modules that are already
+    instances of ``already`` are reported as such and left alone, so preparing twice is harmless.
+    """
+    report = SwapReport(recipe=recipe)
+    output_embeddings = None
+    if filter.exclude_output_embeddings and hasattr(model, "get_output_embeddings"):
+        output_embeddings = model.get_output_embeddings()
+
+    todo: list[tuple[str, nn.Linear]] = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        mtype = type(module).__name__
+        if already and isinstance(module, already):
+            report.entries.append(SwapEntry(name, mtype, _shape(module), SKIPPED, f"already {target}"))
+            continue
+        if type(module) is not nn.Linear:
+            weight = getattr(module, "weight", None)
+            is_leaf = next(module.children(), None) is None
+            if is_leaf and isinstance(weight, nn.Parameter) and weight.dim() >= 2:
+                why = ("a lookup, not a matmul" if isinstance(module, nn.Embedding)
+                       else "subclass of nn.Linear with its own forward" if isinstance(module, nn.Linear)
+                       else "not an nn.Linear; this recipe only swaps nn.Linear")
+                report.entries.append(SwapEntry(name, mtype, tuple(weight.shape), SKIPPED, why))
+            continue
+        shape = (module.out_features, module.in_features)
+        pattern = name_matches(name, filter.exclude)
+        if pattern is not None:
+            why = f"excluded by pattern {pattern!r}"
+        elif module is output_embeddings:
+            why = "output embedding (LM head): excluded by default"
+        elif min(shape) < filter.min_features:
+            why = f"too small: min(in, out) = {min(shape)} < min_features = {filter.min_features}"
+        else:
+            todo.append((name, module))
+            report.entries.append(SwapEntry(name, mtype, shape, SWAPPED, target))
+            continue
+        report.entries.append(SwapEntry(name, mtype, shape, SKIPPED, why))
+
+    for name, module in todo:  # swap after the walk: never mutate a tree while iterating it
+        parent, attr = _parent_and_attr(model, name)
+        setattr(parent, attr, make(name, module))
+    return report
+
+
+def _shape(module: nn.Module) -> tuple[int, ...]:
+    if isinstance(module, nn.Linear):
+        return (module.out_features, module.in_features)
+    weight = getattr(module, "weight", None)
+    return tuple(weight.shape) if weight is not None else ()

@@ -1,0 +1,72 @@
+"""``LowBitTrainer``: the transformers ``Trainer`` with the low-bit recipes applied at construction."""
+
+from __future__ import annotations
+
+import logging
+
+from torch.utils.data import Dataset
+from transformers import Trainer
+
+from .args import LowBitTrainingArguments
+from .prepare import apply_recipes, log_reports
+from .validation import check_training_setup
+
+logger = logging.getLogger("hf_lowbit")
+
+_SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
+
+
+class LowBitTrainer(Trainer):
+    """A ``Trainer`` whose model is prepared by ``hf_lowbit.prepare_model`` when it is constructed.
+
+    ``trainer.model`` already shows the swapped modules; ``trainer.lowbit_reports`` holds what each
+    recipe swapped and skipped. ``peft_config`` (a ``peft.LoraConfig`` …) wraps the prepared model
+    in a ``PeftModel``.
+    """
+
+    def __init__(self, model=None, args: LowBitTrainingArguments | None = None, *pargs, peft_config=None, **kwargs):
+        if args is None:
+            args = LowBitTrainingArguments(output_dir="trainer_output")
+        if not isinstance(args, LowBitTrainingArguments):
+            raise TypeError("LowBitTrainer needs args=LowBitTrainingArguments(...) (a subclass of "
+                            f"TrainingArguments with the low-bit switches), got {type(args).__name__}")
+        if model is None:
+            raise ValueError("LowBitTrainer prepares the model when it is constructed: pass model=...; "
+                             "model_init is not supported")
+        model, self.lowbit_reports = apply_recipes(model, args, peft_config)
+        log_reports(self.lowbit_reports)
+        super().__init__(model, args, *pargs, **kwargs)
+
+    def check_setup(self) -> list[str]:
+        """Warn about what in this run keeps the recipes from being fast or stable (see validation)."""
+        packed, tokens = _inspect_shapes(self.train_dataset, self.args.per_device_train_batch_size)
+        optim = getattr(self.args.optim, "value", self.args.optim)
+        found = check_training_setup(recipes=self.args.lowbit_recipes, device=self.args.device,
+                                     compiled=self.args.torch_compile, packed=packed,
+                                     optimizer=str(optim), tokens_per_step=tokens)
+        for msg in found:
+            logger.warning(msg)
+        return found
+
+    def train(self, *args, **kwargs):
+        self.check_setup()
+        return super().train(*args, **kwargs)
+
+
+def _inspect_shapes(dataset, batch_size: int) -> tuple[bool | None, int | None]:
+    """(all sampled sequences one length?, tokens per micro-batch) of a map-style dataset."""
+    if dataset is None or not isinstance(dataset, Dataset) and not hasattr(dataset, "__getitem__"):
+        return None, None
+    try:
+        n = min(len(dataset), _SHAPE_SAMPLE)
+        lengths = {len(dataset[i]["input_ids"]) for i in range(n)}
+    except (TypeError, KeyError, IndexError):
+        return None, None
+    if not lengths:
+        return None, None
+    if len(lengths) > 1:
+        return False, None
+    return True, lengths.pop() * batch_size
+
+
+__all__ = ["LowBitTrainer"]

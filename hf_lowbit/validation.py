@@ -1,0 +1,62 @@
+"""Checks of a training setup against what low-bit recipes need to be fast and stable.
+
+One function, explicit arguments, warnings only: the recipes stay correct in every setup these
+checks flag, but may be slower than bf16 or, for 8-bit optimizers, unstable.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+class LowBitWarning(UserWarning):
+    """A setup in which a low-bit recipe is correct but likely slow or unstable."""
+
+
+# Optimizers tested with INT8 mixed precision. 8-bit optimizers diverged with it in the seed's tests.
+OPTIMIZER_ALLOWLIST = frozenset({
+    "adamw_torch", "adamw_torch_fused", "adamw_hf", "adafactor", "sgd", "adagrad", "rmsprop",
+})
+# Below this many tokens per micro-batch the quantization overhead beat the INT8 speedup (seed, A100).
+MIN_TOKENS_FOR_SPEEDUP = 4 * 2048
+
+
+def check_training_setup(*, recipes: list[str], device: torch.device | str, compiled: bool,
+                         packed: bool | None, optimizer: str, tokens_per_step: int | None,
+                         emit: bool = True) -> list[str]:
+    """Return (and, with ``emit``, ``warnings.warn``) what in this setup works against the recipes.
+
+    ``packed``: whether every training sequence has one length (None: unknown);
+    ``tokens_per_step``: tokens in one micro-batch on one device (None: unknown).
+    """
+    if not recipes:
+        return []
+    names = "+".join(recipes)
+    device = torch.device(device)
+    found = []
+    if device.type != "cuda":
+        found.append(f"{names} on {device.type}: results are correct but not faster than bf16; the speedup "
+                     "needs an NVIDIA GPU with INT8 tensor cores (sm_80 or newer).")
+    else:
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            found.append(f"{names} on a GPU of compute capability {major}.{minor}: results are correct but not "
+                         "faster; the speedup needs sm_80 or newer.")
+    if not compiled:
+        found.append(f"{names} without torch_compile=True: quantization runs as separate eager kernels and "
+                     "training will be slower than bf16. Set torch_compile=True.")
+    if packed is False:
+        found.append(f"{names} with sequences of varying length: every new shape recompiles and re-autotunes. "
+                     "Pack the data into fixed-length blocks (scripts/sft.py does by default).")
+    if optimizer not in OPTIMIZER_ALLOWLIST:
+        found.append(f"optim={optimizer!r} has not been validated with {names} (8-bit optimizers diverged with "
+                     f"INT8 mixed precision); validated: {', '.join(sorted(OPTIMIZER_ALLOWLIST))}.")
+    if tokens_per_step is not None and tokens_per_step < MIN_TOKENS_FOR_SPEEDUP:
+        found.append(f"{tokens_per_step} tokens per micro-batch: {names} pays from about {MIN_TOKENS_FOR_SPEEDUP} "
+                     "(per_device_train_batch_size x sequence length); below that expect no speedup.")
+    if emit:
+        for msg in found:
+            warnings.warn(msg, LowBitWarning, stacklevel=2)
+    return found

@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""Time one linear layer's forward + backward: bf16 vs hf_lowbit INT8 vs torchao INT8, one run.
+
+    python scripts/benchmark_linear.py --json docs/results/linear.json --markdown docs/results/linear.md
+
+Default shape: 16384 tokens x 4096 -> 14336 (a Llama-8B MLP up-projection with 8x2048 tokens).
+Each recipe is timed eager and under torch.compile, after warm-up (compile and autotune excluded),
+with CUDA events; the median of the repeats is reported. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from hf_lowbit import Int8MixedPrecisionConfig, int8_mixed_precision_linear  # noqa: E402
+
+
+def recipes():
+    out = {"bf16": lambda x, w: F.linear(x, w),
+           "hf_lowbit_int8": lambda x, w: int8_mixed_precision_linear(x, w, None, Int8MixedPrecisionConfig())}
+    try:
+        from torchao.prototype.quantized_training.int8_mixed_precision import (
+            Int8MixedPrecisionTrainingConfig, _Int8MixedPrecisionTrainingLinearFunction)
+
+        cfg = Int8MixedPrecisionTrainingConfig()
+        out["torchao_int8"] = lambda x, w: _Int8MixedPrecisionTrainingLinearFunction.apply(x, w, None, cfg)
+    except Exception as e:  # torchao missing or its API moved: say so, keep the other rows
+        print(f"torchao INT8 mixed precision unavailable: {e!r}", file=sys.stderr)
+    return out
+
+
+def time_fwd_bwd(fn, x, w, gy, reps: int) -> float:
+    def step():
+        x.grad = w.grad = None
+        fn(x, w).backward(gy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--in_features", type=int, default=4096)
+    p.add_argument("--out_features", type=int, default=14336)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_linear.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    x = torch.randn(a.tokens, a.in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(a.out_features, a.in_features, device="cuda") / a.in_features ** 0.5).bfloat16().requires_grad_()
+    gy = torch.randn(a.tokens, a.out_features, device="cuda", dtype=torch.bfloat16)
+    flops = 6 * a.tokens * a.in_features * a.out_features
+    rows = []
+    for name, fn in recipes().items():
+        for mode in ("eager", "compiled"):
+            torch._dynamo.reset()
+            f = torch.compile(fn) if mode == "compiled" else fn
+            ms = time_fwd_bwd(f, x, w, gy, a.reps)
+            rows.append({"recipe": name, "mode": mode, "ms": ms, "tflops": flops / ms / 1e9})
+    base = {r["mode"]: r["ms"] for r in rows if r["recipe"] == "bf16"}
+    for r in rows:
+        r["speedup_vs_bf16"] = base[r["mode"]] / r["ms"]
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+            "shape": [a.tokens, a.in_features, a.out_features], "reps": a.reps, "command": " ".join(sys.argv)}
+    table = ["| recipe | mode | fwd+bwd ms | TFLOP/s | vs bf16 |", "|---|---|---|---|---|"]
+    table += [f"| {r['recipe']} | {r['mode']} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['speedup_vs_bf16']:.2f}x |"
+              for r in rows]
+    print(json.dumps(meta))
+    print("\n".join(table))
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(f"{meta['gpu']}, torch {meta['torch']}, tokens x in -> out = {meta['shape']}\n\n")
+            f.write("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+warnings.filterwarnings("ignore", message=".*register_constant.*")
+
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa: E402
+
+VOCAB = 96
+
+
+def tiny_config(arch: str = "llama", **kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                tie_word_embeddings=False)
+    base.update(kw)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch](**base)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **kw))
+
+
+def snr_db(ref: torch.Tensor, actual: torch.Tensor) -> float:
+    ref, actual = ref.double(), actual.double()
+    return (20 * torch.log10(ref.norm() / (ref - actual).norm())).item()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (run on the device; skipped elsewhere)")
+    config.addinivalue_line("markers", "slow: end-to-end training runs")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,103 @@
+"""scripts/sft.py: --help, a short embedded-default run, data loading/formatting/packing errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_lowbit.data import (DataFormatError, arithmetic_records, build_char_tokenizer, format_record, load_records,
+                            pack, ARITHMETIC_CHARS)
+from hf_lowbit.sft import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOK = build_char_tokenizer(ARITHMETIC_CHARS)
+
+
+def test_help_lists_all_argument_groups():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sft.py"), "--help"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in ("--model_name_or_path", "--dataset", "--block_size", "--int8_mixed_precision",
+                 "--lowbit_min_features", "--learning_rate"):
+        assert flag in out.stdout
+
+
+@pytest.mark.slow
+def test_embedded_default_short_run(tmp_path, capsys):
+    metrics = main(["--output_dir", str(tmp_path), "--max_steps", "12", "--eval_steps", "6",
+                    "--arithmetic_train_records", "2000", "--arithmetic_eval_records", "20", "--disable_tqdm", "True"])
+    out = capsys.readouterr().out
+    assert "[hf_lowbit] int8_mixed_precision: 14 modules swapped" in out
+    assert metrics["eval_loss"] < 3.0 and 0.0 <= metrics["eval_accuracy"] <= 1.0
+    assert os.path.exists(tmp_path / "model.safetensors") and os.path.exists(tmp_path / "tokenizer.json")
+    assert json.loads((tmp_path / "sft_metrics.json").read_text())["block_size"] == 128
+
+
+def test_record_formats():
+    assert format_record({"text": "a"}, TOK) == "a"
+    assert format_record({"prompt": "1+1=", "completion": "2"}, TOK) == "1+1=2"
+    alpaca = format_record({"instruction": "add", "input": "1 1", "output": "2"}, TOK)
+    assert "### Instruction:\nadd" in alpaca and "### Input:\n1 1" in alpaca and alpaca.endswith("2")
+    chat = format_record({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, TOK)
+    assert "<|user|>\nhi" in chat and "<|assistant|>\nyo" in chat
+    with pytest.raises(DataFormatError, match="record 3: unrecognised record with keys \\['foo'\\]"):
+        format_record({"foo": 1}, TOK, where="record 3")
+    with pytest.raises(DataFormatError, match="'completion' must be a string"):
+        format_record({"prompt": "x", "completion": 5}, TOK)
+
+
+def test_malformed_files_name_file_and_record(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": oops}\n')
+    with pytest.raises(DataFormatError, match=r"bad.jsonl, line 2: invalid JSON"):
+        load_records(str(bad))
+    arr = tmp_path / "arr.json"
+    arr.write_text('[{"text": "ok"}, 3]')
+    with pytest.raises(DataFormatError, match=r"arr.json, record 1: expected a JSON object"):
+        load_records(str(arr))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_records(str(tmp_path / "missing.jsonl"))
+
+
+def test_local_dataset_run_reports_bad_record(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from hf_lowbit.sft import tiny_llama_config
+
+    model_dir = tmp_path / "model"
+    AutoModelForCausalLM.from_config(tiny_llama_config(len(TOK), 32)).save_pretrained(model_dir)
+    TOK.save_pretrained(model_dir)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) for i in range(50))
+                    + '\n{"question": "?"}\n')
+    with pytest.raises(DataFormatError, match=r"d.jsonl, record \d+: unrecognised record"):
+        main(["--model_name_or_path", str(model_dir), "--dataset", str(data), "--output_dir", str(tmp_path / "o"),
+              "--report_to", "none", "--max_steps", "1"])
+
+
+def test_local_dataset_end_to_end(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from hf_lowbit.sft import tiny_llama_config
+
+    model_dir = tmp_path / "model"
+    AutoModelForCausalLM.from_config(tiny_llama_config(len(TOK), 32)).save_pretrained(model_dir)
+    TOK.save_pretrained(model_dir)
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"text": f"{i}+{i}={2 * i}"} for i in range(200)]))
+    metrics = main(["--model_name_or_path", str(model_dir), "--dataset", str(data), "--output_dir", str(tmp_path / "o"),
+                    "--report_to", "none", "--max_steps", "3", "--block_size", "32", "--int8_mixed_precision",
+                    "--lowbit_min_features", "16", "--per_device_train_batch_size", "4", "--disable_tqdm", "True"])
+    assert metrics["block_size"] == 32 and metrics["eval_loss"] > 0
+
+
+def test_pack_blocks_and_arithmetic_split():
+    train, held = arithmetic_records(100, 10, seed=1)
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}
+    ds = pack([r["prompt"] + r["completion"] for r in train], TOK, 16)
+    assert ds.blocks.shape[1] == 16 and len(ds) == ds.blocks.shape[0]
+    assert torch.equal(ds[0]["input_ids"], ds[0]["labels"])
+    assert (ds.blocks == TOK.eos_token_id).any()
+    with pytest.raises(ValueError, match="fewer than one block"):
+        pack(["1"], TOK, 64)

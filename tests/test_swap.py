@@ -1,0 +1,80 @@
+"""The swap walker and its report."""
+
+import torch
+from conftest import tiny_model
+from torch import nn
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from hf_lowbit import Int8MixedPrecisionLinear, LinearFilter, LowBitTrainingArguments, prepare_model, swap_linears
+from hf_lowbit.prepare import apply_recipes
+
+
+def _args(**kw):
+    return LowBitTrainingArguments(output_dir="unused", int8_mixed_precision=True, report_to="none", **kw)
+
+
+def _by_name(report):
+    return {e.name: e for e in report.entries}
+
+
+def test_report_for_excluded_tiny_and_non_linear_layers():
+    model = tiny_model(intermediate_size=32)  # MLP: 64 -> 32 -> 64; q/o 64x64; k/v 32x64
+    model, (report,) = apply_recipes(model, _args(lowbit_min_features=48, lowbit_exclude_modules=["lm_head", "*.o_proj"]))
+    e = _by_name(report)
+    assert e["model.layers.0.self_attn.q_proj"].action == "swapped"
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Int8MixedPrecisionLinear)
+    assert "too small" in e["model.layers.0.self_attn.k_proj"].reason
+    assert "too small" in e["model.layers.1.mlp.down_proj"].reason
+    assert e["model.layers.1.self_attn.o_proj"].reason == "excluded by pattern '*.o_proj'"
+    assert e["lm_head"].reason == "excluded by pattern 'lm_head'"
+    assert "lookup" in e["model.embed_tokens"].reason
+    assert type(model.model.layers[1].self_attn.o_proj) is nn.Linear
+    assert len(report.swapped) == 2  # q_proj of each layer
+    summary = report.summary()
+    assert "model.layers.*.self_attn.q_proj (x2)" in summary and "2 modules swapped" in summary
+
+
+def test_output_embedding_excluded_whatever_its_name():
+    model = tiny_model()
+    model.out_head = model.lm_head  # give the LM head a second, unmatched name
+    _, (report,) = apply_recipes(model, _args(lowbit_min_features=16, lowbit_exclude_modules=["nothing"]))
+    assert "output embedding" in _by_name(report)["lm_head"].reason
+    assert type(model.lm_head) is nn.Linear
+
+
+def test_gpt2_conv1d_reported_not_swapped():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=64))
+    _, (report,) = apply_recipes(model, _args(lowbit_min_features=16))
+    e = _by_name(report)
+    assert e["transformer.h.0.attn.c_attn"].module_type == "Conv1D"
+    assert "not an nn.Linear" in e["transformer.h.0.attn.c_attn"].reason
+    assert not report.swapped
+
+
+def test_prepare_twice_is_harmless_and_state_dict_keys_unchanged(capsys):
+    model = tiny_model()
+    keys = list(model.state_dict())
+    weight = model.model.layers[0].mlp.up_proj.weight
+    args = _args(lowbit_min_features=16)
+    prepare_model(model, args)
+    assert "[hf_lowbit] int8_mixed_precision: 14 modules swapped" in capsys.readouterr().out
+    assert model.model.layers[0].mlp.up_proj.weight is weight
+    _, (again,) = apply_recipes(model, args)
+    assert not again.swapped and all(e.reason == "already INT8 matmuls" for e in again.entries if "proj" in e.name)
+    assert list(model.state_dict()) == keys
+
+
+def test_walker_with_custom_factory_and_glob():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8)))
+    report = swap_linears(model, lambda name, lin: nn.Identity(), recipe="test", target="identity",
+                          filter=LinearFilter(exclude=("2.*",)))
+    assert isinstance(model[0], nn.Identity) and isinstance(model[2][0], nn.Linear)
+    assert [e.action for e in report.entries] == ["swapped", "skipped"]
+
+
+def test_recipe_off_leaves_model_alone():
+    model = tiny_model()
+    prepared = prepare_model(model, LowBitTrainingArguments(output_dir="unused", report_to="none"))
+    assert prepared is model
+    assert not any(isinstance(m, Int8MixedPrecisionLinear) for m in model.modules())

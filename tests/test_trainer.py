@@ -1,0 +1,120 @@
+"""LowBitTrainer end to end on tiny models: loss falls, INT8 tracks bf16, checkpoints, resume, PEFT."""
+
+import pytest
+import torch
+from conftest import snr_db, tiny_model
+from peft import LoraConfig, PeftModel
+from torch import nn
+from transformers import AutoModelForCausalLM, TrainingArguments
+
+from hf_lowbit import Int8MixedPrecisionLinear, LowBitTrainer, LowBitTrainingArguments, LowBitWarning
+from hf_lowbit.data import ARITHMETIC_CHARS, arithmetic_records, build_char_tokenizer, format_records, pack
+
+TOKENIZER = build_char_tokenizer(ARITHMETIC_CHARS)
+
+
+def _data(n_blocks=64, block=32):
+    train, _ = arithmetic_records(n_blocks * block // 8, 1, seed=0)
+    ds = pack(format_records(train, TOKENIZER, "arith"), TOKENIZER, block)
+    ds.blocks = ds.blocks[:n_blocks]
+    return ds
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=8, learning_rate=3e-3,
+                logging_steps=1, save_strategy="no", report_to="none", seed=0, lowbit_min_features=16,
+                disable_tqdm=True, optim="adamw_torch", use_cpu=True)
+    base.update(kw)
+    return LowBitTrainingArguments(**base)
+
+
+def _losses(trainer, after_step=0):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h and h["step"] > after_step]
+
+
+def _model(arch):
+    return tiny_model(arch, vocab_size=len(TOKENIZER))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_loss_falls_and_tracks_bf16(tmp_path, arch):
+    ds = _data()
+    runs = {}
+    for int8 in (False, True):
+        trainer = LowBitTrainer(_model(arch), _args(tmp_path / str(int8), int8_mixed_precision=int8, bf16=True),
+                                train_dataset=ds)
+        if int8:
+            assert sum(isinstance(m, Int8MixedPrecisionLinear) for m in trainer.model.modules()) == 14
+        trainer.train()
+        runs[int8] = torch.tensor(_losses(trainer))
+    bf16, int8 = runs[False], runs[True]
+    assert int8[-5:].mean() < 0.85 * int8[:5].mean(), "INT8 loss did not fall"
+    rel = ((int8 - bf16).abs() / bf16).mean().item()
+    assert rel < 0.03, f"INT8 losses differ from bf16 by {rel:.2%} on average"
+
+
+def test_checkpoint_loads_into_plain_transformers(tmp_path):
+    trainer = LowBitTrainer(_model("llama"), _args(tmp_path, max_steps=3, int8_mixed_precision=True),
+                            train_dataset=_data(16))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    assert not any(isinstance(m, Int8MixedPrecisionLinear) for m in plain.modules())
+    assert all(type(plain.get_submodule(n)) is nn.Linear for n, m in trainer.model.named_modules()
+               if isinstance(m, Int8MixedPrecisionLinear))
+    ours = trainer.model.state_dict()
+    theirs = plain.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k].cpu(), theirs[k]) for k in ours)
+    ids = torch.randint(4, len(TOKENIZER), (2, 16))
+    trainer.model.eval()
+    with torch.no_grad():
+        assert snr_db(plain(ids).logits, trainer.model(ids.to(trainer.model.device)).logits.cpu()) > 20
+
+
+def test_resume_from_checkpoint_continues_identically(tmp_path):
+    ds = _data(32)
+    kw = dict(max_steps=6, save_strategy="steps", save_steps=3, int8_mixed_precision=True)
+    full = LowBitTrainer(_model("llama"), _args(tmp_path / "full", **kw), train_dataset=ds)
+    full.train()
+    resumed = LowBitTrainer(_model("llama"), _args(tmp_path / "full", **kw), train_dataset=ds)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    after = torch.tensor(_losses(resumed, after_step=3))
+    assert len(after) == 3
+    torch.testing.assert_close(after, torch.tensor(_losses(full, after_step=3)), rtol=1e-5, atol=1e-6)
+
+
+def test_peft_lora_over_int8_base(tmp_path):
+    trainer = LowBitTrainer(_model("llama"), _args(tmp_path, max_steps=15, int8_mixed_precision=True),
+                            train_dataset=_data(32), peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    assert isinstance(trainer.model, PeftModel)
+    q = trainer.model.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q.base_layer, Int8MixedPrecisionLinear) and not q.base_layer.weight.requires_grad
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    trainer.train()
+    losses = _losses(trainer)
+    assert losses[-1] < losses[0]
+
+
+def test_setup_warnings(tmp_path):
+    ragged = [{"input_ids": torch.arange(n)} for n in (8, 9, 10)]
+    trainer = LowBitTrainer(_model("llama"), _args(tmp_path, int8_mixed_precision=True, optim="adamw_bnb_8bit"),
+                            train_dataset=ragged)
+    with pytest.warns(LowBitWarning) as record:
+        found = trainer.check_setup()
+    text = " ".join(found)
+    assert len(record) == len(found) == 4
+    for needle in ("not faster", "torch_compile=True", "varying length", "adamw_bnb_8bit"):
+        assert needle in text
+    packed = LowBitTrainer(_model("llama"), _args(tmp_path, int8_mixed_precision=True, per_device_train_batch_size=2),
+                           train_dataset=_data(8))
+    with pytest.warns(LowBitWarning):
+        assert any("64 tokens per micro-batch" in m for m in packed.check_setup())
+
+
+def test_trainer_rejects_plain_training_arguments(tmp_path):
+    with pytest.raises(TypeError, match="LowBitTrainingArguments"):
+        LowBitTrainer(_model("llama"), TrainingArguments(output_dir=str(tmp_path), report_to="none"))
+    with pytest.raises(ValueError, match="pass model="):
+        LowBitTrainer(None, _args(tmp_path))
