@@ -62,9 +62,9 @@ class DataArguments:
 
 # Training defaults of the embedded run; any flag given on the command line wins.
 EMBEDDED_DEFAULTS = dict(
-    output_dir="runs/sft-default", int8_mixed_precision=True, max_steps=300, per_device_train_batch_size=16,
-    per_device_eval_batch_size=32, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20,
-    weight_decay=0.0, logging_steps=20, eval_strategy="steps", eval_steps=100, save_strategy="no",
+    output_dir="runs/sft-default", int8_mixed_precision=True, max_steps=1000, per_device_train_batch_size=16,
+    per_device_eval_batch_size=16, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20,
+    weight_decay=0.0, logging_steps=50, eval_strategy="steps", eval_steps=250, save_strategy="no",
     report_to="none", seed=0, optim="adamw_torch", dataloader_num_workers=0,
 )
 
