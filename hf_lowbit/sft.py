@@ -11,10 +11,11 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, LlamaConfig, TrainerCallback
 
 from .args import LowBitTrainingArguments
 from .data import (ARITHMETIC_CHARS, arithmetic_records, build_char_tokenizer, completion_accuracy,
@@ -69,6 +70,23 @@ EMBEDDED_DEFAULTS = dict(
 )
 
 
+class StepTimeCallback(TrainerCallback):
+    """Mean wall time per step after the first third of the steps (compile/autotune warm-up);
+    evaluation and logging that fall between steps count in it."""
+
+    def __init__(self):
+        self.marks: list[tuple[int, float]] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.marks.append((state.global_step, time.perf_counter()))
+
+    def step_ms(self) -> float | None:
+        if len(self.marks) < 6:
+            return None
+        (s0, t0), (s1, t1) = self.marks[len(self.marks) // 3], self.marks[-1]
+        return 1000 * (t1 - t0) / (s1 - s0)
+
+
 def tiny_llama_config(vocab_size: int, block_size: int, **overrides) -> LlamaConfig:
     """The embedded default model: 2 layers, hidden 128, about 0.4M parameters."""
     kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -120,10 +138,12 @@ def main(argv: list[str] | None = None) -> dict:
         args.eval_strategy = "no"
 
     trainer = LowBitTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                            processing_class=tokenizer)
+                            processing_class=tokenizer, callbacks=[timer := StepTimeCallback()])
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 
     metrics = {"train_blocks": len(train_ds), "block_size": data_args.block_size}
+    if timer.step_ms() is not None:
+        metrics["train_step_ms"] = timer.step_ms()
     if eval_ds is not None:
         ev = trainer.evaluate()
         metrics.update(eval_loss=ev["eval_loss"], eval_perplexity=math.exp(min(ev["eval_loss"], 50)))
