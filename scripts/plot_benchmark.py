@@ -1,0 +1,42 @@
+#!/usr/bin/env python
+"""Bar plot of a benchmark JSON written by scripts/benchmark_linear.py (needs matplotlib).
+
+    python scripts/plot_benchmark.py docs/results/linear_h200.json docs/results/linear_h200.png
+"""
+
+import json
+import sys
+
+
+def main(src: str, dst: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(src) as f:
+        data = json.load(f)
+    rows, meta = data["rows"], data["meta"]
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        vals = [next((r["speedup_vs_bf16"] for r in rows if r["recipe"] == rec and r["mode"] == mode), 0)
+                for rec in recipes]
+        bars = ax.bar([i + j * width for i in range(len(recipes))], vals, width, label=mode)
+        ax.bar_label(bars, fmt="%.2fx", fontsize=8)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(recipes))], recipes)
+    ax.set_ylabel("fwd+bwd speed vs bf16 (same mode)")
+    m, k, n = meta["shape"]
+    ax.set_title(f"{meta['gpu']}: one linear, {m} tokens x {k} -> {n}", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(dst, dpi=120)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        raise SystemExit(__doc__)
+    main(sys.argv[1], sys.argv[2])
