@@ -1,7 +1,7 @@
-"""hf_lowbit: low-bit training (INT8 mixed precision, …) for transformers, peft and accelerate."""
+"""hf_lowbit: low-bit training (INT8 / FP8 mixed precision, …) for transformers, peft and accelerate."""
 
 from .args import LowBitTrainingArguments
-from .int8_mixed_precision import Int8MixedPrecisionConfig, Int8MixedPrecisionLinear, int8_mixed_precision_linear
+from .mixed_precision import LowBitLinear, MixedPrecisionConfig, mixed_precision_linear
 from .prepare import prepare_model
 from .swap import LinearFilter, SwapReport, swap_linears
 from .trainer import LowBitTrainer
@@ -11,6 +11,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LowBitTrainer", "LowBitTrainingArguments", "prepare_model",
-    "Int8MixedPrecisionConfig", "Int8MixedPrecisionLinear", "int8_mixed_precision_linear",
+    "MixedPrecisionConfig", "LowBitLinear", "mixed_precision_linear",
     "LinearFilter", "SwapReport", "swap_linears", "LowBitWarning", "check_training_setup",
 ]

@@ -16,8 +16,11 @@ class LowBitTrainingArguments(TrainingArguments):
     int8_mixed_precision: bool = field(default=False, metadata={"help": (
         "Run the forward and backward matmuls of the model's nn.Linear layers in INT8 with dynamic "
         "row-wise scaling; weights, optimizer state and everything else keep their precision.")})
+    fp8_mixed_precision: bool = field(default=False, metadata={"help": (
+        "Like int8_mixed_precision, with float8 e4m3 operands and row-wise scales (Hopper FP8 tensor cores "
+        "through torch._scaled_mm). Linears whose features are not multiples of 16 are skipped and reported.")})
     lowbit_output: bool = field(default=True, metadata={"help": (
-        "Low-bit forward matmul Y = X·Wᵀ (X per token, W per output channel). --no_lowbit_output runs it "
+        "Low-bit (INT8/FP8) forward matmul Y = X·Wᵀ (X per token, W per output channel). --no_lowbit_output runs it "
         "in the compute dtype.")})
     lowbit_grad_input: bool = field(default=True, metadata={"help": (
         "Low-bit input-gradient matmul dX = dY·W (dY per token, W per input channel).")})
@@ -32,7 +35,7 @@ class LowBitTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("int8_mixed_precision", "lowbit_output", "lowbit_grad_input", "lowbit_grad_weight"):
+        for name in ("int8_mixed_precision", "fp8_mixed_precision", "lowbit_output", "lowbit_grad_input", "lowbit_grad_weight"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"LowBitTrainingArguments.{name} must be True or False, got {value!r}")
@@ -46,13 +49,15 @@ class LowBitTrainingArguments(TrainingArguments):
                 or self.lowbit_min_features < 1:
             raise ValueError("LowBitTrainingArguments.lowbit_min_features must be an integer >= 1, "
                              f"got {self.lowbit_min_features!r}")
-        if self.int8_mixed_precision and not (self.lowbit_output or self.lowbit_grad_input
-                                              or self.lowbit_grad_weight):
-            raise ValueError("LowBitTrainingArguments.int8_mixed_precision=True with lowbit_output, "
+        if self.int8_mixed_precision and self.fp8_mixed_precision:
+            raise ValueError("LowBitTrainingArguments.int8_mixed_precision and fp8_mixed_precision are both True: "
+                             "each linear computes in one format; choose one")
+        if self.lowbit_recipes and not (self.lowbit_output or self.lowbit_grad_input or self.lowbit_grad_weight):
+            raise ValueError(f"LowBitTrainingArguments.{self.lowbit_recipes[0]}=True with lowbit_output, "
                              "lowbit_grad_input and lowbit_grad_weight all False quantizes nothing: "
-                             "enable at least one matmul or set int8_mixed_precision=False")
+                             "enable at least one matmul or switch the recipe off")
 
     @property
     def lowbit_recipes(self) -> list[str]:
         """The low-bit recipes these arguments switch on, in the order they are applied."""
-        return [name for name in ("int8_mixed_precision",) if getattr(self, name)]
+        return [name for name in ("int8_mixed_precision", "fp8_mixed_precision") if getattr(self, name)]

@@ -12,14 +12,15 @@ import os
 from torch import nn
 
 from .args import LowBitTrainingArguments
-from .int8_mixed_precision import Int8MixedPrecisionConfig, Int8MixedPrecisionLinear
+from .mixed_precision import LowBitLinear, MixedPrecisionConfig
+from .ops.fp8 import ALIGN as FP8_ALIGN
 from .swap import LinearFilter, SwapReport, swap_linears
 
 logger = logging.getLogger("hf_lowbit")
 
 
-def _linear_filter(args: LowBitTrainingArguments) -> LinearFilter:
-    return LinearFilter(exclude=tuple(args.lowbit_exclude_modules), min_features=args.lowbit_min_features)
+# recipe field -> (number format, alignment its kernel needs)
+_MIXED_PRECISION = {"int8_mixed_precision": ("int8", 1), "fp8_mixed_precision": ("fp8", FP8_ALIGN)}
 
 
 def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=None) -> tuple[nn.Module, list[SwapReport]]:
@@ -29,14 +30,16 @@ def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=N
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     reports = []
-    if args.int8_mixed_precision:
-        config = Int8MixedPrecisionConfig(output=args.lowbit_output, grad_input=args.lowbit_grad_input,
-                                          grad_weight=args.lowbit_grad_weight)
+    for recipe in args.lowbit_recipes:
+        fmt, align = _MIXED_PRECISION[recipe]
+        config = MixedPrecisionConfig(format=fmt, output=args.lowbit_output, grad_input=args.lowbit_grad_input,
+                                      grad_weight=args.lowbit_grad_weight)
+        linear_filter = LinearFilter(exclude=tuple(args.lowbit_exclude_modules),
+                                     min_features=args.lowbit_min_features, multiple_of=align)
         reports.append(swap_linears(
-            model, lambda name, linear: Int8MixedPrecisionLinear.from_linear(linear, config),
-            recipe="int8_mixed_precision", target="INT8 matmuls", filter=_linear_filter(args),
-            already=(Int8MixedPrecisionLinear,)))
-    if peft_config is not None:
+            model, lambda name, linear: LowBitLinear.from_linear(linear, config), recipe=recipe,
+            target=f"{fmt.upper()} matmuls", filter=linear_filter, already=(LowBitLinear,)))
+    if peft_config is not None:  # after the swap: LoRA wraps the low-bit base layers
         from peft import get_peft_model
 
         model = get_peft_model(model, peft_config)

@@ -64,7 +64,7 @@ class DataArguments:
 # Training defaults of the embedded run; any flag given on the command line wins.
 EMBEDDED_DEFAULTS = dict(
     output_dir="runs/sft-default", int8_mixed_precision=True, max_steps=1000, per_device_train_batch_size=16,
-    per_device_eval_batch_size=16, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20,
+    per_device_eval_batch_size=16, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=20,
     weight_decay=0.0, logging_steps=50, eval_strategy="steps", eval_steps=250, save_strategy="no",
     report_to="none", seed=0, optim="adamw_torch", dataloader_num_workers=0,
 )
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_records, eval_records = split_records(records, data_args.eval_fraction, args.seed)
         source = data_args.dataset
 
+    model.config.use_cache = False  # training builds no KV cache (generation turns it back on per call)
     train_ds = pack(format_records(train_records, tokenizer, source), tokenizer, data_args.block_size)
     eval_ds = (pack(format_records(eval_records, tokenizer, source + " (eval)"), tokenizer, data_args.block_size)
                if eval_records else None)

@@ -72,11 +72,14 @@ class LinearFilter:
     ``exclude``: module names or glob patterns; a pattern also matches a name that ends with
     ``"." + pattern`` (so ``"lm_head"`` matches ``"model.lm_head"``). ``min_features``: layers with
     ``in_features`` or ``out_features`` below it are too small for low-bit matmuls to pay.
-    ``exclude_output_embeddings``: also skip the model's LM head whatever its name.
+    ``multiple_of``: both features must be multiples of it (a kernel's alignment), else the layer is
+    skipped as "shape not supported". ``exclude_output_embeddings``: also skip the model's LM head
+    whatever its name.
     """
 
     exclude: tuple[str, ...] = ("lm_head",)
     min_features: int = 1
+    multiple_of: int = 1
     exclude_output_embeddings: bool = True
 
 
@@ -131,6 +134,8 @@ def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], 
             why = "output embedding (LM head): excluded by default"
         elif min(shape) < filter.min_features:
             why = f"too small: min(in, out) = {min(shape)} < min_features = {filter.min_features}"
+        elif shape[0] % filter.multiple_of or shape[1] % filter.multiple_of:
+            why = f"shape not supported: in and out features must be multiples of {filter.multiple_of}"
         else:
             todo.append((name, module))
             report.entries.append(SwapEntry(name, mtype, shape, SWAPPED, target))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Time one linear layer's forward + backward: bf16 vs hf_lowbit INT8 vs torchao INT8, one run.
+"""Time one linear layer's forward + backward: bf16 vs hf_lowbit INT8/FP8 vs torchao INT8, one run.
 
     python scripts/benchmark_linear.py --json docs/results/linear.json --markdown docs/results/linear.md
 
@@ -21,12 +21,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hf_lowbit import Int8MixedPrecisionConfig, int8_mixed_precision_linear  # noqa: E402
+from hf_lowbit import MixedPrecisionConfig, mixed_precision_linear  # noqa: E402
 
 
 def recipes():
     out = {"bf16": lambda x, w: F.linear(x, w),
-           "hf_lowbit_int8": lambda x, w: int8_mixed_precision_linear(x, w, None, Int8MixedPrecisionConfig())}
+           "hf_lowbit_int8": lambda x, w: mixed_precision_linear(x, w, None, MixedPrecisionConfig("int8")),
+           "hf_lowbit_fp8": lambda x, w: mixed_precision_linear(x, w, None, MixedPrecisionConfig("fp8"))}
     try:
         from torchao.prototype.quantized_training.int8_mixed_precision import (
             Int8MixedPrecisionTrainingConfig, _Int8MixedPrecisionTrainingLinearFunction)

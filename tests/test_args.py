@@ -11,6 +11,7 @@ from hf_lowbit import LowBitTrainingArguments
     (dict(lowbit_min_features="big"), "lowbit_min_features"),
     (dict(lowbit_exclude_modules=["lm_head", ""]), "lowbit_exclude_modules"),
     (dict(int8_mixed_precision="yes"), "int8_mixed_precision"),
+    (dict(int8_mixed_precision=True, fp8_mixed_precision=True), "choose one"),
     (dict(int8_mixed_precision=True, lowbit_output=False, lowbit_grad_input=False, lowbit_grad_weight=False),
      "quantizes nothing"),
 ])

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hf_lowbit.ops.int8 import int8_matmul, int8_mm_reference, int8_scaled_mm, quantize_int8
+from hf_lowbit.ops import scaled_matmul
+from hf_lowbit.ops.int8 import int8_mm_reference, int8_scaled_mm, quantize_int8
 
 
 @pytest.mark.parametrize("dim", [0, 1])
@@ -69,7 +70,7 @@ def test_int8_matmul_exact_when_representable():
     x = torch.randint(-127, 128, (32, 64)).float()
     w = torch.randint(-127, 128, (16, 64)).float()
     x[:, 0], w[:, 0] = 127, -127
-    assert torch.equal(int8_matmul(x, 1, w, 1, torch.float32), x @ w.T)
+    assert torch.equal(scaled_matmul("int8", x, 1, w, 1, torch.float32), x @ w.T)
 
 
 @pytest.mark.parametrize("x_dim,w_dim", [(1, 1), (1, 0), (0, 0)])
@@ -81,5 +82,5 @@ def test_int8_matmul_layouts_snr(x_dim, w_dim):
     if x_dim == 0:
         x = torch.randn(96, 128)
     ref = (x.T if x_dim == 0 else x).double() @ (w if w_dim == 0 else w.T).double()
-    out = int8_matmul(x, x_dim, w, w_dim, torch.float32)
+    out = scaled_matmul("int8", x, x_dim, w, w_dim, torch.float32)
     assert snr_db(ref, out) > 30

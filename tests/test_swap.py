@@ -5,7 +5,7 @@ from conftest import tiny_model
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from hf_lowbit import Int8MixedPrecisionLinear, LinearFilter, LowBitTrainingArguments, prepare_model, swap_linears
+from hf_lowbit import LowBitLinear, LinearFilter, LowBitTrainingArguments, prepare_model, swap_linears
 from hf_lowbit.prepare import apply_recipes
 
 
@@ -22,7 +22,7 @@ def test_report_for_excluded_tiny_and_non_linear_layers():
     model, (report,) = apply_recipes(model, _args(lowbit_min_features=48, lowbit_exclude_modules=["lm_head", "*.o_proj"]))
     e = _by_name(report)
     assert e["model.layers.0.self_attn.q_proj"].action == "swapped"
-    assert isinstance(model.model.layers[0].self_attn.q_proj, Int8MixedPrecisionLinear)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, LowBitLinear)
     assert "too small" in e["model.layers.0.self_attn.k_proj"].reason
     assert "too small" in e["model.layers.1.mlp.down_proj"].reason
     assert e["model.layers.1.self_attn.o_proj"].reason == "excluded by pattern '*.o_proj'"
@@ -77,4 +77,14 @@ def test_recipe_off_leaves_model_alone():
     model = tiny_model()
     prepared = prepare_model(model, LowBitTrainingArguments(output_dir="unused", report_to="none"))
     assert prepared is model
-    assert not any(isinstance(m, Int8MixedPrecisionLinear) for m in model.modules())
+    assert not any(isinstance(m, LowBitLinear) for m in model.modules())
+
+
+def test_fp8_skips_layers_its_kernel_cannot_take():
+    model = tiny_model(intermediate_size=120)  # 120 is not a multiple of 16
+    _, (report,) = apply_recipes(model, LowBitTrainingArguments(output_dir="unused", fp8_mixed_precision=True,
+                                                                report_to="none", lowbit_min_features=16))
+    e = _by_name(report)
+    assert report.recipe == "fp8_mixed_precision"
+    assert e["model.layers.0.self_attn.q_proj"].reason == "FP8 matmuls"
+    assert e["model.layers.0.mlp.up_proj"].reason == "shape not supported: in and out features must be multiples of 16"

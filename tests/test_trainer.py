@@ -7,7 +7,7 @@ from peft import LoraConfig, PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, TrainingArguments
 
-from hf_lowbit import Int8MixedPrecisionLinear, LowBitTrainer, LowBitTrainingArguments, LowBitWarning
+from hf_lowbit import LowBitLinear, LowBitTrainer, LowBitTrainingArguments, LowBitWarning
 from hf_lowbit.data import ARITHMETIC_CHARS, arithmetic_records, build_char_tokenizer, format_records, pack
 
 TOKENIZER = build_char_tokenizer(ARITHMETIC_CHARS)
@@ -37,21 +37,22 @@ def _model(arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_int8_loss_falls_and_tracks_bf16(tmp_path, arch):
+@pytest.mark.parametrize("arch,recipe", [("llama", "int8_mixed_precision"), ("qwen2", "int8_mixed_precision"),
+                                         ("llama", "fp8_mixed_precision")])
+def test_lowbit_loss_falls_and_tracks_bf16(tmp_path, arch, recipe):
     ds = _data()
     runs = {}
-    for int8 in (False, True):
-        trainer = LowBitTrainer(_model(arch), _args(tmp_path / str(int8), int8_mixed_precision=int8, bf16=True),
+    for lowbit in (False, True):
+        trainer = LowBitTrainer(_model(arch), _args(tmp_path / str(lowbit), bf16=True, **{recipe: lowbit}),
                                 train_dataset=ds)
-        if int8:
-            assert sum(isinstance(m, Int8MixedPrecisionLinear) for m in trainer.model.modules()) == 14
+        if lowbit:
+            assert sum(isinstance(m, LowBitLinear) for m in trainer.model.modules()) == 14
         trainer.train()
-        runs[int8] = torch.tensor(_losses(trainer))
-    bf16, int8 = runs[False], runs[True]
-    assert int8[-5:].mean() < 0.85 * int8[:5].mean(), "INT8 loss did not fall"
-    rel = ((int8 - bf16).abs() / bf16).mean().item()
-    assert rel < 0.03, f"INT8 losses differ from bf16 by {rel:.2%} on average"
+        runs[lowbit] = torch.tensor(_losses(trainer))
+    bf16, lowbit = runs[False], runs[True]
+    assert lowbit[-5:].mean() < 0.85 * lowbit[:5].mean(), f"{recipe} loss did not fall"
+    rel = ((lowbit - bf16).abs() / bf16).mean().item()
+    assert rel < 0.03, f"{recipe} losses differ from bf16 by {rel:.2%} on average"
 
 
 def test_checkpoint_loads_into_plain_transformers(tmp_path):
@@ -60,9 +61,9 @@ def test_checkpoint_loads_into_plain_transformers(tmp_path):
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
-    assert not any(isinstance(m, Int8MixedPrecisionLinear) for m in plain.modules())
+    assert not any(isinstance(m, LowBitLinear) for m in plain.modules())
     assert all(type(plain.get_submodule(n)) is nn.Linear for n, m in trainer.model.named_modules()
-               if isinstance(m, Int8MixedPrecisionLinear))
+               if isinstance(m, LowBitLinear))
     ours = trainer.model.state_dict()
     theirs = plain.state_dict()
     assert set(ours) == set(theirs) and all(torch.equal(ours[k].cpu(), theirs[k]) for k in ours)
@@ -89,7 +90,7 @@ def test_peft_lora_over_int8_base(tmp_path):
                             train_dataset=_data(32), peft_config=LoraConfig(r=4, target_modules="all-linear"))
     assert isinstance(trainer.model, PeftModel)
     q = trainer.model.base_model.model.model.layers[0].self_attn.q_proj
-    assert isinstance(q.base_layer, Int8MixedPrecisionLinear) and not q.base_layer.weight.requires_grad
+    assert isinstance(q.base_layer, LowBitLinear) and not q.base_layer.weight.requires_grad
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     trainer.train()

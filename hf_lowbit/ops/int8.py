@@ -83,20 +83,3 @@ def _(a, b, a_scale, b_scale, out_dtype):
 
     _check_mm_args(a, b, a_scale, b_scale)
     return int8_scaled_mm_triton(a, b, a_scale, b_scale, out_dtype)
-
-
-def int8_matmul(x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dtype: torch.dtype) -> Tensor:
-    """Quantize two 2-D operands along their reduction dims and multiply them.
-
-    ``x`` is reduced over ``x_dim`` and ``w`` over ``w_dim``; the result has ``x``'s other dim as
-    rows and ``w``'s other dim as columns. Operands reduced over dim 0 are written transposed
-    (reduction dim contiguous), the layout INT8 tensor cores need; under ``torch.compile`` the
-    transpose is fused into the quantization kernel.
-    """
-    qx, sx = quantize_int8(x, dim=x_dim)
-    qw, sw = quantize_int8(w, dim=w_dim)
-    if x_dim == 0:
-        qx, sx = qx.T.contiguous(), sx.T
-    if w_dim == 0:
-        qw, sw = qw.T.contiguous(), sw.T
-    return int8_scaled_mm(qx, qw, sx.reshape(-1), sw.reshape(-1), out_dtype)

@@ -1,8 +1,8 @@
-"""INT8 mixed-precision training: weights stay high precision, the big matmuls run in INT8.
+"""Low-bit mixed-precision training (INT8 or FP8): weights stay high precision, big matmuls go low-bit.
 
 Each of a linear layer's three matmuls quantizes both operands dynamically, row-wise along the
-reduction dim (symmetric absmax / 127), multiplies them in INT8 with int32 accumulation and scales
-back to the compute dtype:
+reduction dim (symmetric absmax scaling: /127 to int8, /448 to float8 e4m3), multiplies them on
+low-bit tensor cores (int32 / fp32 accumulation) and scales back to the compute dtype:
 
 * forward      ``Y  = X · Wᵀ``   X per token, W per output channel
 * grad input   ``dX = dY · W``   dY per token, W per input channel
@@ -10,7 +10,7 @@ back to the compute dtype:
 
 Each can be switched off (it then runs in the compute dtype). The quantization is plain PyTorch
 inside an ``autograd.Function`` that ``torch.compile`` traces (no ``allow_in_graph``), so Inductor
-fuses it; the matmul is the ``hf_lowbit::int8_scaled_mm`` custom op.
+fuses it; the matmul is the format's custom op (``hf_lowbit::int8_scaled_mm`` / ``fp8_scaled_mm``).
 """
 
 from __future__ import annotations
@@ -21,16 +21,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops.int8 import int8_matmul
+from .ops import FORMATS, scaled_matmul
 
 
 @dataclass(frozen=True)
-class Int8MixedPrecisionConfig:
-    """Which of the three matmuls run in INT8."""
+class MixedPrecisionConfig:
+    """The number format (``"int8"`` or ``"fp8"``) and which of the three matmuls use it."""
 
+    format: str = "int8"
     output: bool = True
     grad_input: bool = True
     grad_weight: bool = True
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"MixedPrecisionConfig.format must be one of {sorted(FORMATS)}, got {self.format!r}")
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -40,64 +45,64 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-class _Int8MixedPrecisionLinearFn(torch.autograd.Function):
+class _MixedPrecisionLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, output: bool,
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, fmt: str, output: bool,
                 grad_input: bool, grad_weight: bool) -> Tensor:
         dtype = _compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         if output:
-            y = int8_matmul(x2, 1, weight, 1, dtype)
+            y = scaled_matmul(fmt, x2, 1, weight, 1, dtype)
         else:
             y = x2.to(dtype) @ weight.to(dtype).T
         if bias is not None:
             y = y + bias.to(dtype)
         ctx.save_for_backward(x, weight)
-        ctx.flags = (grad_input, grad_weight, None if bias is None else bias.dtype, dtype)
+        ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight = ctx.saved_tensors
-        grad_input, grad_weight, bias_dtype, dtype = ctx.flags
+        fmt, grad_input, grad_weight, bias_dtype, dtype = ctx.flags
         g2 = grad_out.reshape(-1, weight.shape[0])
         x2 = x.reshape(-1, x.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if grad_input:  # dX[M, K] = dY[M, N] · W[N, K]: reduce over N
-                dx = int8_matmul(g2, 1, weight, 0, x.dtype)
+                dx = scaled_matmul(fmt, g2, 1, weight, 0, x.dtype)
             else:
                 dx = (g2.to(dtype) @ weight.to(dtype)).to(x.dtype)
             dx = dx.reshape(x.shape)
         if ctx.needs_input_grad[1]:
             if grad_weight:  # dW[N, K] = dYᵀ[N, M] · X[M, K]: reduce over tokens
-                dw = int8_matmul(g2, 0, x2, 0, weight.dtype)
+                dw = scaled_matmul(fmt, g2, 0, x2, 0, weight.dtype)
             else:
                 dw = (g2.to(dtype).T @ x2.to(dtype)).to(weight.dtype)
         if bias_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(bias_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
-def int8_mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-                                config: Int8MixedPrecisionConfig = Int8MixedPrecisionConfig()) -> Tensor:
-    """``F.linear`` with the matmuls selected by ``config`` in INT8."""
+def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                           config: MixedPrecisionConfig = MixedPrecisionConfig()) -> Tensor:
+    """``F.linear`` with the matmuls selected by ``config`` in its low-bit format."""
     if not (config.output or config.grad_input or config.grad_weight):
         return F.linear(x, weight, bias)
-    return _Int8MixedPrecisionLinearFn.apply(x, weight, bias, config.output, config.grad_input,
-                                             config.grad_weight)
+    return _MixedPrecisionLinearFn.apply(x, weight, bias, config.format, config.output, config.grad_input,
+                                         config.grad_weight)
 
 
-class Int8MixedPrecisionLinear(nn.Linear):
-    """An ``nn.Linear`` whose matmuls run in INT8; same parameters, same ``state_dict`` keys."""
+class LowBitLinear(nn.Linear):
+    """An ``nn.Linear`` whose matmuls run in INT8 or FP8; same parameters, same ``state_dict`` keys."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
-                 config: Int8MixedPrecisionConfig = Int8MixedPrecisionConfig()):
+                 config: MixedPrecisionConfig = MixedPrecisionConfig()):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.lowbit_config = config
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: Int8MixedPrecisionConfig) -> "Int8MixedPrecisionLinear":
+    def from_linear(cls, linear: nn.Linear, config: MixedPrecisionConfig) -> "LowBitLinear":
         """Wrap ``linear``'s own parameters (shared, not copied), so optimizers and ties still hold."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                   device="meta", config=config)
@@ -107,10 +112,10 @@ class Int8MixedPrecisionLinear(nn.Linear):
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        return int8_mixed_precision_linear(x, self.weight, self.bias, self.lowbit_config)
+        return mixed_precision_linear(x, self.weight, self.bias, self.lowbit_config)
 
     def extra_repr(self) -> str:
         c = self.lowbit_config
         on = [n for n, v in (("output", c.output), ("grad_input", c.grad_input),
                              ("grad_weight", c.grad_weight)) if v]
-        return f"{super().extra_repr()}, int8={'+'.join(on) or 'off'}"
+        return f"{super().extra_repr()}, {c.format}={'+'.join(on) or 'off'}"

@@ -1,0 +1,67 @@
+"""FP8 building blocks: row-wise e4m3 quantization and the scaled FP8 matmul custom op.
+
+Same contract as :mod:`hf_lowbit.ops.int8`: quantization is plain PyTorch (Inductor fuses it);
+``hf_lowbit::fp8_scaled_mm`` is a custom op with a fake implementation. CUDA runs
+``torch._scaled_mm`` with row-wise scales (Hopper FP8 tensor cores, fp32 accumulation); other devices
+run the same arithmetic on upcast operands (products of e4m3 values are exact in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+_MIN_AMAX = 1e-30
+ALIGN = 16  # _scaled_mm needs K and N to be multiples of 16
+
+
+def quantize_fp8(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
+    """Absmax-scaled e4m3 along ``dim``: ``x ≈ q.float() * scale``; NaN/inf rows keep a non-finite scale."""
+    x32 = x.float()
+    amax = x32.abs().amax(dim=dim, keepdim=True)
+    scale = amax.clamp(min=_MIN_AMAX) / FP8_MAX
+    q = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def _check(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> None:
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "fp8_scaled_mm: a and b must be 2-D")
+    torch._check(a.dtype == FP8_DTYPE and b.dtype == FP8_DTYPE,
+                 lambda: f"fp8_scaled_mm: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    torch._check(a.shape[1] == b.shape[1],
+                 lambda: f"fp8_scaled_mm: reduction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)} (b is [N, K])")
+    torch._check(a_scale.numel() == a.shape[0] and b_scale.numel() == b.shape[0],
+                 lambda: "fp8_scaled_mm: a_scale needs one value per row of a, b_scale one per row of b")
+
+
+@torch.library.custom_op("hf_lowbit::fp8_scaled_mm", mutates_args=())
+def fp8_scaled_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``(a @ b.T) * a_scale[:, None] * b_scale[None, :]``; a ``[M, K]``, b ``[N, K]`` e4m3, fp32 accumulation."""
+    _check(a, b, a_scale, b_scale)
+    acc = a.float() @ b.float().T
+    return (acc * a_scale.reshape(-1, 1).float() * b_scale.reshape(1, -1).float()).to(out_dtype)
+
+
+@fp8_scaled_mm.register_fake
+def _(a, b, a_scale, b_scale, out_dtype):
+    _check(a, b, a_scale, b_scale)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@fp8_scaled_mm.register_kernel("cuda")
+def _(a, b, a_scale, b_scale, out_dtype):
+    _check(a, b, a_scale, b_scale)
+    M, K = a.shape
+    N = b.shape[0]
+    pad_k, pad_n = -K % ALIGN, -N % ALIGN
+    if pad_k or pad_n:  # zero padding leaves every product unchanged
+        a = F.pad(a.view(torch.uint8), (0, pad_k)).view(FP8_DTYPE)
+        b = F.pad(b.view(torch.uint8), (0, pad_k, 0, pad_n)).view(FP8_DTYPE)
+        b_scale = F.pad(b_scale.reshape(-1), (0, pad_n), value=1.0)
+    # row-wise _scaled_mm: a row-major, b column-major, fp32 scales [M, 1] and [1, N], bf16 output
+    out = torch._scaled_mm(a.contiguous(), b.contiguous().T, scale_a=a_scale.reshape(-1, 1).float().contiguous(),
+                           scale_b=b_scale.reshape(1, -1).float().contiguous(), out_dtype=torch.bfloat16)
+    return out[:, :N].to(out_dtype)

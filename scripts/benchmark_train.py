@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""Training throughput of the low-bit recipes beside bf16 and torchao, in one run.
+
+    python scripts/benchmark_train.py --json docs/results/train_h200.json --markdown docs/results/train_h200.md
+
+Default bench: a Llama-8B-shaped block (hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 32000),
+8 layers, random init from a config, bf16 weights, fused AdamW, batch 8 x 2048 tokens, each decoder
+layer compiled. Each recipe runs in its own process: warm-up steps (compile, autotune) are timed and
+reported apart, then the timed steps give tokens/s, the ratio to bf16, peak memory and the first/last
+loss. The number of compiled graphs and graph breaks is recorded so a silent fall-back to eager shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+RECIPES = ("bf16", "int8", "fp8", "torchao_int8", "torchao_float8")
+
+
+def apply_recipe(model, recipe: str, min_features: int):
+    """Swap the model's decoder linears for ``recipe`` (LM head and embeddings always stay bf16)."""
+    from torch import nn
+
+    if recipe == "bf16":
+        return
+    if recipe in ("int8", "fp8"):
+        from hf_lowbit import LowBitTrainingArguments, prepare_model
+
+        with tempfile.TemporaryDirectory() as tmp:
+            args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=min_features,
+                                           **{f"{recipe}_mixed_precision": True})
+            prepare_model(model, args)
+        return
+    not_head = lambda m, fqn: isinstance(m, nn.Linear) and "lm_head" not in fqn  # noqa: E731
+    if recipe == "torchao_int8":
+        from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
+        from torchao.quantization import quantize_
+
+        quantize_(model, Int8MixedPrecisionTrainingConfig(), filter_fn=not_head)
+    elif recipe == "torchao_float8":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                                   module_filter_fn=not_head)
+    else:
+        raise ValueError(f"unknown recipe {recipe!r}; choose from {RECIPES}")
+
+
+def worker(a) -> dict:
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cuda = a.device == "cuda"
+    config = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
+                         num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
+                         max_position_embeddings=a.seq, tie_word_embeddings=False,
+                         use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
+    with torch.device(a.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    apply_recipe(model, a.recipe, a.min_features)
+    if not a.no_compile:
+        # One compiled graph per decoder layer; each layer instance guards on its own attributes
+        # (layer_idx), so the recompile limit must cover the layer count or dynamo falls back to eager.
+        torch._dynamo.config.cache_size_limit = max(64, 2 * a.layers)
+        torch._dynamo.config.accumulated_cache_size_limit = max(256, 4 * a.layers)
+        for layer in model.model.layers:
+            layer.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    gen = torch.Generator(device=a.device).manual_seed(0)
+    batches = [torch.randint(0, a.vocab, (a.batch, a.seq), device=a.device, generator=gen) for _ in range(4)]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(i):
+        ids = batches[i % len(batches)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    losses = [step(i).item() for i in range(a.warmup)]
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    t0 = time.perf_counter()
+    timed = [step(i) for i in range(a.steps)]
+    sync()
+    elapsed = time.perf_counter() - t0
+    losses += [t.item() for t in timed]
+    return {"recipe": a.recipe, "tokens_per_s": a.batch * a.seq * a.steps / elapsed,
+            "step_ms": 1000 * elapsed / a.steps, "warmup_s": warmup_s,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
+            "first_loss": losses[0], "last_loss": losses[-1],
+            "compiled_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, from {RECIPES}")
+    for name, default in (("hidden", 4096), ("intermediate", 14336), ("heads", 32), ("kv_heads", 8),
+                          ("vocab", 32000), ("layers", 8), ("batch", 8), ("seq", 2048), ("warmup", 3),
+                          ("steps", 10), ("min_features", 64)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the script)")
+    p.add_argument("--no_compile", action="store_true", help="run eagerly (smoke tests only)")
+    p.add_argument("--json", default=None, help="write results here (rewritten after every recipe)")
+    p.add_argument("--markdown", default=None)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per recipe process")
+    p.add_argument("--recipe", default=None, help=argparse.SUPPRESS)  # worker mode
+    a = p.parse_args()
+    if a.recipe:
+        print("RESULT " + json.dumps(worker(a)), flush=True)
+        return
+    import torch
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmark_train.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
+    meta = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
+            "command": " ".join(sys.argv), "config": {k: getattr(a, k) for k in (
+                "hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "batch", "seq", "warmup", "steps")}}
+    try:
+        import torchao
+
+        meta["torchao"] = torchao.__version__
+    except ImportError:
+        meta["torchao"] = None
+    rows = []
+    base_args = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool)
+                 for x in (f"--{k}", str(v))] + ["--device", a.device] + (["--no_compile"] if a.no_compile else [])
+    for recipe in a.recipes.split(","):
+        if recipe not in RECIPES:
+            raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+        cmd = [sys.executable, os.path.abspath(__file__), *base_args, "--recipe", recipe]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            out = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            row = json.loads(out[-1][7:]) if out else {"recipe": recipe, "error": proc.stderr[-1500:]}
+        except subprocess.TimeoutExpired:
+            row = {"recipe": recipe, "error": f"timed out after {a.timeout} s"}
+        rows.append(row)
+        base = next((r for r in rows if r["recipe"] == "bf16" and "error" not in r), None)
+        for r in rows:
+            if base and "error" not in r:
+                r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
+                r["mem_vs_bf16"] = r["peak_mem_gib"] / base["peak_mem_gib"]
+        print(json.dumps(row), flush=True)
+        if a.json:
+            os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+            with open(a.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    table = ["| recipe | tok/s | vs bf16 | peak GiB | mem vs bf16 | warm-up s | first loss | last loss | graphs | breaks |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            table.append(f"| {r['recipe']} | error: {r['error'].strip().splitlines()[-1][:80] if r['error'].strip() else '?'} |||||||||")
+            continue
+        table.append(f"| {r['recipe']} | {r['tokens_per_s']:.0f} | {r.get('vs_bf16', float('nan')):.2f}x | "
+                     f"{r['peak_mem_gib']:.1f} | {r.get('mem_vs_bf16', float('nan')):.2f}x | {r['warmup_s']:.0f} | "
+                     f"{r['first_loss']:.3f} | {r['last_loss']:.3f} | {r['compiled_graphs']} | {r['graph_breaks']} |")
+    print("\n".join(table))
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(f"{meta['gpu']}, torch {meta['torch']}, torchao {meta['torchao']}, config {meta['config']}\n\n")
+            f.write("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
