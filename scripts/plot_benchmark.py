@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Bar plot of a benchmark JSON written by scripts/benchmark_linear.py (needs matplotlib).
+"""Bar plot (speed vs bf16) of a JSON from scripts/benchmark_linear.py or benchmark_train.py (needs matplotlib).
 
     python scripts/plot_benchmark.py docs/results/linear_h200.json docs/results/linear_h200.png
 """
@@ -16,7 +16,11 @@ def main(src: str, dst: str) -> None:
 
     with open(src) as f:
         data = json.load(f)
-    rows, meta = data["rows"], data["meta"]
+    meta = data["meta"]
+    rows = [r for r in data["rows"] if "error" not in r]
+    for r in rows:  # benchmark_train rows: one mode, ratio under "vs_bf16"
+        r.setdefault("mode", "compiled step")
+        r.setdefault("speedup_vs_bf16", r.get("vs_bf16", 0))
     recipes = list(dict.fromkeys(r["recipe"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -28,9 +32,14 @@ def main(src: str, dst: str) -> None:
         ax.bar_label(bars, fmt="%.2fx", fontsize=8)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(recipes))], recipes)
-    ax.set_ylabel("fwd+bwd speed vs bf16 (same mode)")
-    m, k, n = meta["shape"]
-    ax.set_title(f"{meta['gpu']}: one linear, {m} tokens x {k} -> {n}", fontsize=10)
+    ax.set_ylabel("speed vs bf16 (same mode)")
+    if "shape" in meta:
+        m, k, n = meta["shape"]
+        ax.set_title(f"{meta['gpu']}: one linear fwd+bwd, {m} tokens x {k} -> {n}", fontsize=10)
+    else:
+        c = meta["config"]
+        ax.set_title(f"{meta['gpu']}: training step, {c['layers']} layers h{c['hidden']}, "
+                     f"{c['batch']}x{c['seq']} tokens", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(dst, dpi=120)

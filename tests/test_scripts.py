@@ -1,0 +1,30 @@
+"""The benchmark scripts run end to end (tiny shapes, CPU, eager: a smoke test, not a measurement)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_benchmark_train_smoke_on_cpu(tmp_path):
+    out = tmp_path / "train.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_train.py"), "--device", "cpu", "--no_compile",
+           "--recipes", "bf16,int8,fp8", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv_heads", "2",
+           "--vocab", "96", "--layers", "2", "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "2",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["recipe"] for r in rows] == ["bf16", "int8", "fp8"]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+    # same init and data: the low-bit recipes start from bf16's loss
+    assert all(abs(r["first_loss"] - rows[0]["first_loss"]) < 0.05 for r in rows)
+    assert "| int8 |" in proc.stdout
+
+
+def test_benchmark_train_rejects_unknown_recipe():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark_train.py"), "--device", "cpu",
+                           "--recipes", "int4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "unknown recipe 'int4'" in proc.stderr
