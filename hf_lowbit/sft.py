@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = LowBitTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                             processing_class=tokenizer, callbacks=[timer := StepTimeCallback()])
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    model.config.use_cache = True  # the saved config serves inference
 
     metrics = {"train_blocks": len(train_ds), "block_size": data_args.block_size}
     if timer.step_ms() is not None:
