@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 from torch.utils.data import Dataset
 from transformers import Trainer
 
 from .args import LowBitTrainingArguments
 from .prepare import apply_recipes, log_reports
 from .validation import check_training_setup
-
-logger = logging.getLogger("hf_lowbit")
 
 _SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
 
@@ -41,12 +37,9 @@ class LowBitTrainer(Trainer):
         """Warn about what in this run keeps the recipes from being fast or stable (see validation)."""
         packed, tokens = _inspect_shapes(self.train_dataset, self.args.per_device_train_batch_size)
         optim = getattr(self.args.optim, "value", self.args.optim)
-        found = check_training_setup(recipes=self.args.lowbit_recipes, device=self.args.device,
-                                     compiled=self.args.torch_compile, packed=packed,
-                                     optimizer=str(optim), tokens_per_step=tokens)
-        for msg in found:
-            logger.warning(msg)
-        return found
+        return check_training_setup(recipes=self.args.lowbit_recipes, device=self.args.device,
+                                    compiled=self.args.torch_compile, packed=packed,
+                                    optimizer=str(optim), tokens_per_step=tokens)
 
     def train(self, *args, **kwargs):
         self.check_setup()
