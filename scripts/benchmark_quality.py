@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Training quality of the low-bit recipes against bf16 on real text, from the same init.
+
+    python scripts/benchmark_quality.py --json docs/results/quality_h200.json --plot docs/results/quality_h200.png
+
+The text is English prose that ships with CPython (pydoc topics and standard-library docstrings,
+`hf_lowbit.data.python_docs_corpus`), tokenized by a BPE trained here, packed into fixed blocks, 10%
+of the documents held out. Each recipe trains the same Llama-style model from the same seed on the
+same batches with a plain PyTorch loop (`hf_lowbit.prepare_model`, bf16 autocast, AdamW); the script
+records every step's loss, the final held-out loss, and each recipe's ratio to bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+from hf_lowbit import LowBitTrainingArguments, prepare_model  # noqa: E402
+from hf_lowbit.data import build_bpe_tokenizer, pack, python_docs_corpus, split_records  # noqa: E402
+
+RECIPES = {"bf16": {}, "int8": {"int8_mixed_precision": True}, "fp8": {"fp8_mixed_precision": True}}
+
+
+def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Tensor, vocab: int) -> dict:
+    torch.manual_seed(a.seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                         num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                         max_position_embeddings=a.seq, tie_word_embeddings=False, use_cache=False)
+    model = AutoModelForCausalLM.from_config(config).to(a.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=a.min_features,
+                                       **RECIPES[recipe])
+        model = prepare_model(model, args)
+    fwd = torch.compile(model) if a.compile else model
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / a.warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / a.steps))))
+    order = torch.Generator().manual_seed(a.seed)
+    losses = []
+    for step in range(a.steps):
+        idx = torch.randint(0, train_blocks.shape[0], (a.batch,), generator=order)
+        ids = train_blocks[idx].to(a.device)
+        with torch.autocast(device_type=torch.device(a.device).type, dtype=torch.bfloat16):
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad(), torch.autocast(device_type=torch.device(a.device).type, dtype=torch.bfloat16):
+        eval_losses = [fwd(input_ids=b.to(a.device), labels=b.to(a.device)).loss.item()
+                       for b in eval_blocks.split(a.batch)]
+    tail = max(1, a.steps // 10)
+    return {"recipe": recipe, "losses": losses, "final_train_loss": sum(losses[-tail:]) / tail,
+            "eval_loss": sum(eval_losses) / len(eval_losses)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipes", default="bf16,int8,fp8")
+    for name, default in (("layers", 4), ("hidden", 512), ("intermediate", 1408), ("heads", 8), ("kv_heads", 4),
+                          ("seq", 256), ("batch", 32), ("steps", 300), ("warmup", 30), ("vocab", 4096),
+                          ("min_features", 64), ("seed", 0), ("max_docs", 0)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (as in real training)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    p.add_argument("--plot", default=None, help="PNG of the loss curves (needs matplotlib)")
+    a = p.parse_args()
+    unknown = [r for r in a.recipes.split(",") if r not in RECIPES]
+    if unknown:
+        raise SystemExit(f"--recipes: unknown {unknown}; choose from {', '.join(RECIPES)}")
+
+    docs = python_docs_corpus()
+    if a.max_docs:
+        docs = docs[: a.max_docs]
+    train_docs, eval_docs = split_records(docs, 0.1, a.seed)
+    tok = build_bpe_tokenizer(train_docs, a.vocab)
+    train_blocks = pack(train_docs, tok, a.seq).blocks
+    eval_blocks = pack(eval_docs, tok, a.seq).blocks
+    rows = [train_one(r, a, train_blocks, eval_blocks, len(tok)) for r in a.recipes.split(",")]
+    base = next((r for r in rows if r["recipe"] == "bf16"), None)
+    for r in rows:
+        if base:
+            r["final_train_loss_vs_bf16"] = r["final_train_loss"] / base["final_train_loss"] - 1
+            r["eval_loss_vs_bf16"] = r["eval_loss"] / base["eval_loss"] - 1
+    meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
+            "python": platform.python_version(), "command": " ".join(sys.argv),
+            "corpus": {"documents": len(docs), "train_tokens": train_blocks.numel(),
+                       "eval_tokens": eval_blocks.numel()},
+            "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "plot")}}
+    table = ["| recipe | final train loss (last 10%) | vs bf16 | held-out loss | vs bf16 |", "|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['recipe']} | {r['final_train_loss']:.4f} | {r.get('final_train_loss_vs_bf16', 0):+.2%} | "
+                     f"{r['eval_loss']:.4f} | {r.get('eval_loss_vs_bf16', 0):+.2%} |")
+    print("\n".join(table))
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(f"{meta['device']}, torch {meta['torch']}, {meta['corpus']}\n\n" + "\n".join(table) + "\n")
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for r in rows:
+            ax.plot(r["losses"], label=f"{r['recipe']} (held-out {r['eval_loss']:.3f})", lw=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title(f"{meta['device']}: {a.layers}x{a.hidden} Llama, Python docs corpus", fontsize=10)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
