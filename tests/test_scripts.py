@@ -28,3 +28,25 @@ def test_benchmark_train_rejects_unknown_recipe():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark_train.py"), "--device", "cpu",
                            "--recipes", "int4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode != 0 and "unknown recipe 'int4'" in proc.stderr
+
+
+def test_benchmark_quality_smoke_on_cpu(tmp_path):
+    out = tmp_path / "quality.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_quality.py"), "--device", "cpu",
+           "--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv_heads", "2",
+           "--seq", "64", "--batch", "4", "--steps", "4", "--warmup", "2", "--vocab", "400", "--max_docs", "150",
+           "--min_features", "16", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["recipe"] for r in data["rows"]] == ["bf16", "int8", "fp8"]
+    assert all(len(r["losses"]) == 4 and abs(r["eval_loss_vs_bf16"]) < 0.05 for r in data["rows"])
+    assert data["meta"]["corpus"]["train_tokens"] > 0 and data["meta"]["corpus"]["eval_tokens"] > 0
+
+
+def test_python_docs_corpus_is_real_prose():
+    from hf_lowbit.data import python_docs_corpus
+
+    docs = python_docs_corpus()
+    assert len(docs) > 1000 and sum(map(len, docs)) > 1_000_000
+    assert any("division" in d.lower() for d in docs) and all(len(d) >= 200 for d in docs[100:])

@@ -101,3 +101,17 @@ def test_pack_blocks_and_arithmetic_split():
     assert (ds.blocks == TOK.eos_token_id).any()
     with pytest.raises(ValueError, match="fewer than one block"):
         pack(["1"], TOK, 64)
+
+
+def test_parquet_through_datasets(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "completion": ["2", "4"]}), path)
+    records = load_records(str(path))
+    assert records == [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": "4"}]
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
+    with pytest.raises(DataFormatError, match="bad.parquet: not a readable parquet file"):
+        load_records(str(bad))
