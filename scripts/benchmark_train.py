@@ -46,7 +46,9 @@ def apply_recipe(model, recipe: str, min_features: int):
         from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
         from torchao.quantization import quantize_
 
-        quantize_(model, Int8MixedPrecisionTrainingConfig(), filter_fn=not_head)
+        # module_swap=True: with torchao 0.18 the default tensor-subclass form leaves F.linear in full
+        # precision (outputs equal plain F.linear bit for bit; checked on CPU and seen on the H200)
+        quantize_(model, Int8MixedPrecisionTrainingConfig(module_swap=True), filter_fn=not_head)
     elif recipe == "torchao_float8":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -54,6 +56,21 @@ def apply_recipe(model, recipe: str, min_features: int):
                                    module_filter_fn=not_head)
     else:
         raise ValueError(f"unknown recipe {recipe!r}; choose from {RECIPES}")
+
+
+def check_recipe_active(model, recipe: str, device: str) -> None:
+    """Fail loudly if ``recipe`` left the first decoder MLP projection computing plain ``F.linear``."""
+    import torch
+    import torch.nn.functional as F
+
+    if recipe == "bf16":
+        return
+    mod = model.model.layers[0].mlp.up_proj
+    weight = getattr(mod.weight, "_data", mod.weight)
+    x = torch.randn(256, mod.in_features, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        if torch.equal(mod(x), F.linear(x, weight.to(x.dtype))):
+            raise RuntimeError(f"recipe {recipe!r} is not active: {type(mod).__name__} computes plain F.linear")
 
 
 def worker(a) -> dict:
@@ -71,6 +88,7 @@ def worker(a) -> dict:
     with torch.device(a.device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     apply_recipe(model, a.recipe, a.min_features)
+    check_recipe_active(model, a.recipe, a.device)
     if not a.no_compile:
         # One compiled graph per decoder layer; each layer instance guards on its own attributes
         # (layer_idx), so the recompile limit must cover the layer count or dynamo falls back to eager.

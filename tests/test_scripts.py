@@ -50,3 +50,19 @@ def test_python_docs_corpus_is_real_prose():
     docs = python_docs_corpus()
     assert len(docs) > 1000 and sum(map(len, docs)) > 1_000_000
     assert any("division" in d.lower() for d in docs) and all(len(d) >= 200 for d in docs[100:])
+
+
+def test_benchmark_refuses_a_recipe_that_is_not_active():
+    import importlib.util
+
+    import pytest
+    from conftest import tiny_model
+
+    spec = importlib.util.spec_from_file_location("benchmark_train", os.path.join(ROOT, "scripts", "benchmark_train.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = tiny_model().bfloat16()
+    with pytest.raises(RuntimeError, match="not active"):
+        bench.check_recipe_active(model, "int8", "cpu")  # nothing swapped yet
+    bench.apply_recipe(model, "int8", min_features=16)
+    bench.check_recipe_active(model, "int8", "cpu")
