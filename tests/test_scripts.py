@@ -66,3 +66,15 @@ def test_benchmark_refuses_a_recipe_that_is_not_active():
         bench.check_recipe_active(model, "int8", "cpu")  # nothing swapped yet
     bench.apply_recipe(model, "int8", min_features=16)
     bench.check_recipe_active(model, "int8", "cpu")
+
+
+def test_benchmark_mm_smoke_on_cpu(tmp_path):
+    out = tmp_path / "mm.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_mm.py"), "--device", "cpu", "--tokens", "32",
+           "--shapes", "32x16", "--reps", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert {(r["layout"], r["recipe"]) for r in data["matmuls"]} >= {("wgrad", "int8 quantize+matmul"),
+                                                                      ("dgrad", "fp8 kernel"), ("fwd", "bf16")}
+    assert [q["kernel"] for q in data["quantize"]][0] == "copy (bf16)"

@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Scaled low-bit matmuls and quantization kernels against bf16 and the copy bandwidth, one run.
+
+    python scripts/benchmark_mm.py --json docs/results/mm_h200.json --markdown docs/results/mm_h200.md
+
+For each LLM shape (tokens x in -> out of the Llama-8B-shaped bench) and each layout training needs:
+  fwd    Y  = X·Wᵀ   (X reduced over dim 1, W over dim 1)
+  dgrad  dX = dY·W   (dY over dim 1, W over dim 0)
+  wgrad  dW = dYᵀ·X  (both over dim 0, the tokens)
+it times bf16 (torch.matmul on the same layout), the low-bit matmul kernel alone on pre-quantized
+operands, and quantize + matmul compiled together (what training runs). Quantization alone is
+timed in GB/s (bytes read + written) beside a device-to-device copy measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from hf_lowbit.ops import FORMATS, scaled_matmul  # noqa: E402
+
+LAYOUTS = {"fwd": (1, 1), "dgrad": (1, 0), "wgrad": (0, 0)}
+
+
+def bench(fn, device: str, reps: int) -> float:
+    """Median milliseconds of ``fn()`` after warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def operands(layout: str, m: int, k: int, n: int, device: str):
+    """(x, x_dim, w, w_dim) for one layout, with the result [rows, cols] and reduction length."""
+    g = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
+    if layout == "fwd":  # X[m,k] · W[n,k]ᵀ -> [m,n], reduce k
+        return g(m, k), 1, g(n, k), 1, (m, n, k)
+    if layout == "dgrad":  # dY[m,n] · W[n,k] -> [m,k], reduce n
+        return g(m, n), 1, g(n, k), 0, (m, k, n)
+    return g(m, n), 0, g(m, k), 0, (n, k, m)  # wgrad: dY[m,n]ᵀ · X[m,k] -> [n,k], reduce m
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--shapes", default="4096x4096,4096x1024,4096x14336,14336x4096", help="in x out, comma-separated")
+    p.add_argument("--formats", default="int8,fp8")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the script)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    a = p.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmark_mm.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
+    torch.manual_seed(0)
+    rows = []
+    for shape in a.shapes.split(","):
+        k, n = (int(v) for v in shape.split("x"))
+        for layout in LAYOUTS:
+            x, xd, w, wd, (rows_, cols, red) = operands(layout, a.tokens, k, n, a.device)
+            flops = 2 * rows_ * cols * red
+            xm = x.T if xd == 0 else x
+            wm = w if wd == 0 else w.T
+            ms = bench(lambda: xm @ wm, a.device, a.reps)
+            rows.append({"shape": shape, "layout": layout, "recipe": "bf16", "ms": ms, "tflops": flops / ms / 1e9})
+            for fmt in a.formats.split(","):
+                quantize, mm = FORMATS[fmt]
+                qx, sx = quantize(x, dim=xd)
+                qw, sw = quantize(w, dim=wd)
+                qx, sx = (qx.T.contiguous(), sx.T) if xd == 0 else (qx, sx)
+                qw, sw = (qw.T.contiguous(), sw.T) if wd == 0 else (qw, sw)
+                sx, sw = sx.reshape(-1).contiguous(), sw.reshape(-1).contiguous()
+                kernel_ms = bench(lambda: mm(qx, qw, sx, sw, torch.bfloat16), a.device, a.reps)
+                torch._dynamo.reset()
+                fused = torch.compile(lambda x, w: scaled_matmul(fmt, x, xd, w, wd, torch.bfloat16))
+                total_ms = bench(lambda: fused(x, w), a.device, a.reps)
+                for recipe, t in ((f"{fmt} kernel", kernel_ms), (f"{fmt} quantize+matmul", total_ms)):
+                    rows.append({"shape": shape, "layout": layout, "recipe": recipe, "ms": t,
+                                 "tflops": flops / t / 1e9, "vs_bf16": ms / t})
+    # quantization alone against the copy bandwidth
+    big = torch.randn(a.tokens, 4096, device=a.device, dtype=torch.bfloat16)
+    dst = torch.empty_like(big)
+    copy_ms = bench(lambda: dst.copy_(big), a.device, a.reps)
+    nbytes = big.numel() * big.element_size()
+    quant = [{"kernel": "copy (bf16)", "ms": copy_ms, "gb_s": 2 * nbytes / copy_ms / 1e6}]
+    for fmt in a.formats.split(","):
+        quantize = FORMATS[fmt][0]
+        for dim in (1, 0):
+            torch._dynamo.reset()
+            f = torch.compile(lambda t: (lambda q, s: (q.T.contiguous() if dim == 0 else q, s))(*quantize(t, dim=dim)))
+            t = bench(lambda: f(big), a.device, a.reps)
+            moved = nbytes + big.numel()  # read bf16, write 1-byte codes (scales are negligible)
+            quant.append({"kernel": f"quantize {fmt} dim={dim}" + (" (+transpose)" if dim == 0 else ""),
+                          "ms": t, "gb_s": moved / t / 1e6, "vs_copy": (moved / t) / (2 * nbytes / copy_ms)})
+    meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
+            "python": platform.python_version(), "tokens": a.tokens, "command": " ".join(sys.argv)}
+    table = ["| in x out | layout | recipe | ms | TFLOP/s | vs bf16 |", "|---|---|---|---|---|---|"]
+    table += [f"| {r['shape']} | {r['layout']} | {r['recipe']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+              f"{r.get('vs_bf16', 1.0):.2f}x |" for r in rows]
+    table += ["", "| kernel | ms | GB/s | vs copy |", "|---|---|---|---|"]
+    table += [f"| {q['kernel']} | {q['ms']:.3f} | {q['gb_s']:.0f} | {q.get('vs_copy', 1.0):.2f} |" for q in quant]
+    print("\n".join(table))
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "matmuls": rows, "quantize": quant}, f, indent=2)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(f"{meta['device']}, torch {meta['torch']}, {a.tokens} tokens\n\n" + "\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
