@@ -22,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hf_lowbit import MixedPrecisionConfig, mixed_precision_linear  # noqa: E402
+from hf_lowbit.bench import median_ms, write_results  # noqa: E402
 
 
 def recipes():
@@ -44,18 +45,7 @@ def time_fwd_bwd(fn, x, w, gy, reps: int) -> float:
         x.grad = w.grad = None
         fn(x, w).backward(gy)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median_ms(step, "cuda", reps)
 
 
 def main():
@@ -90,15 +80,8 @@ def main():
     table += [f"| {r['recipe']} | {r['mode']} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['speedup_vs_bf16']:.2f}x |"
               for r in rows]
     print(json.dumps(meta))
-    print("\n".join(table))
-    if a.json:
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write(f"{meta['gpu']}, torch {meta['torch']}, tokens x in -> out = {meta['shape']}\n\n")
-            f.write("\n".join(table) + "\n")
+    write_results({"meta": meta, "rows": rows}, table,
+                  f"{meta['gpu']}, torch {meta['torch']}, tokens x in -> out = {meta['shape']}", a.json, a.markdown)
 
 
 if __name__ == "__main__":

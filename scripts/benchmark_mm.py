@@ -15,39 +15,18 @@ timed in GB/s (bytes read + written) beside a device-to-device copy measured in 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from hf_lowbit.bench import median_ms, write_results  # noqa: E402
 from hf_lowbit.ops import FORMATS, scaled_matmul  # noqa: E402
 
 LAYOUTS = {"fwd": (1, 1), "dgrad": (1, 0), "wgrad": (0, 0)}
-
-
-def bench(fn, device: str, reps: int) -> float:
-    """Median milliseconds of ``fn()`` after warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t0))
-    return sorted(times)[len(times) // 2]
 
 
 def operands(layout: str, m: int, k: int, n: int, device: str):
@@ -81,7 +60,7 @@ def main():
             flops = 2 * rows_ * cols * red
             xm = x.T if xd == 0 else x
             wm = w if wd == 0 else w.T
-            ms = bench(lambda: xm @ wm, a.device, a.reps)
+            ms = median_ms(lambda: xm @ wm, a.device, a.reps)
             rows.append({"shape": shape, "layout": layout, "recipe": "bf16", "ms": ms, "tflops": flops / ms / 1e9})
             for fmt in a.formats.split(","):
                 quantize, mm = FORMATS[fmt]
@@ -90,17 +69,17 @@ def main():
                 qx, sx = (qx.T.contiguous(), sx.T) if xd == 0 else (qx, sx)
                 qw, sw = (qw.T.contiguous(), sw.T) if wd == 0 else (qw, sw)
                 sx, sw = sx.reshape(-1).contiguous(), sw.reshape(-1).contiguous()
-                kernel_ms = bench(lambda: mm(qx, qw, sx, sw, torch.bfloat16), a.device, a.reps)
+                kernel_ms = median_ms(lambda: mm(qx, qw, sx, sw, torch.bfloat16), a.device, a.reps)
                 torch._dynamo.reset()
                 fused = torch.compile(lambda x, w: scaled_matmul(fmt, x, xd, w, wd, torch.bfloat16))
-                total_ms = bench(lambda: fused(x, w), a.device, a.reps)
+                total_ms = median_ms(lambda: fused(x, w), a.device, a.reps)
                 for recipe, t in ((f"{fmt} kernel", kernel_ms), (f"{fmt} quantize+matmul", total_ms)):
                     rows.append({"shape": shape, "layout": layout, "recipe": recipe, "ms": t,
                                  "tflops": flops / t / 1e9, "vs_bf16": ms / t})
     # quantization alone against the copy bandwidth
     big = torch.randn(a.tokens, 4096, device=a.device, dtype=torch.bfloat16)
     dst = torch.empty_like(big)
-    copy_ms = bench(lambda: dst.copy_(big), a.device, a.reps)
+    copy_ms = median_ms(lambda: dst.copy_(big), a.device, a.reps)
     nbytes = big.numel() * big.element_size()
     quant = [{"kernel": "copy (bf16)", "ms": copy_ms, "gb_s": 2 * nbytes / copy_ms / 1e6}]
     for fmt in a.formats.split(","):
@@ -108,7 +87,7 @@ def main():
         for dim in (1, 0):
             torch._dynamo.reset()
             f = torch.compile(lambda t: (lambda q, s: (q.T.contiguous() if dim == 0 else q, s))(*quantize(t, dim=dim)))
-            t = bench(lambda: f(big), a.device, a.reps)
+            t = median_ms(lambda: f(big), a.device, a.reps)
             moved = nbytes + big.numel()  # read bf16, write 1-byte codes (scales are negligible)
             quant.append({"kernel": f"quantize {fmt} dim={dim}" + (" (+transpose)" if dim == 0 else ""),
                           "ms": t, "gb_s": moved / t / 1e6, "vs_copy": (moved / t) / (2 * nbytes / copy_ms)})
@@ -119,14 +98,8 @@ def main():
               f"{r.get('vs_bf16', 1.0):.2f}x |" for r in rows]
     table += ["", "| kernel | ms | GB/s | vs copy |", "|---|---|---|---|"]
     table += [f"| {q['kernel']} | {q['ms']:.3f} | {q['gb_s']:.0f} | {q.get('vs_copy', 1.0):.2f} |" for q in quant]
-    print("\n".join(table))
-    if a.json:
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "matmuls": rows, "quantize": quant}, f, indent=2)
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write(f"{meta['device']}, torch {meta['torch']}, {a.tokens} tokens\n\n" + "\n".join(table) + "\n")
+    write_results({"meta": meta, "matmuls": rows, "quantize": quant}, table,
+                  f"{meta['device']}, torch {meta['torch']}, {a.tokens} tokens", a.json, a.markdown)
 
 
 if __name__ == "__main__":

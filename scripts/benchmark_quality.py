@@ -13,7 +13,6 @@ records every step's loss, the final held-out loss, and each recipe's ratio to b
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from hf_lowbit import LowBitTrainingArguments, prepare_model  # noqa: E402
+from hf_lowbit.bench import write_results  # noqa: E402
 from hf_lowbit.data import build_bpe_tokenizer, pack, python_docs_corpus, split_records  # noqa: E402
 
 RECIPES = {"bf16": {}, "int8": {"int8_mixed_precision": True}, "fp8": {"fp8_mixed_precision": True}}
@@ -108,14 +108,8 @@ def main():
     for r in rows:
         table.append(f"| {r['recipe']} | {r['final_train_loss']:.4f} | {r.get('final_train_loss_vs_bf16', 0):+.2%} | "
                      f"{r['eval_loss']:.4f} | {r.get('eval_loss_vs_bf16', 0):+.2%} |")
-    print("\n".join(table))
-    if a.json:
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write(f"{meta['device']}, torch {meta['torch']}, {meta['corpus']}\n\n" + "\n".join(table) + "\n")
+    write_results({"meta": meta, "rows": rows}, table, f"{meta['device']}, torch {meta['torch']}, {meta['corpus']}",
+                  a.json, a.markdown)
     if a.plot:
         import matplotlib
 

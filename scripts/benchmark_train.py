@@ -191,11 +191,11 @@ def main():
         table.append(f"| {r['recipe']} | {r['tokens_per_s']:.0f} | {r.get('vs_bf16', float('nan')):.2f}x | "
                      f"{r['peak_mem_gib']:.1f} | {r.get('mem_vs_bf16', float('nan')):.2f}x | {r['warmup_s']:.0f} | "
                      f"{r['first_loss']:.3f} | {r['last_loss']:.3f} | {r['compiled_graphs']} | {r['graph_breaks']} |")
-    print("\n".join(table))
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write(f"{meta['gpu']}, torch {meta['torch']}, torchao {meta['torchao']}, config {meta['config']}\n\n")
-            f.write("\n".join(table) + "\n")
+    from hf_lowbit.bench import write_results
+
+    write_results({"meta": meta, "rows": rows}, table,
+                  f"{meta['gpu']}, torch {meta['torch']}, torchao {meta['torchao']}, config {meta['config']}",
+                  a.json, a.markdown)
 
 
 if __name__ == "__main__":
