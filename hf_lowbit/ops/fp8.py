@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._checks import check_scaled_mm_args
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 _MIN_AMAX = 1e-30
@@ -28,13 +30,7 @@ def quantize_fp8(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
 
 
 def _check(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> None:
-    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "fp8_scaled_mm: a and b must be 2-D")
-    torch._check(a.dtype == FP8_DTYPE and b.dtype == FP8_DTYPE,
-                 lambda: f"fp8_scaled_mm: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
-    torch._check(a.shape[1] == b.shape[1],
-                 lambda: f"fp8_scaled_mm: reduction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)} (b is [N, K])")
-    torch._check(a_scale.numel() == a.shape[0] and b_scale.numel() == b.shape[0],
-                 lambda: "fp8_scaled_mm: a_scale needs one value per row of a, b_scale one per row of b")
+    check_scaled_mm_args("fp8_scaled_mm", FP8_DTYPE, a, b, a_scale, b_scale)
 
 
 @torch.library.custom_op("hf_lowbit::fp8_scaled_mm", mutates_args=())

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._checks import check_scaled_mm_args
+
 # Smallest absmax we divide by. A row whose absmax is below it quantizes to zeros (its true values
 # are < 1e-30, i.e. zero for any bf16/fp32 consumer). NaN rows keep a NaN scale on purpose: the
 # NaN then reaches the output instead of vanishing in the cast to int8.
@@ -34,13 +36,7 @@ def quantize_int8(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
 
 
 def _check_mm_args(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> None:
-    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "int8_scaled_mm: a and b must be 2-D")
-    torch._check(a.dtype == torch.int8 and b.dtype == torch.int8,
-                 lambda: f"int8_scaled_mm: a and b must be int8, got {a.dtype} and {b.dtype}")
-    torch._check(a.shape[1] == b.shape[1],
-                 lambda: f"int8_scaled_mm: reduction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)} (b is [N, K])")
-    torch._check(a_scale.numel() == a.shape[0] and b_scale.numel() == b.shape[0],
-                 lambda: "int8_scaled_mm: a_scale needs one value per row of a, b_scale one per row of b")
+    check_scaled_mm_args("int8_scaled_mm", torch.int8, a, b, a_scale, b_scale)
 
 
 # fp32 holds every integer below 2**24 exactly; a chunk of k int8×int8 products sums to at most
