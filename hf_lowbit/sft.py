@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -133,8 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     model.config.use_cache = False  # training builds no KV cache (generation turns it back on per call)
     train_ds = pack(format_records(train_records, tokenizer, source), tokenizer, data_args.block_size)
-    eval_ds = (pack(format_records(eval_records, tokenizer, source + " (eval)"), tokenizer, data_args.block_size)
-               if eval_records else None)
+    eval_ds = None
+    if eval_records:
+        eval_texts = format_records(eval_records, tokenizer, source + " (eval)")
+        try:
+            eval_ds = pack(eval_texts, tokenizer, data_args.block_size)
+        except ValueError as e:  # a held-out set shorter than one block: no eval loss, training goes on
+            warnings.warn(f"no held-out loss: {e} (raise --eval_fraction or lower --block_size)")
     if eval_ds is None and args.eval_strategy != "no":
         args.eval_strategy = "no"
 
