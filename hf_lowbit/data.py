@@ -192,15 +192,15 @@ def completion_accuracy(model, tokenizer, records: list[dict], max_new_tokens: i
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    by_len: dict[int, list[dict]] = {}
+    by_len: dict[int, list[tuple[list[int], dict]]] = {}
     for r in records:  # same-length prompts batch without padding
-        by_len.setdefault(len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]), []).append(r)
+        prompt = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+        by_len.setdefault(len(prompt), []).append((prompt, r))
     correct = 0
     for group in by_len.values():
         for i in range(0, len(group), batch_size):
-            chunk = group[i: i + batch_size]
-            ids = torch.tensor([tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in chunk],
-                               device=device)
+            prompts, chunk = zip(*group[i: i + batch_size])
+            ids = torch.tensor(prompts, device=device)
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                                  pad_token_id=tokenizer.pad_token_id)

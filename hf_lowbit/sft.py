@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
             eval_ds = pack(eval_texts, tokenizer, data_args.block_size)
         except ValueError as e:  # a held-out set shorter than one block: no eval loss, training goes on
             warnings.warn(f"no held-out loss: {e} (raise --eval_fraction or lower --block_size)")
-    if eval_ds is None and args.eval_strategy != "no":
+    if eval_ds is None:
         args.eval_strategy = "no"
 
     trainer = LowBitTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,

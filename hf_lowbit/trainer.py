@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from torch.utils.data import Dataset
 from transformers import Trainer
 
 from .args import LowBitTrainingArguments
@@ -48,7 +47,7 @@ class LowBitTrainer(Trainer):
 
 def _inspect_shapes(dataset, batch_size: int) -> tuple[bool | None, int | None]:
     """(all sampled sequences one length?, tokens per micro-batch) of a map-style dataset."""
-    if dataset is None or not isinstance(dataset, Dataset) and not hasattr(dataset, "__getitem__"):
+    if not hasattr(dataset, "__getitem__"):  # None, or an iterable dataset
         return None, None
     try:
         n = min(len(dataset), _SHAPE_SAMPLE)
