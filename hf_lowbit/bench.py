@@ -42,3 +42,40 @@ def write_results(data: dict, table: list[str], header: str, json_path: str | No
         os.makedirs(os.path.dirname(markdown_path) or ".", exist_ok=True)
         with open(markdown_path, "w") as f:
             f.write(header + "\n\n" + "\n".join(table) + "\n")
+
+
+# Kernel-name patterns -> category, first match wins (CUDA kernel names as the profiler records them;
+# Inductor's generated kernels all start with "triton_", cuBLAS FP8 GEMMs carry "qq" in nvjet names).
+_CATEGORIES = (
+    ("int8 matmul (ours, Triton)", ("_int8_scaled_mm_kernel",)),
+    ("quantize_t (ours, Triton)", ("_col_amax_kernel", "_quantize_t_kernel")),
+    ("Inductor fused: norms, activations, quantize", ("triton_",)),
+    ("attention (flash / cuDNN SDPA)", ("flash", "fmha", "sdpa", "attention")),
+    ("fp8 matmul (cuBLAS)", ("_qqtst_", "qqtst", "f8f8", "e4m3", "fp8")),
+    ("bf16 matmul (cuBLAS)", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("cross entropy / softmax", ("softmax", "nll", "cross_entropy")),
+)
+
+
+def kernel_profile(fn: Callable[[], object], steps: int = 2, top: int = 25) -> dict:
+    """Profile ``steps`` calls of ``fn`` on CUDA: device ms per step by category and the top kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.self_device_time_total / 1000 / steps, e.count // steps)
+               for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    categories: dict[str, float] = {}
+    for name, ms, _ in kernels:
+        low = name.lower()
+        cat = next((c for c, pats in _CATEGORIES if any(p in low for p in pats)), "other")
+        categories[cat] = categories.get(cat, 0.0) + ms
+    kernels.sort(key=lambda k: -k[1])
+    return {"device_ms_per_step": sum(categories.values()),
+            "categories_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": n[:160], "ms": ms, "calls": c} for n, ms, c in kernels[:top]]}

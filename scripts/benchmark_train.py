@@ -120,12 +120,17 @@ def worker(a) -> dict:
     sync()
     elapsed = time.perf_counter() - t0
     losses += [t.item() for t in timed]
+    profile = None
+    if a.profile and cuda:
+        from hf_lowbit.bench import kernel_profile
+
+        profile = kernel_profile(lambda: step(0))
     return {"recipe": a.recipe, "tokens_per_s": a.batch * a.seq * a.steps / elapsed,
             "step_ms": 1000 * elapsed / a.steps, "warmup_s": warmup_s,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
             "first_loss": losses[0], "last_loss": losses[-1],
             "compiled_graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values())}
+            "graph_breaks": sum(counters["graph_break"].values()), "profile": profile}
 
 
 def main():
@@ -139,6 +144,8 @@ def main():
     p.add_argument("--no_compile", action="store_true", help="run eagerly (smoke tests only)")
     p.add_argument("--json", default=None, help="write results here (rewritten after every recipe)")
     p.add_argument("--markdown", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile two steps (CUDA): device time per kernel category and the top kernels")
     p.add_argument("--timeout", type=int, default=900, help="seconds per recipe process")
     p.add_argument("--recipe", default=None, help=argparse.SUPPRESS)  # worker mode
     a = p.parse_args()
@@ -160,7 +167,8 @@ def main():
         meta["torchao"] = None
     rows = []
     base_args = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool)
-                 for x in (f"--{k}", str(v))] + ["--device", a.device] + (["--no_compile"] if a.no_compile else [])
+                 for x in (f"--{k}", str(v))] + ["--device", a.device] + (["--no_compile"] if a.no_compile else []) \
+        + (["--profile"] if a.profile else [])
     for recipe in a.recipes.split(","):
         if recipe not in RECIPES:
             raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
@@ -191,6 +199,14 @@ def main():
         table.append(f"| {r['recipe']} | {r['tokens_per_s']:.0f} | {r.get('vs_bf16', float('nan')):.2f}x | "
                      f"{r['peak_mem_gib']:.1f} | {r.get('mem_vs_bf16', float('nan')):.2f}x | {r['warmup_s']:.0f} | "
                      f"{r['first_loss']:.3f} | {r['last_loss']:.3f} | {r['compiled_graphs']} | {r['graph_breaks']} |")
+    profiled = [r for r in rows if r.get("profile")]
+    if profiled:
+        cats = sorted({c for r in profiled for c in r["profile"]["categories_ms"]})
+        table += ["", "Device ms per step by kernel category (torch.profiler, 2 steps):", "",
+                  "| category | " + " | ".join(r["recipe"] for r in profiled) + " |", "|---|" + "---|" * len(profiled)]
+        table += [f"| {c} | " + " | ".join(f"{r['profile']['categories_ms'].get(c, 0.0):.1f}" for r in profiled) + " |"
+                  for c in cats]
+        table.append("| **total** | " + " | ".join(f"{r['profile']['device_ms_per_step']:.1f}" for r in profiled) + " |")
     from hf_lowbit.bench import write_results
 
     write_results({"meta": meta, "rows": rows}, table,

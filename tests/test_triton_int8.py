@@ -23,7 +23,7 @@ def test_triton_int8_scaled_mm_interpreted():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_triton_checks.py")], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "checked 24" in proc.stdout
+    assert "checked 24 matmuls and 24 quantizations" in proc.stdout
 
 
 @pytest.mark.cuda
@@ -31,3 +31,10 @@ def test_triton_int8_scaled_mm_cuda():
     from _triton_checks import check_int8_scaled_mm
 
     assert check_int8_scaled_mm("cuda") > 0
+
+
+@pytest.mark.cuda
+def test_triton_quantize_t_cuda():
+    from _triton_checks import check_quantize_t
+
+    assert check_quantize_t("cuda") > 0
