@@ -262,3 +262,15 @@ def test_convert_int4_weight_only():
         real = model(ids).logits
     assert len(names) == 14
     torch.testing.assert_close(real, fake, rtol=1e-4, atol=1e-4)
+
+
+def test_sft_cli_qat_writes_quantized_checkpoint(tmp_path, capsys):
+    from hf_lowbit.sft import main
+
+    metrics = main(["--output_dir", str(tmp_path), "--max_steps", "3", "--eval_strategy", "no", "--qat_scheme", "8da4w",
+                    "--qat_fake_quant_after_n_steps", "1", "--arithmetic_train_records", "300",
+                    "--arithmetic_eval_records", "4", "--disable_tqdm", "True"])
+    out = capsys.readouterr().out
+    assert "[hf_lowbit] qat: 14 modules swapped" in out and "int8_mixed_precision" not in out
+    files = set(os.listdir(metrics["quantized_dir"]))
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= files
