@@ -274,3 +274,28 @@ def test_sft_cli_qat_writes_quantized_checkpoint(tmp_path, capsys):
     assert "[hf_lowbit] qat: 14 modules swapped" in out and "int8_mixed_precision" not in out
     files = set(os.listdir(metrics["quantized_dir"]))
     assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= files
+
+
+def test_eval_qat_smoke(tmp_path, monkeypatch):
+    """scripts/eval_qat.py end to end on a tiny model (the corpus cut to pydoc's topic pages to stay fast)."""
+    import importlib.util
+
+    import pydoc_data.topics
+
+    spec = importlib.util.spec_from_file_location("eval_qat", os.path.join(ROOT, "scripts", "eval_qat.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    topics = pydoc_data.topics.topics
+    monkeypatch.setattr(script, "python_docs_corpus", lambda: [topics[k] for k in sorted(topics)])
+    out = tmp_path / "qat.json"
+    monkeypatch.setattr(sys, "argv", ["eval_qat.py", "--device", "cpu", "--layers", "1", "--hidden", "64",
+                                      "--intermediate", "128", "--heads", "4", "--kv_heads", "2", "--seq", "32",
+                                      "--batch", "4", "--pretrain_steps", "3", "--finetune_steps", "2", "--vocab", "300",
+                                      "--group_size", "32", "--eval_blocks", "8", "--json", str(out)])
+    script.main()
+    data = json.loads(out.read_text())
+    ppl = data["perplexity"]
+    assert set(ppl) == {"base bf16", "base PTQ", "fine-tuned bf16", "fine-tuned PTQ", "QAT fine-tuned, fake quant",
+                        "QAT fine-tuned, converted"}
+    assert all(1 < v < 1e4 for v in ppl.values())
+    assert len(data["finetune_losses"]["qat"]) == 2 and data["ptq_loss"] == ppl["fine-tuned PTQ"] - ppl["fine-tuned bf16"]
