@@ -3,6 +3,8 @@
 from .args import LowBitTrainingArguments
 from .mixed_precision import LowBitLinear, MixedPrecisionConfig, mixed_precision_linear
 from .prepare import prepare_model
+from .export import push_quantized_to_hub, save_quantized
+from .qat import QATConfig, QATLinear, convert_qat, prepare_qat, set_fake_quant_enabled
 from .swap import LinearFilter, SwapReport, swap_linears
 from .trainer import LowBitTrainer
 from .validation import LowBitWarning, check_training_setup
@@ -12,5 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LowBitTrainer", "LowBitTrainingArguments", "prepare_model",
     "MixedPrecisionConfig", "LowBitLinear", "mixed_precision_linear",
+    "QATConfig", "QATLinear", "prepare_qat", "convert_qat", "set_fake_quant_enabled", "save_quantized",
+    "push_quantized_to_hub",
     "LinearFilter", "SwapReport", "swap_linears", "LowBitWarning", "check_training_setup",
 ]

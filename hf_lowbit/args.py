@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .qat import QAT_SCHEMES
+
 
 @dataclass
 class LowBitTrainingArguments(TrainingArguments):
@@ -32,6 +34,19 @@ class LowBitTrainingArguments(TrainingArguments):
     lowbit_min_features: int = field(default=64, metadata={"help": (
         "Skip (and report) linears whose in_features or out_features is below this: such matmuls are "
         "too small for low-bit kernels to pay.")})
+    qat_scheme: str | None = field(default=None, metadata={"help": (
+        "Quantization-aware training: fake-quantize the linears during training, then convert with "
+        f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)} ('8da4w': int8 per-token dynamic "
+        "activations, int4 per-group weights). Default: off.")})
+    qat_group_size: int = field(default=256, metadata={"help": (
+        "QAT weight group size along in_features; linears whose in_features is not a multiple of it are "
+        "skipped and reported.")})
+    qat_fake_quant_after_n_steps: int = field(default=0, metadata={"help": (
+        "QAT: train the first N optimizer steps without fake quantization, then with it (follows "
+        "global_step, so resuming from a checkpoint is correct). 0: from the first step.")})
+    qat_include_lm_head: bool = field(default=False, metadata={"help": (
+        "QAT: also fake-quantize (and convert) the output embedding (LM head); input embeddings always "
+        "stay unquantized.")})
 
     def __post_init__(self):
         super().__post_init__()
@@ -49,6 +64,20 @@ class LowBitTrainingArguments(TrainingArguments):
                 or self.lowbit_min_features < 1:
             raise ValueError("LowBitTrainingArguments.lowbit_min_features must be an integer >= 1, "
                              f"got {self.lowbit_min_features!r}")
+        if self.qat_scheme is not None and self.qat_scheme not in QAT_SCHEMES:
+            raise ValueError(f"LowBitTrainingArguments.qat_scheme={self.qat_scheme!r} is not a QAT scheme; "
+                             f"valid schemes: {', '.join(QAT_SCHEMES)} (or None for no QAT)")
+        for name, low in (("qat_group_size", 2), ("qat_fake_quant_after_n_steps", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"LowBitTrainingArguments.{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.qat_include_lm_head, bool):
+            raise TypeError(f"LowBitTrainingArguments.qat_include_lm_head must be True or False, "
+                            f"got {self.qat_include_lm_head!r}")
+        if self.qat_scheme is not None and self.lowbit_recipes:
+            raise ValueError(f"LowBitTrainingArguments.qat_scheme={self.qat_scheme!r} with "
+                             f"{self.lowbit_recipes[0]}=True: a linear is either fake-quantized for QAT or "
+                             "computed in low precision; switch one off")
         if self.int8_mixed_precision and self.fp8_mixed_precision:
             raise ValueError("LowBitTrainingArguments.int8_mixed_precision and fp8_mixed_precision are both True: "
                              "each linear computes in one format; choose one")

@@ -14,6 +14,7 @@ from torch import nn
 from .args import LowBitTrainingArguments
 from .mixed_precision import LowBitLinear, MixedPrecisionConfig
 from .ops.fp8 import ALIGN as FP8_ALIGN
+from .qat import QATConfig, prepare_qat
 from .swap import LinearFilter, SwapReport, swap_linears
 
 logger = logging.getLogger("hf_lowbit")
@@ -39,6 +40,15 @@ def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=N
         reports.append(swap_linears(
             model, lambda name, linear: LowBitLinear.from_linear(linear, config), recipe=recipe,
             target=f"{fmt.upper()} matmuls", filter=linear_filter, already=(LowBitLinear,)))
+    if args.qat_scheme is not None:
+        config = QATConfig(scheme=args.qat_scheme, group_size=args.qat_group_size)
+        report = prepare_qat(model, config, exclude=tuple(args.lowbit_exclude_modules),
+                             include_lm_head=args.qat_include_lm_head,
+                             enabled=args.qat_fake_quant_after_n_steps == 0)
+        if not report.swapped and not any(e.reason.startswith("already") for e in report.entries):
+            raise ValueError(f"qat_scheme={args.qat_scheme!r}: no linear can be fake-quantized:\n{report.summary()}\n"
+                             "lower qat_group_size (it must divide in_features) or check lowbit_exclude_modules")
+        reports.append(report)
     if peft_config is not None:  # after the swap: LoRA wraps the low-bit base layers
         from peft import get_peft_model
 

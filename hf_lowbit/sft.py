@@ -102,7 +102,10 @@ def parse_args(argv: list[str] | None = None):
     parser = HfArgumentParser((ModelArguments, DataArguments, LowBitTrainingArguments))
     embedded = not any(a.split("=")[0] in ("--model_name_or_path", "--dataset") for a in argv)
     if embedded:
-        parser.set_defaults(**EMBEDDED_DEFAULTS)
+        defaults = dict(EMBEDDED_DEFAULTS)
+        if any(a.split("=")[0] == "--qat_scheme" for a in argv):  # QAT replaces INT8 compute; hidden 128: group 32
+            defaults.update(int8_mixed_precision=False, qat_group_size=32)
+        parser.set_defaults(**defaults)
     model_args, data_args, train_args = parser.parse_args_into_dataclasses(args=argv)
     return model_args, data_args, train_args, embedded
 
@@ -158,10 +161,17 @@ def main(argv: list[str] | None = None) -> dict:
     if embedded:
         metrics["eval_accuracy"] = completion_accuracy(trainer.model, tokenizer, eval_records)
     trainer.save_model(args.output_dir)
+    quantized_dir = None
+    if args.qat_scheme is not None and trainer.is_world_process_zero():
+        quantized_dir = os.path.join(args.output_dir, "quantized")  # converted: loads with from_pretrained
+        trainer.save_quantized(quantized_dir)
+        metrics["quantized_dir"] = quantized_dir
     if trainer.is_world_process_zero():
         with open(os.path.join(args.output_dir, "sft_metrics.json"), "w") as f:
             json.dump(metrics, f, indent=2)
         print("[hf_lowbit] final: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in metrics.items()))
         print(f"[hf_lowbit] model and tokenizer saved to {args.output_dir}")
+        if quantized_dir:
+            print(f"[hf_lowbit] {args.qat_scheme} quantized checkpoint saved to {quantized_dir}")
     return metrics

@@ -73,13 +73,15 @@ class LinearFilter:
     ``"." + pattern`` (so ``"lm_head"`` matches ``"model.lm_head"``). ``min_features``: layers with
     ``in_features`` or ``out_features`` below it are too small for low-bit matmuls to pay.
     ``multiple_of``: both features must be multiples of it (a kernel's alignment), else the layer is
-    skipped as "shape not supported". ``exclude_output_embeddings``: also skip the model's LM head
+    skipped as "shape not supported". ``in_features_multiple_of``: ``in_features`` alone must be a
+    multiple of it (a per-group quantization's group size). ``exclude_output_embeddings``: also skip the model's LM head
     whatever its name.
     """
 
     exclude: tuple[str, ...] = ("lm_head",)
     min_features: int = 1
     multiple_of: int = 1
+    in_features_multiple_of: int = 1
     exclude_output_embeddings: bool = True
 
 
@@ -136,6 +138,9 @@ def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], 
             why = f"too small: min(in, out) = {min(shape)} < min_features = {filter.min_features}"
         elif shape[0] % filter.multiple_of or shape[1] % filter.multiple_of:
             why = f"shape not supported: in and out features must be multiples of {filter.multiple_of}"
+        elif shape[1] % filter.in_features_multiple_of:
+            why = (f"shape not supported: in_features {shape[1]} is not a multiple of "
+                   f"{filter.in_features_multiple_of} (the group size)")
         else:
             todo.append((name, module))
             report.entries.append(SwapEntry(name, mtype, shape, SWAPPED, target))

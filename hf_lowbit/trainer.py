@@ -5,7 +5,9 @@ from __future__ import annotations
 from transformers import Trainer
 
 from .args import LowBitTrainingArguments
+from .export import merge_lora, save_quantized
 from .prepare import apply_recipes, log_reports
+from .qat import FakeQuantScheduleCallback, QATConfig
 from .validation import check_training_setup
 
 _SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
@@ -31,6 +33,24 @@ class LowBitTrainer(Trainer):
         model, self.lowbit_reports = apply_recipes(model, args, peft_config)
         log_reports(self.lowbit_reports)
         super().__init__(model, args, *pargs, **kwargs)
+        if args.qat_scheme is not None:
+            self.add_callback(FakeQuantScheduleCallback(args.qat_fake_quant_after_n_steps))
+
+    def save_quantized(self, path: str) -> list[str]:
+        """Convert the QAT model and write a checkpoint stock transformers loads (see ``hf_lowbit.export``).
+
+        LoRA adapters are merged first; ``self.model`` becomes the converted model (torchao quantized
+        weights), whose ``push_to_hub(repo)`` then uploads exactly the files written here.
+        """
+        if self.args.qat_scheme is None:
+            raise ValueError("LowBitTrainer.save_quantized needs LowBitTrainingArguments(qat_scheme=...): "
+                             "the model was not trained with fake quantization")
+        if self.args.world_size > 1:
+            raise NotImplementedError("LowBitTrainer.save_quantized runs in a single process: gather the "
+                                      "model with trainer.save_model(), reload it and export from one process")
+        self.model = merge_lora(self.model)
+        config = QATConfig(scheme=self.args.qat_scheme, group_size=self.args.qat_group_size)
+        return save_quantized(self.model, path, config, tokenizer=self.processing_class)
 
     def check_setup(self) -> list[str]:
         """Warn about what in this run keeps the recipes from being fast or stable (see validation)."""

@@ -24,11 +24,13 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-RECIPES = ("bf16", "int8", "fp8", "torchao_int8", "torchao_float8")
+RECIPES = ("bf16", "int8", "fp8", "torchao_int8", "torchao_float8", "qat_8da4w", "torchao_qat_8da4w")
+QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 
 
 def apply_recipe(model, recipe: str, min_features: int):
     """Swap the model's decoder linears for ``recipe`` (LM head and embeddings always stay bf16)."""
+    import torch
     from torch import nn
 
     if recipe == "bf16":
@@ -40,6 +42,13 @@ def apply_recipe(model, recipe: str, min_features: int):
             args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=min_features,
                                            **{f"{recipe}_mixed_precision": True})
             prepare_model(model, args)
+        return
+    if recipe == "qat_8da4w":
+        from hf_lowbit import LowBitTrainingArguments, prepare_model
+
+        with tempfile.TemporaryDirectory() as tmp:
+            prepare_model(model, LowBitTrainingArguments(output_dir=tmp, report_to="none", qat_scheme="8da4w",
+                                                         qat_group_size=QAT_GROUP_SIZE))
         return
     not_head = lambda m, fqn: isinstance(m, nn.Linear) and "lm_head" not in fqn  # noqa: E731
     if recipe == "torchao_int8":
@@ -54,6 +63,12 @@ def apply_recipe(model, recipe: str, min_features: int):
 
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
                                    module_filter_fn=not_head)
+    elif recipe == "torchao_qat_8da4w":
+        from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
+        from torchao.quantization.qat import QATConfig
+
+        base = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(QAT_GROUP_SIZE))
+        quantize_(model, QATConfig(base, step="prepare"), filter_fn=not_head)
     else:
         raise ValueError(f"unknown recipe {recipe!r}; choose from {RECIPES}")
 

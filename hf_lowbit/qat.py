@@ -1,0 +1,270 @@
+"""Quantization-aware training: fake-quantize during fine-tuning, then convert to torchao's quantized tensors.
+
+* :data:`QAT_SCHEMES`: scheme name -> how to fake-quantize and the torchao PTQ config that convert
+  applies (``"8da4w"``: int8 per-token asymmetric dynamic activations + int4 per-group symmetric
+  weights = ``Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
+  weight_granularity=PerGroup(g))``; ``"int4_weight_only"``: ``IntxWeightOnlyConfig``).
+* :func:`prepare_qat`: swap eligible ``nn.Linear`` for :class:`QATLinear` through ``swap_linears``;
+  layers whose ``in_features`` is not a multiple of the group size are skipped and reported.
+* :class:`QATLinear`: one ``autograd.Function`` that fake-quantizes the activation and the weight
+  (``hf_lowbit.ops.fake_quant``, the same arithmetic as torchao's convert) and multiplies; backward is the
+  straight-through estimator and *recomputes* the fake-quantized operands from the saved input and
+  weight, so nothing weight- or activation-sized is kept beyond what bf16 keeps, and under
+  ``torch.compile`` the quantization fuses into a couple of kernels.
+* :func:`set_fake_quant_enabled` and :class:`FakeQuantScheduleCallback`: fake quant off for the
+  first ``N`` optimizer steps, then on, decided from ``state.global_step`` so resuming is correct.
+* :func:`convert_qat`: back to ``nn.Linear`` (shared parameters), then torchao's ``quantize_`` with the
+  scheme's config on exactly the layers that were trained with fake quant.
+
+torchao's own ``FakeQuantizedLinear`` (from ``quantize_(model, QATConfig(base, step="prepare"))``) is
+also recognized by :func:`set_fake_quant_enabled` and :func:`convert_qat`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import TrainerCallback
+
+from .mixed_precision import _compute_dtype
+from .ops.fake_quant import fake_quant_per_group_sym, fake_quant_per_token_asym
+from .swap import LinearFilter, SwapReport, name_matches, swap_linears
+
+
+@dataclass(frozen=True)
+class QATScheme:
+    """How a scheme fake-quantizes (``act_bits`` None: activations stay as they are) and converts."""
+
+    name: str
+    act_bits: int | None
+    weight_bits: int
+    description: str
+    base_config: Callable[[int], object]  # group_size -> torchao AOBaseConfig applied by convert
+
+
+def _8da4w(group_size: int):
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup
+
+    return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
+
+
+def _int4_weight_only(group_size: int):
+    from torchao.quantization import IntxWeightOnlyConfig, PerGroup
+
+    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
+
+
+QAT_SCHEMES: dict[str, QATScheme] = {
+    "8da4w": QATScheme("8da4w", 8, 4, "int8 per-token asymmetric dynamic activations, int4 per-group symmetric weights",
+                       _8da4w),
+    "int4_weight_only": QATScheme("int4_weight_only", None, 4, "int4 per-group symmetric weights, activations unquantized",
+                                  _int4_weight_only),
+}
+
+
+def get_scheme(name: str) -> QATScheme:
+    if name not in QAT_SCHEMES:
+        raise ValueError(f"unknown QAT scheme {name!r}; valid schemes: {', '.join(QAT_SCHEMES)}")
+    return QAT_SCHEMES[name]
+
+
+@dataclass(frozen=True)
+class QATConfig:
+    """A scheme name from :data:`QAT_SCHEMES` and the weight group size (along ``in_features``)."""
+
+    scheme: str = "8da4w"
+    group_size: int = 256
+
+    def __post_init__(self):
+        get_scheme(self.scheme)
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
+            raise ValueError(f"QATConfig.group_size must be an integer >= 2, got {self.group_size!r}")
+
+    @property
+    def spec(self) -> QATScheme:
+        return QAT_SCHEMES[self.scheme]
+
+    def base_config(self):
+        """The torchao PTQ config that :func:`convert_qat` applies (and ``TorchAoConfig`` records)."""
+        return self.spec.base_config(self.group_size)
+
+
+class _QATLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, act_bits: int | None, weight_bits: int,
+                group_size: int) -> Tensor:
+        dtype = _compute_dtype(x)
+        xq, wq = _fake_operands(x.to(dtype), weight.to(dtype), act_bits, weight_bits, group_size)
+        y = F.linear(xq, wq, None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(x, weight)  # the fake-quantized operands are recomputed in backward
+        ctx.cfg = (act_bits, weight_bits, group_size, dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight = ctx.saved_tensors
+        act_bits, weight_bits, group_size, dtype, bias_dtype = ctx.cfg
+        xq, wq = _fake_operands(x.to(dtype), weight.to(dtype), act_bits, weight_bits, group_size)
+        g2 = grad_out.reshape(-1, weight.shape[0]).to(dtype)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # straight-through: d(fake_quant(x))/dx = identity
+            dx = (g2 @ wq).reshape(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (g2.T @ xq.reshape(-1, x.shape[-1])).to(weight.dtype)
+        if bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = g2.sum(0, dtype=torch.float32).to(bias_dtype)
+        return dx, dw, db, None, None, None
+
+
+def _fake_operands(x: Tensor, weight: Tensor, act_bits, weight_bits, group_size) -> tuple[Tensor, Tensor]:
+    xq = x if act_bits is None else fake_quant_per_token_asym(x, act_bits)
+    return xq, fake_quant_per_group_sym(weight, group_size, weight_bits)
+
+
+def qat_linear(x: Tensor, weight: Tensor, bias: Tensor | None, config: QATConfig) -> Tensor:
+    """``F.linear`` on fake-quantized operands (as ``config``'s scheme), straight-through gradients."""
+    s = config.spec
+    return _QATLinearFn.apply(x, weight, bias, s.act_bits, s.weight_bits, config.group_size)
+
+
+class QATLinear(nn.Linear):
+    """An ``nn.Linear`` that fake-quantizes while ``fake_quant_enabled``; same parameters and state-dict keys."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 config: QATConfig = QATConfig()):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if in_features % config.group_size:
+            raise ValueError(f"QATLinear: in_features={in_features} is not a multiple of group_size={config.group_size}")
+        self.qat_config = config
+        self.fake_quant_enabled = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: QATConfig) -> "QATLinear":
+        """Wrap ``linear``'s own parameters (shared, not copied)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", config=config)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` holding this layer's parameters (for convert / export)."""
+        new = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        new.weight = self.weight
+        new.bias = self.bias
+        new.train(self.training)
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.fake_quant_enabled:
+            return F.linear(x, self.weight, self.bias)
+        return qat_linear(x, self.weight, self.bias, self.qat_config)
+
+    def extra_repr(self) -> str:
+        c = self.qat_config
+        return f"{super().extra_repr()}, qat={c.scheme}, group_size={c.group_size}, fake_quant={self.fake_quant_enabled}"
+
+
+def _torchao_fake_quantized_types() -> tuple[type, ...]:
+    from torchao.quantization.qat import FakeQuantizedLinear
+
+    return (FakeQuantizedLinear,)
+
+
+def prepare_qat(model: nn.Module, config: QATConfig, exclude: tuple[str, ...] = ("lm_head",),
+                include_lm_head: bool = False, enabled: bool = True) -> SwapReport:
+    """Swap ``model``'s eligible linears for :class:`QATLinear` in place; return the report.
+
+    ``exclude``: names/globs left alone. The output embedding (LM head) is left alone unless
+    ``include_lm_head`` (then exclusion patterns that name it are ignored for it). A linear whose
+    ``in_features`` is not a multiple of ``config.group_size`` is skipped and reported.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if include_lm_head and head is not None:
+        head_name = next((n for n, m in model.named_modules() if m is head), None)
+        exclude = tuple(p for p in exclude if head_name is None or name_matches(head_name, [p]) is None)
+    linear_filter = LinearFilter(exclude=tuple(exclude), min_features=1, in_features_multiple_of=config.group_size,
+                                 exclude_output_embeddings=not include_lm_head)
+
+    def make(name, linear):
+        layer = QATLinear.from_linear(linear, config)
+        layer.fake_quant_enabled = enabled
+        return layer
+
+    return swap_linears(model, make, recipe="qat", target=f"QAT {config.scheme} fake quant (group {config.group_size})",
+                        filter=linear_filter, already=(QATLinear, *_torchao_fake_quantized_types()))
+
+
+def set_fake_quant_enabled(model: nn.Module, enabled: bool) -> int:
+    """Switch fake quantization on/off in every QAT layer of ``model`` (ours and torchao's); return how many."""
+    from torchao.quantization.qat.linear import enable_linear_fake_quant
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, QATLinear):
+            module.fake_quant_enabled = bool(enabled)
+            n += 1
+        elif isinstance(module, _torchao_fake_quantized_types()):
+            enable_linear_fake_quant(module, enabled=bool(enabled))
+            n += 1
+    return n
+
+
+def fake_quant_enabled_at(step: int, after_n_steps: int) -> bool:
+    """Whether the optimizer step that starts with ``global_step == step`` fake-quantizes."""
+    return step >= after_n_steps
+
+
+class FakeQuantScheduleCallback(TrainerCallback):
+    """Fake quant off for the first ``after_n_steps`` optimizer steps, then on.
+
+    Decided from ``state.global_step`` at the start of training and of every step, so a run resumed
+    from a checkpoint saved before or after step N is in the right state from its first step.
+    """
+
+    def __init__(self, after_n_steps: int):
+        if isinstance(after_n_steps, bool) or not isinstance(after_n_steps, int) or after_n_steps < 0:
+            raise ValueError(f"after_n_steps must be an integer >= 0, got {after_n_steps!r}")
+        self.after_n_steps = after_n_steps
+        self.enabled: bool | None = None
+
+    def _apply(self, state, model):
+        enabled = fake_quant_enabled_at(state.global_step, self.after_n_steps)
+        if enabled != self.enabled and model is not None:
+            set_fake_quant_enabled(model, enabled)
+            self.enabled = enabled
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.enabled = None  # resuming: global_step was restored before this call
+        self._apply(state, model)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self._apply(state, model)
+
+
+def convert_qat(model: nn.Module, config: QATConfig) -> list[str]:
+    """Replace every fake-quantized linear of ``model`` by an ``nn.Linear`` with a torchao quantized weight.
+
+    Returns the converted module names. ``config`` gives torchao's PTQ config (it must be the one
+    the layers were trained with). In place; the model is for inference afterwards.
+    """
+    from torchao.quantization import quantize_
+
+    fq_types = _torchao_fake_quantized_types()
+    names = [n for n, m in model.named_modules() if isinstance(m, (QATLinear, *fq_types))]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        module = getattr(parent, attr)
+        setattr(parent, attr, module.to_linear())
+    targets = set(names)
+    quantize_(model, config.base_config(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in targets)
+    return names
+
+
+__all__ = ["QAT_SCHEMES", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "prepare_qat", "convert_qat",
+           "set_fake_quant_enabled", "fake_quant_enabled_at", "FakeQuantScheduleCallback", "get_scheme"]

@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""How much of the perplexity that post-training quantization (PTQ) loses does QAT recover?
+
+    python scripts/eval_qat.py --json docs/results/qat_h200.json --markdown docs/results/qat_h200.md
+
+1. Pretrain a Llama-style model from scratch on real text (English prose that ships with CPython,
+   `hf_lowbit.data.python_docs_corpus`, BPE trained here, 10% of the documents held out): the base.
+2. From the base, fine-tune the same number of steps on the same batches twice: plain (bf16
+   autocast) and with QAT fake quantization (`hf_lowbit.qat`), then convert both with torchao.
+3. Held-out perplexity of: the base; the base PTQ'd; the bf16 fine-tune; the bf16 fine-tune PTQ'd
+   (what PTQ loses); the QAT fine-tune converted (what QAT keeps). All evaluated in float32.
+
+recovered = (ppl[ft PTQ] - ppl[QAT converted]) / (ppl[ft PTQ] - ppl[ft bf16]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+from hf_lowbit.bench import write_results  # noqa: E402
+from hf_lowbit.data import build_bpe_tokenizer, pack, python_docs_corpus, split_records  # noqa: E402
+from hf_lowbit.qat import QAT_SCHEMES, QATConfig, convert_qat, prepare_qat  # noqa: E402
+
+
+def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None) -> list[float]:
+    """AdamW with warm-up + cosine, bf16 autocast, random batches drawn from ``seed`` (same for every run)."""
+    fwd = fwd or model
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+    warm = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / steps))))
+    order = torch.Generator().manual_seed(seed)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        ids = blocks[torch.randint(0, blocks.shape[0], (a.batch,), generator=order)].to(a.device)
+        with torch.autocast(device_type=torch.device(a.device).type, dtype=torch.bfloat16):
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@torch.no_grad()
+def perplexity(model, blocks, a) -> float:
+    """exp(mean token loss) over the held-out blocks, float32, no autocast."""
+    model.eval()
+    total = count = 0.0
+    for b in blocks.split(a.batch):
+        b = b.to(a.device)
+        total += model(input_ids=b, labels=b).loss.item() * b.numel()
+        count += b.numel()
+    return math.exp(total / count)
+
+
+def ptq(model, config: QATConfig):
+    """A converted copy of ``model`` (no training): torchao's quantization of its weights as they are."""
+    q = copy.deepcopy(model)
+    prepare_qat(q, config)
+    convert_qat(q, config)
+    return q
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in (("layers", 4), ("hidden", 512), ("intermediate", 1536), ("heads", 8), ("kv_heads", 4),
+                          ("seq", 256), ("batch", 32), ("pretrain_steps", 1500), ("finetune_steps", 300),
+                          ("vocab", 4096), ("group_size", 64), ("seed", 0), ("max_docs", 0), ("eval_blocks", 0)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--scheme", default="8da4w", choices=list(QAT_SCHEMES))
+    p.add_argument("--pretrain_lr", type=float, default=2e-3)
+    p.add_argument("--finetune_lr", type=float, default=3e-4)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    a = p.parse_args()
+    t0 = time.time()
+    config = QATConfig(a.scheme, a.group_size)
+
+    docs = python_docs_corpus()
+    if a.max_docs:
+        docs = docs[: a.max_docs]
+    train_docs, eval_docs = split_records(docs, 0.1, a.seed)
+    tok = build_bpe_tokenizer(train_docs, a.vocab)
+    train_blocks, eval_blocks = pack(train_docs, tok, a.seq).blocks, pack(eval_docs, tok, a.seq).blocks
+    if a.eval_blocks:  # a smaller held-out set (smoke runs)
+        eval_blocks = eval_blocks[: a.eval_blocks]
+    # pretraining and fine-tuning see disjoint halves of the training blocks
+    half = train_blocks.shape[0] // 2
+    pre_blocks, ft_blocks = train_blocks[:half], train_blocks[half:]
+
+    torch.manual_seed(a.seed)
+    model_config = LlamaConfig(vocab_size=len(tok), hidden_size=a.hidden, intermediate_size=a.intermediate,
+                               num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                               max_position_embeddings=a.seq, tie_word_embeddings=False, use_cache=False)
+    base = AutoModelForCausalLM.from_config(model_config).to(a.device)
+    pre_losses = train(base, pre_blocks, a, a.pretrain_steps, a.pretrain_lr, a.seed,
+                       torch.compile(base) if a.compile else None)
+    rows = {"base bf16": perplexity(base, eval_blocks, a), "base PTQ": perplexity(ptq(base, config), eval_blocks, a)}
+
+    runs = {}
+    for kind in ("bf16", "qat"):
+        model = copy.deepcopy(base)
+        if kind == "qat":
+            report = prepare_qat(model, config)
+            print(report.summary(), flush=True)
+        runs[kind] = train(model, ft_blocks, a, a.finetune_steps, a.finetune_lr, a.seed + 1,
+                           torch.compile(model) if a.compile else None)
+        if kind == "bf16":
+            rows["fine-tuned bf16"] = perplexity(model, eval_blocks, a)
+            rows["fine-tuned PTQ"] = perplexity(ptq(model, config), eval_blocks, a)
+        else:
+            rows["QAT fine-tuned, fake quant"] = perplexity(model, eval_blocks, a)
+            convert_qat(model, config)
+            rows["QAT fine-tuned, converted"] = perplexity(model, eval_blocks, a)
+
+    lost = rows["fine-tuned PTQ"] - rows["fine-tuned bf16"]
+    recovered = (rows["fine-tuned PTQ"] - rows["QAT fine-tuned, converted"]) / lost if lost > 0 else float("nan")
+    meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
+            "python": platform.python_version(), "command": " ".join(sys.argv), "seconds": time.time() - t0,
+            "corpus": {"documents": len(docs), "pretrain_tokens": pre_blocks.numel(),
+                       "finetune_tokens": ft_blocks.numel(), "eval_tokens": eval_blocks.numel()},
+            "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown")}}
+    result = {"meta": meta, "perplexity": rows, "ptq_loss": lost, "recovered": recovered,
+              "pretrain_losses": pre_losses, "finetune_losses": runs}
+    table = [f"| model ({a.scheme}, group {a.group_size}) | held-out perplexity |", "|---|---|"]
+    table += [f"| {k} | {v:.3f} |" for k, v in rows.items()]
+    table.append(f"| **QAT recovers** | **{recovered:.0%}** of the {lost:.3f} perplexity PTQ loses |")
+    write_results(result, table, f"{meta['device']}, torch {meta['torch']}, {meta['corpus']}, {meta['seconds']:.0f} s",
+                  a.json, a.markdown)
+
+
+if __name__ == "__main__":
+    main()

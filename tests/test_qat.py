@@ -1,0 +1,301 @@
+"""QAT: fake quant against torchao's quantization, the delay (also across resume), convert -> export -> load."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import snr_db, tiny_model
+from peft import LoraConfig
+from torch import nn
+from transformers import TrainerCallback
+
+from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
+from hf_lowbit.data import ARITHMETIC_CHARS, arithmetic_records, build_char_tokenizer, format_records, pack
+from hf_lowbit.ops.fake_quant import fake_quant_per_group_sym, fake_quant_per_token_asym
+from hf_lowbit.qat import QATConfig, QATLinear, convert_qat, prepare_qat, qat_linear, set_fake_quant_enabled
+
+TOKENIZER = build_char_tokenizer(ARITHMETIC_CHARS)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _data(n_blocks=32, block=32):
+    train, _ = arithmetic_records(n_blocks * block // 8, 1, seed=0)
+    ds = pack(format_records(train, TOKENIZER, "arith"), TOKENIZER, block)
+    ds.blocks = ds.blocks[:n_blocks]
+    return ds
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=3e-3,
+                logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+                optim="adamw_torch", use_cpu=True, qat_scheme="8da4w", qat_group_size=32)
+    base.update(kw)
+    return LowBitTrainingArguments(**base)
+
+
+def _model(**kw):
+    return tiny_model(vocab_size=len(TOKENIZER), **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quant_equals_torchao_convert(dtype):
+    """The fake-quantized weight is what torchao's convert stores; the QAT linear computes what the converted one does."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
+
+    w = torch.randn(48, 128, dtype=dtype)
+    x = torch.randn(3, 5, 128, dtype=dtype) * 2 + 0.3
+    layer = nn.Sequential(nn.Linear(128, 48, bias=False, dtype=dtype))
+    layer[0].weight.data.copy_(w)
+    quantize_(layer, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32)))
+    assert type(layer[0].weight).__name__ == "IntxUnpackedToInt8Tensor"
+    assert torch.equal(fake_quant_per_group_sym(w, 32), layer[0].weight.dequantize())
+    with torch.no_grad():
+        ours = qat_linear(x, w, None, QATConfig("8da4w", 32))
+        assert torch.equal(ours, layer(x))
+    assert snr_db(F.linear(x, w), ours) > 15  # and it is a quantization of the plain product
+
+
+def test_fake_quant_equals_torchao_fake_quantizers_in_fp32():
+    from torchao.quantization.qat import IntxFakeQuantizeConfig
+    from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
+
+    x = torch.randn(7, 256) * 3 + 1
+    w = torch.randn(16, 256)
+    act = IntxFakeQuantizer(IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False))
+    wq = IntxFakeQuantizer(IntxFakeQuantizeConfig(torch.int4, group_size=64, is_symmetric=True))
+    assert torch.equal(fake_quant_per_token_asym(x), act(x))
+    assert torch.equal(fake_quant_per_group_sym(w, 64), wq(w))
+    # int8 per token: at most half a step from the input; int4 keeps 16 levels per group
+    step = (x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)) / 255
+    assert ((fake_quant_per_token_asym(x) - x).abs() <= step / 2 + 1e-6).all()
+    assert fake_quant_per_group_sym(w, 64).reshape(16, 4, 64).unique(dim=-1).shape[-1] <= 64
+
+
+def test_qat_linear_gradients_are_straight_through():
+    x = torch.randn(2, 6, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    b = torch.randn(32, requires_grad=True)
+    g = torch.randn(2, 6, 32)
+    qat_linear(x, w, b, QATConfig("8da4w", 32)).backward(g)
+    xq = fake_quant_per_token_asym(x.detach()).requires_grad_()
+    wq = fake_quant_per_group_sym(w.detach(), 32).requires_grad_()
+    bq = b.detach().clone().requires_grad_()
+    F.linear(xq, wq, bq).backward(g)
+    torch.testing.assert_close(x.grad, xq.grad)
+    torch.testing.assert_close(w.grad, wq.grad)
+    torch.testing.assert_close(b.grad, bq.grad)
+
+
+def test_qat_linear_traces_without_graph_break():
+    layer = QATLinear.from_linear(nn.Linear(64, 32), QATConfig("8da4w", 32))
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 64, requires_grad=True)
+    compiled(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_non_divisible_layers_are_skipped_and_reported():
+    model = _model(intermediate_size=96)
+    report = prepare_qat(model, QATConfig("8da4w", 64))
+    skipped = {e.name: e.reason for e in report.skipped}
+    assert "in_features 96 is not a multiple of 64" in skipped["model.layers.0.mlp.down_proj"]
+    assert isinstance(model.model.layers[0].mlp.up_proj, QATLinear)
+    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
+    assert "lm_head" in skipped and "model.embed_tokens" in skipped
+    assert len(report.swapped) == 12
+    # through the arguments: nothing divisible is an error naming the field, not a silent no-op
+    with pytest.raises(ValueError, match="qat_group_size"):
+        LowBitTrainer(_model(), _args("/tmp/unused", qat_group_size=48))
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="qat_scheme='nf4'.*valid schemes: 8da4w, int4_weight_only"):
+        LowBitTrainingArguments(output_dir="x", qat_scheme="nf4")
+    with pytest.raises(ValueError, match="qat_group_size"):
+        LowBitTrainingArguments(output_dir="x", qat_scheme="8da4w", qat_group_size=1)
+    with pytest.raises(ValueError, match="qat_fake_quant_after_n_steps"):
+        LowBitTrainingArguments(output_dir="x", qat_scheme="8da4w", qat_fake_quant_after_n_steps=-1)
+    with pytest.raises(ValueError, match="int8_mixed_precision"):
+        LowBitTrainingArguments(output_dir="x", qat_scheme="8da4w", int8_mixed_precision=True)
+    with pytest.raises(ValueError, match="valid schemes"):
+        QATConfig("int3")
+
+
+class _Recorder(TrainerCallback):
+    """Which optimizer steps (1-based global_step after the step) ran with fake quant."""
+
+    def __init__(self):
+        self.steps = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        layer = model.model.layers[0].mlp.up_proj
+        self.steps[state.global_step] = layer.fake_quant_enabled
+
+
+def test_delay_switches_at_step_n_also_across_resume(tmp_path):
+    ds = _data()
+    kw = dict(max_steps=6, qat_fake_quant_after_n_steps=3, save_strategy="steps", save_steps=2)
+    rec = _Recorder()
+    trainer = LowBitTrainer(_model(), _args(tmp_path, **kw), train_dataset=ds, callbacks=[rec])
+    assert not trainer.model.model.layers[0].mlp.up_proj.fake_quant_enabled  # off until step N
+    trainer.train()
+    # steps 1..3 (global_step 0..2 at their start) without, 4..6 with fake quant
+    assert rec.steps == {1: False, 2: False, 3: False, 4: True, 5: True, 6: True}
+    for ckpt, expected in (("checkpoint-2", {3: False, 4: True, 5: True, 6: True}),
+                           ("checkpoint-4", {5: True, 6: True})):
+        rec = _Recorder()
+        resumed = LowBitTrainer(_model(), _args(tmp_path, **kw), train_dataset=ds, callbacks=[rec])
+        resumed.train(resume_from_checkpoint=str(tmp_path / ckpt))
+        assert rec.steps == expected, ckpt
+
+
+def test_set_fake_quant_enabled_for_custom_loops():
+    model = _model()
+    prepare_qat(model, QATConfig("8da4w", 32), enabled=False)
+    ids = torch.randint(0, len(TOKENIZER), (2, 16))
+    plain = _model()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain(ids).logits)
+        assert set_fake_quant_enabled(model, True) == 14
+        assert not torch.equal(model(ids).logits, plain(ids).logits)
+
+
+_LOAD = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path, ids = sys.argv[1], torch.load(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(path)
+assert "hf_lowbit" not in sys.modules
+w = model.model.layers[0].mlp.up_proj.weight
+with torch.no_grad():
+    logits = model(ids).logits
+out = model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+tok = AutoTokenizer.from_pretrained(path)
+torch.save({"logits": logits, "weight_type": type(w).__name__, "generated": out.shape[1], "vocab": len(tok),
+            "head_type": type(model.lm_head.weight.data).__name__}, sys.argv[3])
+"""
+
+
+def _load_in_fresh_process(path, ids, tmp_path):
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", _LOAD, str(path), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(tmp_path / "out.pt")
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_train_convert_export_load_in_fresh_process(tmp_path, lora):
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None
+    trainer = LowBitTrainer(_model(), _args(tmp_path / "run", max_steps=3), train_dataset=_data(),
+                            processing_class=TOKENIZER, peft_config=peft_config)
+    if lora:  # LoRA over the fake-quantized base
+        assert isinstance(trainer.model.base_model.model.model.layers[0].mlp.up_proj.base_layer, QATLinear)
+    trainer.train()
+    files = trainer.save_quantized(str(tmp_path / "q"))
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= set(files)
+    assert not any(n.startswith(".tmp") for n in os.listdir(tmp_path))  # the temporary dir was renamed
+    model = trainer.model
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "IntxUnpackedToInt8Tensor"
+    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "torchao"
+    assert config["quant_type"]["default"]["_type"] == "Int8DynamicActivationIntxWeightConfig"
+    assert "8da4w" in (tmp_path / "q" / "README.md").read_text()
+    ids = torch.randint(0, len(TOKENIZER), (2, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+    if lora:  # the fresh process (no hf_lowbit import) once; the plain case loads in this process (faster)
+        got = _load_in_fresh_process(tmp_path / "q", ids, tmp_path)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "q"))
+        with torch.no_grad():
+            got = {"logits": loaded(ids).logits, "weight_type": type(loaded.model.layers[0].mlp.up_proj.weight).__name__,
+                   "head_type": type(loaded.lm_head.weight.data).__name__, "vocab": len(TOKENIZER),
+                   "generated": loaded.generate(ids[:1, :5], max_new_tokens=4, do_sample=False).shape[1]}
+    assert got["weight_type"] == "IntxUnpackedToInt8Tensor" and got["head_type"] == "Tensor"
+    assert torch.equal(got["logits"], ref)
+    assert got["generated"] == 9 and got["vocab"] == len(TOKENIZER)
+
+
+def test_push_to_hub_uploads_exactly_the_saved_files(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id)))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder",
+                        lambda self, repo_id, folder_path, **kw: calls.append(("upload", repo_id, sorted(os.listdir(folder_path)))))
+    trainer = LowBitTrainer(_model(), _args(tmp_path / "run", max_steps=1), train_dataset=_data(8),
+                            processing_class=TOKENIZER)
+    trainer.train()
+    files = trainer.save_quantized(str(tmp_path / "q"))
+    trainer.model.push_to_hub("me/tiny-8da4w")
+    assert calls == [("create", "me/tiny-8da4w"), ("upload", "me/tiny-8da4w", files)]
+
+
+def test_save_quantized_refuses_foreign_directory_and_leaves_nothing(tmp_path):
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "notes.txt").write_text("mine")
+    model = _model()
+    prepare_qat(model, QATConfig("8da4w", 32))
+    from hf_lowbit import save_quantized
+
+    with pytest.raises(FileExistsError, match="neither empty"):
+        save_quantized(model, str(tmp_path / "q"), QATConfig("8da4w", 32))
+    assert sorted(os.listdir(tmp_path)) == ["q"] and os.listdir(tmp_path / "q") == ["notes.txt"]
+
+
+def test_convert_int4_weight_only():
+    model = _model()
+    prepare_qat(model, QATConfig("int4_weight_only", 32))
+    ids = torch.randint(0, len(TOKENIZER), (2, 12))
+    with torch.no_grad():
+        fake = model(ids).logits
+        names = convert_qat(model, QATConfig("int4_weight_only", 32))
+        real = model(ids).logits
+    assert len(names) == 14
+    torch.testing.assert_close(real, fake, rtol=1e-4, atol=1e-4)
+
+
+def test_sft_cli_qat_writes_quantized_checkpoint(tmp_path, capsys):
+    from hf_lowbit.sft import main
+
+    metrics = main(["--output_dir", str(tmp_path), "--max_steps", "3", "--eval_strategy", "no", "--qat_scheme", "8da4w",
+                    "--qat_fake_quant_after_n_steps", "1", "--arithmetic_train_records", "300",
+                    "--arithmetic_eval_records", "4", "--disable_tqdm", "True"])
+    out = capsys.readouterr().out
+    assert "[hf_lowbit] qat: 14 modules swapped" in out and "int8_mixed_precision" not in out
+    files = set(os.listdir(metrics["quantized_dir"]))
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= files
+
+
+def test_eval_qat_smoke(tmp_path, monkeypatch):
+    """scripts/eval_qat.py end to end on a tiny model (the corpus cut to pydoc's topic pages to stay fast)."""
+    import importlib.util
+
+    import pydoc_data.topics
+
+    spec = importlib.util.spec_from_file_location("eval_qat", os.path.join(ROOT, "scripts", "eval_qat.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    topics = pydoc_data.topics.topics
+    monkeypatch.setattr(script, "python_docs_corpus", lambda: [topics[k] for k in sorted(topics)])
+    out = tmp_path / "qat.json"
+    monkeypatch.setattr(sys, "argv", ["eval_qat.py", "--device", "cpu", "--layers", "1", "--hidden", "64",
+                                      "--intermediate", "128", "--heads", "4", "--kv_heads", "2", "--seq", "32",
+                                      "--batch", "4", "--pretrain_steps", "3", "--finetune_steps", "2", "--vocab", "300",
+                                      "--group_size", "32", "--eval_blocks", "8", "--json", str(out)])
+    script.main()
+    data = json.loads(out.read_text())
+    ppl = data["perplexity"]
+    assert set(ppl) == {"base bf16", "base PTQ", "fine-tuned bf16", "fine-tuned PTQ", "QAT fine-tuned, fake quant",
+                        "QAT fine-tuned, converted"}
+    assert all(1 < v < 1e4 for v in ppl.values())
+    assert len(data["finetune_losses"]["qat"]) == 2 and data["ptq_loss"] == ppl["fine-tuned PTQ"] - ppl["fine-tuned bf16"]
