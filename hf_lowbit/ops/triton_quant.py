@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-_CHUNK_M = 512  # rows per partial absmax
+_CHUNK_M = 1024  # rows per partial absmax
 
 
 @triton.jit
@@ -82,9 +82,11 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float) -> tupl
     q = torch.empty((N, M), dtype=qdtype, device=x.device)
     scale = torch.empty((N,), dtype=torch.float32, device=x.device)
     small = x.device.type == "cpu"  # the interpreter: small tiles
-    bm, bn = (16, 16) if small else (32, 256)  # wide rows: 512-byte contiguous loads of bf16
+    # 64x64 tiles, 4 warps: measured on the H200 at 0.13 ms mean per call in the bench; 32x256 with
+    # 8 warps was 3x slower
+    bm, bn = (16, 16) if small else (64, 64)
     _col_amax_kernel[(n_chunks, triton.cdiv(N, bn))](x, part, M, N, x.stride(0), x.stride(1), CHUNK_M=_CHUNK_M,
-                                                     BLOCK_M=bm, BLOCK_N=bn, num_warps=4 if small else 8)
+                                                     BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
     bm, bn = (16, 16) if small else (128, 64)
     _quantize_t_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x, part, q, scale, M, N, n_chunks, x.stride(0), x.stride(1), QMAX=qmax,
