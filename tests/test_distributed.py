@@ -71,6 +71,13 @@ def one_process(tmp_path_factory):
     return out
 
 
+def test_lowbit_linear_under_fully_shard():
+    """fully_shard's DTensor parameters reach the INT8/FP8 Function as plain all-gathered tensors."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_fsdp2_lowbit_linear.py"), str(_free_port())],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and "fully_shard OK" in proc.stdout, proc.stderr[-3000:]
+
+
 def _launch(config: str, tmp_path) -> subprocess.CompletedProcess:
     per_rank = ["--per_device_train_batch_size", str(GLOBAL_BATCH // PROCESSES), "--save_strategy", "steps",
                 "--save_steps", "2"]
