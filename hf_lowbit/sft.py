@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     model.config.use_cache = True  # the saved config serves inference
 
-    metrics = {"train_blocks": len(train_ds), "block_size": data_args.block_size}
+    acc = trainer.accelerator
+    metrics = {"train_blocks": len(train_ds), "block_size": data_args.block_size,
+               "distributed_type": str(acc.distributed_type).split(".")[-1], "num_processes": acc.num_processes,
+               "train_losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
     if timer.step_ms() is not None:
         metrics["train_step_ms"] = timer.step_ms()
     if eval_ds is not None:
@@ -160,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
         metrics.update(eval_loss=ev["eval_loss"], eval_perplexity=math.exp(min(ev["eval_loss"], 50)))
     if embedded:
         metrics["eval_accuracy"] = completion_accuracy(trainer.model, tokenizer, eval_records)
+    if trainer.is_fsdp_enabled:  # checkpoints stay sharded; the final model is gathered to rank 0, written once
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(args.output_dir)
     quantized_dir = None
     if args.qat_scheme is not None and trainer.is_world_process_zero():
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open(os.path.join(args.output_dir, "sft_metrics.json"), "w") as f:
             json.dump(metrics, f, indent=2)
         print("[hf_lowbit] final: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                for k, v in metrics.items()))
+                                                for k, v in metrics.items() if not isinstance(v, list)))
         print(f"[hf_lowbit] model and tokenizer saved to {args.output_dir}")
         if quantized_dir:
             print(f"[hf_lowbit] {args.qat_scheme} quantized checkpoint saved to {quantized_dir}")

@@ -117,19 +117,6 @@ def test_parquet_through_datasets(tmp_path):
         load_records(str(bad))
 
 
-@pytest.mark.slow
-def test_accelerate_launch_two_process_ddp_on_cpu(tmp_path):
-    """`accelerate launch` runs scripts/sft.py in 2 CPU processes (gloo DDP); the report prints once."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", os.path.join(ROOT, "scripts", "sft.py"), "--max_steps", "4",
-           "--arithmetic_train_records", "2000", "--arithmetic_eval_records", "10",
-           "--output_dir", str(tmp_path), "--disable_tqdm", "True"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("int8_mixed_precision: 14 modules swapped") == 1
-    assert "[hf_lowbit] final:" in proc.stdout and os.path.exists(tmp_path / "model.safetensors")
-
-
 def test_eval_set_shorter_than_a_block_warns_and_trains(tmp_path):
     with pytest.warns(UserWarning, match="no held-out loss"):
         metrics = main(["--output_dir", str(tmp_path), "--max_steps", "2", "--arithmetic_train_records", "500",
