@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(args.output_dir)
     quantized_dir = None
-    if args.qat_scheme is not None and trainer.is_world_process_zero():
+    if args.qat_scheme is not None:  # every rank: a distributed run gathers the model, rank 0 writes it
         quantized_dir = os.path.join(args.output_dir, "quantized")  # converted: loads with from_pretrained
         trainer.save_quantized(quantized_dir)
         metrics["quantized_dir"] = quantized_dir

@@ -45,12 +45,29 @@ class LowBitTrainer(Trainer):
         if self.args.qat_scheme is None:
             raise ValueError("LowBitTrainer.save_quantized needs LowBitTrainingArguments(qat_scheme=...): "
                              "the model was not trained with fake quantization")
-        if self.args.world_size > 1:
-            raise NotImplementedError("LowBitTrainer.save_quantized runs in a single process: gather the "
-                                      "model with trainer.save_model(), reload it and export from one process")
-        self.model = merge_lora(self.model)
         config = QATConfig(scheme=self.args.qat_scheme, group_size=self.args.qat_group_size)
+        if self.args.world_size > 1 or self.is_fsdp_enabled:
+            return self._save_quantized_gathered(path, config)
+        self.model = merge_lora(self.model)
         return save_quantized(self.model, path, config, tokenizer=self.processing_class)
+
+    def _save_quantized_gathered(self, path: str, config: QATConfig) -> list[str]:
+        """Distributed (DDP / FSDP2): every rank takes part in gathering the full state dict; rank 0
+        loads it into an unsharded copy of the model on the CPU, converts and writes it once."""
+        from peft import PeftModel
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        model = self.accelerator.unwrap_model(self.model)
+        if isinstance(model, PeftModel):
+            raise NotImplementedError("LowBitTrainer.save_quantized of a LoRA model in a distributed run: save the "
+                                      "adapter (trainer.save_model), then merge and export from one process")
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        files = []
+        if self.is_world_process_zero():
+            files = save_quantized(_unsharded_copy(model, state, self.args), path, config,
+                                   tokenizer=self.processing_class)
+        self.accelerator.wait_for_everyone()
+        return files
 
     def check_setup(self) -> list[str]:
         """Warn about what in this run keeps the recipes from being fast or stable (see validation)."""
@@ -63,6 +80,17 @@ class LowBitTrainer(Trainer):
     def train(self, *args, **kwargs):
         self.check_setup()
         return super().train(*args, **kwargs)
+
+
+def _unsharded_copy(model, state: dict, args: LowBitTrainingArguments):
+    """A CPU copy of ``model`` (a transformers model, maybe FSDP2-sharded) holding the full ``state``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # fully_shard's subclass -> the model's
+    copy = cls._from_config(model.config, torch_dtype=next(iter(state.values())).dtype)
+    apply_recipes(copy, args)  # the same swaps, so module types and state-dict keys match
+    copy.load_state_dict(state)
+    return copy
 
 
 def _inspect_shapes(dataset, batch_size: int) -> tuple[bool | None, int | None]:

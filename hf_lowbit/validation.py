@@ -19,6 +19,8 @@ class LowBitWarning(UserWarning):
 OPTIMIZER_ALLOWLIST = frozenset({
     "adamw_torch", "adamw_torch_fused", "adamw_hf", "adafactor", "sgd", "adagrad", "rmsprop",
 })
+# Compute capability whose tensor cores a recipe's matmuls use (INT8: Ampere; FP8 e4m3: Ada/Hopper).
+_NEEDS = {"int8_mixed_precision": (8, 0), "fp8_mixed_precision": (8, 9)}
 # Below this many tokens per micro-batch the quantization overhead beat the INT8 speedup (seed, A100).
 MIN_TOKENS_FOR_SPEEDUP = 4 * 2048
 
@@ -36,14 +38,16 @@ def check_training_setup(*, recipes: list[str], device: torch.device | str, comp
     names = "+".join(recipes)
     device = torch.device(device)
     found = []
+    need = max(_NEEDS.get(r, (8, 0)) for r in recipes)
+    cores = "FP8" if need >= (8, 9) else "INT8"
     if device.type != "cuda":
         found.append(f"{names} on {device.type}: results are correct but not faster than bf16; the speedup "
-                     "needs an NVIDIA GPU with INT8 tensor cores (sm_80 or newer).")
+                     f"needs an NVIDIA GPU with {cores} tensor cores (sm_{need[0]}{need[1]} or newer).")
     else:
         major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            found.append(f"{names} on a GPU of compute capability {major}.{minor}: results are correct but not "
-                         "faster; the speedup needs sm_80 or newer.")
+        if (major, minor) < need:
+            found.append(f"{names} on a GPU of compute capability {major}.{minor}: the speedup needs "
+                         f"{cores} tensor cores, sm_{need[0]}{need[1]} or newer.")
     if not compiled:
         found.append(f"{names} without torch_compile=True: quantization runs as separate eager kernels and "
                      "training will be slower than bf16. Set torch_compile=True.")

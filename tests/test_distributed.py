@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {
     "int8_mixed_precision": ["--int8_mixed_precision", "True", "--fp8_mixed_precision", "False"],
     "fp8_mixed_precision": ["--int8_mixed_precision", "False", "--fp8_mixed_precision", "True"],
+    "qat": ["--int8_mixed_precision", "False", "--fp8_mixed_precision", "False", "--qat_scheme", "8da4w"],
 }
 CONFIGS = {"ddp": "MULTI_CPU", "fsdp2": "FSDP"}  # config file -> accelerate's distributed type
 STEPS, GLOBAL_BATCH, PROCESSES = 4, 8, 2
@@ -115,6 +116,10 @@ def test_two_processes_match_one_and_resume(config, one_process, tmp_path):
         # the final model is whole (FSDP2 gathers it for the last save) and holds every weight
         state = load_file(tmp_path / recipe / "model.safetensors")
         assert "model.layers.1.mlp.down_proj.weight" in state and state["lm_head.weight"].shape == (16, 128)
+        if recipe == "qat":  # save_quantized from a distributed run: gathered, converted, written once by rank 0
+            with open(tmp_path / recipe / "quantized" / "config.json") as f:
+                assert json.load(f)["quantization_config"]["quant_method"] == "torchao"
+            assert (tmp_path / recipe / "quantized" / "model.safetensors").is_file()
         run_losses[recipe] = losses
 
     checkpoint = tmp_path / next(iter(RECIPES)) / "checkpoint-2"

@@ -50,6 +50,9 @@ def _(a, b, a_scale, b_scale, out_dtype):
 @fp8_scaled_mm.register_kernel("cuda")
 def _(a, b, a_scale, b_scale, out_dtype):
     _check(a, b, a_scale, b_scale)
+    if torch.cuda.get_device_capability(a.device) < (8, 9):
+        raise RuntimeError("fp8_scaled_mm needs FP8 tensor cores (compute capability 8.9 or newer, e.g. L4, H100, "
+                           f"H200); this GPU is {torch.cuda.get_device_name(a.device)}. Use int8_mixed_precision.")
     M, K = a.shape
     N = b.shape[0]
     pad_k, pad_n = -K % ALIGN, -N % ALIGN
