@@ -12,8 +12,11 @@ half=$((steps / 2))
 run="--max_steps $steps --logging_steps $((steps >= 20 ? 5 : 1)) --eval_strategy no --save_strategy steps --save_steps $half
      --arithmetic_train_records 4000 --arithmetic_eval_records 50 --disable_tqdm True --report_to none"
 launch() { accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 1 scripts/sft.py $run "$@"; }
-for recipe in int8_mixed_precision fp8_mixed_precision; do
-  flags="--int8_mixed_precision False --fp8_mixed_precision False --$recipe True"
+declare -A recipes=([int8_mixed_precision]="--int8_mixed_precision True"
+                     [fp8_mixed_precision]="--fp8_mixed_precision True"
+                     [qat]="--qat_scheme 8da4w")
+for recipe in int8_mixed_precision fp8_mixed_precision qat; do
+  flags="--int8_mixed_precision False --fp8_mixed_precision False ${recipes[$recipe]}"
   launch $flags --output_dir "$out/$recipe"
   launch $flags --output_dir "$out/$recipe-resumed" --resume_from_checkpoint "$out/$recipe/checkpoint-$half"
 done
@@ -21,7 +24,7 @@ python3 - "$out" "$half" <<'PY'
 import json, os, sys
 out, half = sys.argv[1], sys.argv[2]
 result = {}
-for recipe in ("int8_mixed_precision", "fp8_mixed_precision"):
+for recipe in ("int8_mixed_precision", "fp8_mixed_precision", "qat"):
     m = json.load(open(os.path.join(out, recipe, "sft_metrics.json")))
     r = json.load(open(os.path.join(out, recipe + "-resumed", "sft_metrics.json")))
     result[recipe] = {"distributed_type": m["distributed_type"], "num_processes": m["num_processes"],
@@ -29,6 +32,7 @@ for recipe in ("int8_mixed_precision", "fp8_mixed_precision"):
                       "eval_loss": m.get("eval_loss"), "eval_accuracy": m.get("eval_accuracy"),
                       "sharded_checkpoint": os.path.isdir(os.path.join(out, recipe, f"checkpoint-{half}", "pytorch_model_fsdp_0")),
                       "final_model": os.path.isfile(os.path.join(out, recipe, "model.safetensors")),
+                      "quantized_export": m.get("quantized_dir"),
                       # a resumed run that started from scratch would have saved its own half-way checkpoint
                       "resume_skipped_first_half": not os.path.exists(os.path.join(out, recipe + "-resumed", f"checkpoint-{half}"))}
 json.dump(result, open(os.path.join(out, "fsdp2_h200.json"), "w"), indent=2)
