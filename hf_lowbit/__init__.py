@@ -2,7 +2,9 @@
 
 from .args import LowBitTrainingArguments
 from .mixed_precision import LowBitLinear, MixedPrecisionConfig, mixed_precision_linear
+from .lora import LoraLinear
 from .prepare import prepare_model
+from .quantized_base import Int8Linear, Nf4Linear, QuantizedBaseConfig, load_quantized_model, quantize_base
 from .swap import LinearFilter, SwapReport, swap_linears
 from .trainer import LowBitTrainer
 from .validation import LowBitWarning, check_training_setup
@@ -12,5 +14,6 @@ __version__ = "0.1.0"
 __all__ = [
     "LowBitTrainer", "LowBitTrainingArguments", "prepare_model",
     "MixedPrecisionConfig", "LowBitLinear", "mixed_precision_linear",
+    "LoraLinear", "Nf4Linear", "Int8Linear", "QuantizedBaseConfig", "quantize_base", "load_quantized_model",
     "LinearFilter", "SwapReport", "swap_linears", "LowBitWarning", "check_training_setup",
 ]

@@ -74,13 +74,15 @@ class LinearFilter:
     ``in_features`` or ``out_features`` below it are too small for low-bit matmuls to pay.
     ``multiple_of``: both features must be multiples of it (a kernel's alignment), else the layer is
     skipped as "shape not supported". ``exclude_output_embeddings``: also skip the model's LM head
-    whatever its name.
+    whatever its name. ``in_multiple_of``: ``in_features`` alone must be a multiple of it (a storage
+    block, e.g. NF4's 64 elements).
     """
 
     exclude: tuple[str, ...] = ("lm_head",)
     min_features: int = 1
     multiple_of: int = 1
     exclude_output_embeddings: bool = True
+    in_multiple_of: int = 1
 
 
 def name_matches(name: str, patterns: Iterable[str]) -> str | None:
@@ -136,6 +138,8 @@ def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], 
             why = f"too small: min(in, out) = {min(shape)} < min_features = {filter.min_features}"
         elif shape[0] % filter.multiple_of or shape[1] % filter.multiple_of:
             why = f"shape not supported: in and out features must be multiples of {filter.multiple_of}"
+        elif shape[1] % filter.in_multiple_of:
+            why = f"shape not supported: in_features must be a multiple of {filter.in_multiple_of}"
         else:
             todo.append((name, module))
             report.entries.append(SwapEntry(name, mtype, shape, SWAPPED, target))
