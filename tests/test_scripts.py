@@ -78,3 +78,59 @@ def test_benchmark_mm_smoke_on_cpu(tmp_path):
     assert {(r["layout"], r["recipe"]) for r in data["matmuls"]} >= {("wgrad", "int8 quantize+matmul"),
                                                                       ("dgrad", "fp8 kernel"), ("fwd", "bf16")}
     assert [q["kernel"] for q in data["quantize"]][0] == "copy (bf16)"
+
+
+def test_benchmark_train_lora_recipes_smoke_on_cpu(tmp_path):
+    out = tmp_path / "lora.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_train.py"), "--device", "cpu", "--no_compile",
+           "--recipes", "lora_bf16,lora_nf4_int8", "--hidden", "256", "--intermediate", "512",
+           "--heads", "4", "--kv_heads", "2", "--vocab", "96", "--layers", "1", "--batch", "1", "--seq", "32",
+           "--warmup", "1", "--steps", "1", "--lora_r", "4", "--grad_checkpointing", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["recipe"] for r in rows] == ["lora_bf16", "lora_nf4_int8"]
+    assert all("error" not in r and r["reference"] == "lora_bf16" for r in rows), rows
+    assert abs(rows[1]["first_loss"] - rows[0]["first_loss"]) < 0.1  # same init, NF4 base close to bf16
+
+
+def _bench_train():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_train", os.path.join(ROOT, "scripts", "benchmark_train.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_benchmark_lora_peers_and_checks_in_process():
+    import torch
+    from conftest import tiny_model
+
+    bench = _bench_train()
+    ids = torch.randint(0, 96, (2, 16))
+    losses = {}
+    for recipe in ("lora_nf4", "lora_torchao_nf4", "lora_torchao_nf4_int8"):
+        model = bench.apply_lora_recipe(tiny_model(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                                   num_key_value_heads=2).bfloat16(), recipe, 16, 4)
+        bench.check_recipe_active(model, recipe, "cpu")
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert any(p.grad is not None for p in model.parameters() if p.requires_grad)
+        losses[recipe] = loss.item()
+    # ours and torchao's NF4 store the same codes: same loss at init (LoRA B = 0)
+    assert losses["lora_nf4"] == losses["lora_torchao_nf4"]
+    assert abs(losses["lora_torchao_nf4_int8"] - losses["lora_nf4"]) < 0.05
+
+
+def test_benchmark_nf4_smoke_on_cpu(tmp_path):
+    out = tmp_path / "nf4.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_nf4.py"), "--device", "cpu", "--rows", "512",
+           "--cols", "256", "--reps", "1", "--load_layers", "1", "--hidden", "128", "--intermediate", "256",
+           "--heads", "4", "--kv_heads", "2", "--vocab", "128", "--min_features", "16", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"hf_lowbit", "torchao", "load_quantized_model"} and not any("error" in r for r in rows.values())
+    assert rows["hf_lowbit"]["codes_equal_torchao"] == 1.0 and rows["hf_lowbit"]["scales_equal_torchao"]
+    assert rows["load_quantized_model"]["swapped"] == 7
