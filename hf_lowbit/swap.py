@@ -153,7 +153,7 @@ def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], 
 
 
 def _shape(module: nn.Module) -> tuple[int, ...]:
-    if isinstance(module, nn.Linear):
+    if isinstance(module, nn.Linear) or hasattr(module, "out_features"):  # quantized bases have no .weight
         return (module.out_features, module.in_features)
     weight = getattr(module, "weight", None)
     return tuple(weight.shape) if weight is not None else ()
