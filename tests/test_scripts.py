@@ -134,3 +134,25 @@ def test_benchmark_nf4_smoke_on_cpu(tmp_path):
     assert set(rows) == {"hf_lowbit", "torchao", "load_quantized_model"} and not any("error" in r for r in rows.values())
     assert rows["hf_lowbit"]["codes_equal_torchao"] == 1.0 and rows["hf_lowbit"]["scales_equal_torchao"]
     assert rows["load_quantized_model"]["swapped"] == 7
+
+
+def test_benchmark_quality_lora_recipes_in_process():
+    """The lora_* recipes of benchmark_quality.py on random tokens: a bf16 pre-trained base, then LoRA over it."""
+    import argparse
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("benchmark_quality", os.path.join(ROOT, "scripts", "benchmark_quality.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a = argparse.Namespace(seed=0, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, seq=32, device="cpu",
+                           min_features=16, compile=False, lr=1e-3, warmup=1, steps=3, batch=4, lora_r=4)
+    gen = torch.Generator().manual_seed(0)
+    train, held_out = torch.randint(0, 64, (16, 32), generator=gen), torch.randint(0, 64, (4, 32), generator=gen)
+    pre = bench.train_one("bf16", a, train, held_out, 64, steps=3, keep_state=True)
+    rows = [bench.train_one(r, a, train, held_out, 64, init_state=pre["state"]) for r in ("lora_bf16", "lora_nf4_int8")]
+    assert all(len(r["losses"]) == 3 for r in rows)
+    # LoRA starts from the pre-trained base (B = 0): its first loss is the base's loss on that batch, near pre's last
+    assert abs(rows[0]["losses"][0] - pre["losses"][-1]) < 0.2
+    assert abs(rows[1]["eval_loss"] / rows[0]["eval_loss"] - 1) < 0.02
