@@ -282,3 +282,31 @@ def test_trainer_qlora_end_to_end(tmp_path):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert torch.equal(base.qweight, before)  # the base stays frozen
+
+
+# ---- CUDA (run on the device) --------------------------------------------------------------------
+
+@pytest.mark.cuda
+def test_cuda_nf4_codes_and_compiled_qlora_layer():
+    from torchao.quantization import to_nf4
+
+    w = torch.randn(1024, 4096, dtype=torch.bfloat16, device="cuda") * 0.02
+    ours, ref = quantize_nf4(w), to_nf4(w)
+    assert torch.equal(ours.scales.view(-1), ref.quantized_scalers)
+    assert (ours.codes.view(-1) == ref.quantized_data).float().mean() > 0.9999  # CUDA argmin ties may differ
+    assert torch.equal(dequantize_nf4(ours), dequantize_nf4(quantize_nf4(w.cpu())).cuda())
+    grads = {}
+    for fmt in ("nf4", "int8"):
+        for compute in (None, INT8):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(4096, 1024, bias=False)).to("cuda", torch.bfloat16)
+            quantize_base(m, QuantizedBaseConfig(fmt, compute=compute), LinearFilter(exclude=()))
+            pm = get_peft_model(m, LoraConfig(r=16, target_modules=["0"], init_lora_weights="gaussian"))
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    nn.init.normal_(p, std=0.02)
+            x = torch.randn(2048, 4096, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            torch.compile(pm, fullgraph=True)(x).float().square().mean().backward()
+            grads[fmt, compute] = [p.grad.float() for p in pm.parameters() if p.requires_grad] + [x.grad.float()]
+        for ref_g, g in zip(grads[fmt, None], grads[fmt, INT8]):
+            assert snr_db(ref_g, g) > 20
