@@ -83,15 +83,14 @@ def test_benchmark_mm_smoke_on_cpu(tmp_path):
 def test_benchmark_train_lora_recipes_smoke_on_cpu(tmp_path):
     out = tmp_path / "lora.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_train.py"), "--device", "cpu", "--no_compile",
-           "--recipes", "lora_bf16,lora_nf4_int8", "--hidden", "256", "--intermediate", "512",
+           "--recipes", "lora_nf4_int8", "--hidden", "256", "--intermediate", "512",
            "--heads", "4", "--kv_heads", "2", "--vocab", "96", "--layers", "1", "--batch", "1", "--seq", "32",
            "--warmup", "1", "--steps", "1", "--lora_r", "4", "--grad_checkpointing", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["recipe"] for r in rows] == ["lora_bf16", "lora_nf4_int8"]
-    assert all("error" not in r and r["reference"] == "lora_bf16" for r in rows), rows
-    assert abs(rows[1]["first_loss"] - rows[0]["first_loss"]) < 0.1  # same init, NF4 base close to bf16
+    assert [r["recipe"] for r in rows] == ["lora_nf4_int8"] and "error" not in rows[0], rows
+    assert rows[0]["reference"] == "lora_nf4_int8" and 4 < rows[0]["first_loss"] < 5  # ~ln(96) at init
 
 
 def _bench_train():
@@ -123,17 +122,22 @@ def test_benchmark_lora_peers_and_checks_in_process():
     assert abs(losses["lora_torchao_nf4_int8"] - losses["lora_nf4"]) < 0.05
 
 
-def test_benchmark_nf4_smoke_on_cpu(tmp_path):
-    out = tmp_path / "nf4.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_nf4.py"), "--device", "cpu", "--rows", "512",
-           "--cols", "256", "--reps", "1", "--load_layers", "1", "--hidden", "128", "--intermediate", "256",
-           "--heads", "4", "--kv_heads", "2", "--vocab", "128", "--min_features", "16", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"hf_lowbit", "torchao", "load_quantized_model"} and not any("error" in r for r in rows.values())
-    assert rows["hf_lowbit"]["codes_equal_torchao"] == 1.0 and rows["hf_lowbit"]["scales_equal_torchao"]
-    assert rows["load_quantized_model"]["swapped"] == 7
+def test_benchmark_nf4_workers_on_cpu():
+    """benchmark_nf4.py's two measurements, in process (tiny shapes; CPU peaks are RSS growth, not asserted)."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_nf4", os.path.join(ROOT, "scripts", "benchmark_nf4.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a = argparse.Namespace(device="cpu", rows=512, cols=256, reps=1, load_layers=1, hidden=128, intermediate=256,
+                           heads=4, kv_heads=2, vocab=128, min_features=16, method="hf_lowbit")
+    row = bench.quantize_worker(a)
+    assert row["codes_equal_torchao"] == 1.0 and row["scales_equal_torchao"] and row["seconds"] > 0
+    a.method = "torchao"
+    assert bench.quantize_worker(a)["peak_total_vs_input"] >= 1.0
+    load = bench.load_worker(a)
+    assert load["swapped"] == 7 and load["nf4_model_gib"] < load["checkpoint_gib"]
 
 
 def test_benchmark_quality_lora_recipes_in_process():

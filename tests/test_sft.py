@@ -138,9 +138,10 @@ def test_eval_set_shorter_than_a_block_warns_and_trains(tmp_path):
 
 
 def test_embedded_qlora_short_run(tmp_path, capsys):
-    metrics = main(["--output_dir", str(tmp_path), "--max_steps", "4", "--eval_strategy", "no",
-                    "--lora_base_quant", "nf4", "--lora_r", "4", "--arithmetic_train_records", "400",
-                    "--arithmetic_eval_records", "4", "--disable_tqdm", "True", "--logging_steps", "2"])
+    metrics = main(["--output_dir", str(tmp_path), "--max_steps", "2", "--eval_strategy", "no",
+                    "--per_device_train_batch_size", "4", "--lora_base_quant", "nf4", "--lora_r", "4",
+                    "--arithmetic_train_records", "200",
+                    "--arithmetic_eval_records", "4", "--disable_tqdm", "True", "--logging_steps", "1"])
     out = capsys.readouterr().out
     assert "[hf_lowbit] lora_base_quant: 14 modules swapped" in out and "NF4 frozen base + INT8 compute" in out
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0
