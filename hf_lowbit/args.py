@@ -47,10 +47,18 @@ class LowBitTrainingArguments(TrainingArguments):
     qat_include_lm_head: bool = field(default=False, metadata={"help": (
         "QAT: also fake-quantize (and convert) the output embedding (LM head); input embeddings always "
         "stay unquantized.")})
+    lora_base_quant: str | None = field(default=None, metadata={"help": (
+        "QLoRA: store each frozen base linear as 'nf4' (4-bit NormalFloat, 64-element blocks) or 'int8' "
+        "(per output channel) in its own module, with LoRA (needs peft_config) on top. With "
+        "int8_mixed_precision its forward and input-gradient matmuls run in INT8.")})
+    lora_base_int8_cache: bool = field(default=False, metadata={"help": (
+        "With lora_base_quant='nf4' and int8_mixed_precision: keep an INT8 copy of each NF4 base, computed once "
+        "(+1 byte per base parameter; saves a dequantize+quantize of every base weight per matmul).")})
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("int8_mixed_precision", "fp8_mixed_precision", "lowbit_output", "lowbit_grad_input", "lowbit_grad_weight"):
+        for name in ("int8_mixed_precision", "fp8_mixed_precision", "lowbit_output", "lowbit_grad_input",
+                     "lowbit_grad_weight", "lora_base_int8_cache"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"LowBitTrainingArguments.{name} must be True or False, got {value!r}")
@@ -81,6 +89,20 @@ class LowBitTrainingArguments(TrainingArguments):
         if self.int8_mixed_precision and self.fp8_mixed_precision:
             raise ValueError("LowBitTrainingArguments.int8_mixed_precision and fp8_mixed_precision are both True: "
                              "each linear computes in one format; choose one")
+        if self.lora_base_quant is not None and self.lora_base_quant not in ("nf4", "int8"):
+            raise ValueError("LowBitTrainingArguments.lora_base_quant must be None, 'nf4' or 'int8', "
+                             f"got {self.lora_base_quant!r}")
+        if self.lora_base_quant and self.qat_scheme is not None:
+            raise ValueError(f"LowBitTrainingArguments.qat_scheme={self.qat_scheme!r} with lora_base_quant="
+                             f"{self.lora_base_quant!r}: QAT fake-quantizes a high-precision base for a later "
+                             "export, a QLoRA base is stored quantized already; use one (QAT + LoRA needs no "
+                             "lora_base_quant)")
+        if self.lora_base_quant and self.fp8_mixed_precision:
+            raise ValueError("LowBitTrainingArguments.lora_base_quant with fp8_mixed_precision is not supported: "
+                             "a quantized base computes in INT8 (int8_mixed_precision) or in the compute dtype")
+        if self.lora_base_int8_cache and not (self.lora_base_quant == "nf4" and self.int8_mixed_precision):
+            raise ValueError("LowBitTrainingArguments.lora_base_int8_cache=True needs lora_base_quant='nf4' and "
+                             "int8_mixed_precision=True (it caches the INT8 form of NF4 bases for INT8 compute)")
         if self.lowbit_recipes and not (self.lowbit_output or self.lowbit_grad_input or self.lowbit_grad_weight):
             raise ValueError(f"LowBitTrainingArguments.{self.lowbit_recipes[0]}=True with lowbit_output, "
                              "lowbit_grad_input and lowbit_grad_weight all False quantizes nothing: "

@@ -15,6 +15,7 @@ from .args import LowBitTrainingArguments
 from .mixed_precision import LowBitLinear, MixedPrecisionConfig
 from .ops.fp8 import ALIGN as FP8_ALIGN
 from .qat import QATConfig, prepare_qat
+from .quantized_base import QUANTIZED_LINEARS, QuantizedBaseConfig, quantize_base
 from .swap import LinearFilter, SwapReport, swap_linears
 
 logger = logging.getLogger("hf_lowbit")
@@ -31,15 +32,25 @@ def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=N
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     reports = []
+    if args.lora_base_quant:  # first: the frozen base is stored quantized and computes as the recipes ask
+        if peft_config is None:
+            raise ValueError(f"LowBitTrainingArguments.lora_base_quant={args.lora_base_quant!r} freezes and quantizes "
+                             "the base linears, which then cannot train: pass peft_config=LoraConfig(...) too")
+        compute = (MixedPrecisionConfig(format="int8", output=args.lowbit_output, grad_input=args.lowbit_grad_input,
+                                        grad_weight=False) if args.int8_mixed_precision else None)
+        config = QuantizedBaseConfig(args.lora_base_quant, compute=compute, int8_cache=args.lora_base_int8_cache)
+        reports.append(quantize_base(model, config, LinearFilter(exclude=tuple(args.lowbit_exclude_modules),
+                                                                 min_features=args.lowbit_min_features)))
     for recipe in args.lowbit_recipes:
         fmt, align = _MIXED_PRECISION[recipe]
         config = MixedPrecisionConfig(format=fmt, output=args.lowbit_output, grad_input=args.lowbit_grad_input,
                                       grad_weight=args.lowbit_grad_weight)
         linear_filter = LinearFilter(exclude=tuple(args.lowbit_exclude_modules),
                                      min_features=args.lowbit_min_features, multiple_of=align)
+        already = (LowBitLinear,) + (QUANTIZED_LINEARS if args.lora_base_quant else ())  # bases set up above
         reports.append(swap_linears(
             model, lambda name, linear: LowBitLinear.from_linear(linear, config), recipe=recipe,
-            target=f"{fmt.upper()} matmuls", filter=linear_filter, already=(LowBitLinear,)))
+            target=f"{fmt.upper()} matmuls", filter=linear_filter, already=already))
     if args.qat_scheme is not None:
         config = QATConfig(scheme=args.qat_scheme, group_size=args.qat_group_size)
         report = prepare_qat(model, config, exclude=tuple(args.lowbit_exclude_modules),
@@ -52,6 +63,9 @@ def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=N
     if peft_config is not None:  # after the swap: LoRA wraps the low-bit base layers
         from peft import get_peft_model
 
+        from .lora import resolve_all_linear
+
+        resolve_all_linear(model, peft_config)  # PEFT's "all-linear" does not know quantized bases
         model = get_peft_model(model, peft_config)
     return model, reports
 

@@ -62,6 +62,34 @@ class DataArguments:
             raise ValueError(f"--max_records must be >= 1, got {self.max_records}")
 
 
+@dataclass
+class LoraArguments:
+    use_lora: bool = field(default=False, metadata={"help": (
+        "Train LoRA adapters (PEFT) instead of the full model; implied by --lora_base_quant.")})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: float = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch's input."})
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={"help": (
+        "Module names (or 'all-linear': every linear but the LM head, quantized bases included) that get adapters.")})
+
+    def __post_init__(self):
+        if self.lora_r < 1:
+            raise ValueError(f"--lora_r must be >= 1, got {self.lora_r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+
+    def peft_config(self, args: LowBitTrainingArguments):
+        """A ``LoraConfig`` when LoRA is asked for (or a quantized base needs it), else None."""
+        if not (self.use_lora or args.lora_base_quant):
+            return None
+        from peft import LoraConfig
+
+        targets = self.lora_target_modules
+        targets = targets[0] if targets == ["all-linear"] else targets
+        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                          target_modules=targets, task_type="CAUSAL_LM")
+
+
 # Training defaults of the embedded run; any flag given on the command line wins.
 EMBEDDED_DEFAULTS = dict(
     output_dir="runs/sft-default", int8_mixed_precision=True, max_steps=1000, per_device_train_batch_size=16,
@@ -99,19 +127,19 @@ def tiny_llama_config(vocab_size: int, block_size: int, **overrides) -> LlamaCon
 
 def parse_args(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
-    parser = HfArgumentParser((ModelArguments, DataArguments, LowBitTrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, LoraArguments, LowBitTrainingArguments))
     embedded = not any(a.split("=")[0] in ("--model_name_or_path", "--dataset") for a in argv)
     if embedded:
         defaults = dict(EMBEDDED_DEFAULTS)
         if any(a.split("=")[0] == "--qat_scheme" for a in argv):  # QAT replaces INT8 compute; hidden 128: group 32
             defaults.update(int8_mixed_precision=False, qat_group_size=32)
         parser.set_defaults(**defaults)
-    model_args, data_args, train_args = parser.parse_args_into_dataclasses(args=argv)
-    return model_args, data_args, train_args, embedded
+    model_args, data_args, lora_args, train_args = parser.parse_args_into_dataclasses(args=argv)
+    return model_args, data_args, lora_args, train_args, embedded
 
 
 def main(argv: list[str] | None = None) -> dict:
-    model_args, data_args, args, embedded = parse_args(argv)
+    model_args, data_args, lora_args, args, embedded = parse_args(argv)
     if (model_args.model_name_or_path is None) != (data_args.dataset is None):
         raise SystemExit("give both --model_name_or_path and --dataset, or neither (the embedded default)")
 
@@ -148,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.eval_strategy = "no"
 
     trainer = LowBitTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                            processing_class=tokenizer, callbacks=[timer := StepTimeCallback()])
+                            processing_class=tokenizer, callbacks=[timer := StepTimeCallback()],
+                            peft_config=lora_args.peft_config(args))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     model.config.use_cache = True  # the saved config serves inference
 

@@ -74,8 +74,8 @@ class LinearFilter:
     ``in_features`` or ``out_features`` below it are too small for low-bit matmuls to pay.
     ``multiple_of``: both features must be multiples of it (a kernel's alignment), else the layer is
     skipped as "shape not supported". ``in_features_multiple_of``: ``in_features`` alone must be a
-    multiple of it (a per-group quantization's group size). ``exclude_output_embeddings``: also skip the model's LM head
-    whatever its name.
+    multiple of it (a quantization group or storage block: QAT's group size, NF4's 64 elements).
+    ``exclude_output_embeddings``: also skip the model's LM head whatever its name.
     """
 
     exclude: tuple[str, ...] = ("lm_head",)
@@ -140,7 +140,7 @@ def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], 
             why = f"shape not supported: in and out features must be multiples of {filter.multiple_of}"
         elif shape[1] % filter.in_features_multiple_of:
             why = (f"shape not supported: in_features {shape[1]} is not a multiple of "
-                   f"{filter.in_features_multiple_of} (the group size)")
+                   f"{filter.in_features_multiple_of} (the quantization group/block size)")
         else:
             todo.append((name, module))
             report.entries.append(SwapEntry(name, mtype, shape, SWAPPED, target))
@@ -154,7 +154,7 @@ def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], 
 
 
 def _shape(module: nn.Module) -> tuple[int, ...]:
-    if isinstance(module, nn.Linear):
+    if isinstance(module, nn.Linear) or hasattr(module, "out_features"):  # quantized bases have no .weight
         return (module.out_features, module.in_features)
     weight = getattr(module, "weight", None)
     return tuple(weight.shape) if weight is not None else ()

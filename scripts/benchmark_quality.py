@@ -8,6 +8,13 @@ The text is English prose that ships with CPython (pydoc topics and standard-lib
 of the documents held out. Each recipe trains the same Llama-style model from the same seed on the
 same batches with a plain PyTorch loop (`hf_lowbit.prepare_model`, bf16 autocast, AdamW); the script
 records every step's loss, the final held-out loss, and each recipe's ratio to bf16.
+
+LoRA recipes (``lora_*``): the model is first pre-trained in bf16 for ``--pretrain_steps`` (once, shared),
+then each LoRA recipe trains r=``--lora_r`` adapters on every decoder linear over that base, stored as the
+recipe says (bf16, NF4, INT8; INT8 compute or not), for ``--steps`` steps on batches the pre-training did
+not see in that order. LoRA rows compare to ``lora_bf16``:
+
+    python scripts/benchmark_quality.py --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --steps 200
 """
 
 from __future__ import annotations
@@ -30,31 +37,45 @@ from hf_lowbit.bench import write_results  # noqa: E402
 from hf_lowbit.data import build_bpe_tokenizer, pack, python_docs_corpus, split_records  # noqa: E402
 
 RECIPES = {"bf16": {}, "int8": {"int8_mixed_precision": True}, "fp8": {"fp8_mixed_precision": True}}
+LORA_RECIPES = {"lora_bf16": {}, "lora_nf4": {"lora_base_quant": "nf4"},
+                "lora_nf4_int8": {"lora_base_quant": "nf4", "int8_mixed_precision": True},
+                "lora_int8_int8": {"lora_base_quant": "int8", "int8_mixed_precision": True}}
 
 
-def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Tensor, vocab: int) -> dict:
+def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Tensor, vocab: int,
+              steps: int | None = None, init_state: dict | None = None, keep_state: bool = False) -> dict:
+    steps = a.steps if steps is None else steps
     torch.manual_seed(a.seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                          num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                          max_position_embeddings=a.seq, tie_word_embeddings=False, use_cache=False)
     model = AutoModelForCausalLM.from_config(config).to(a.device)
+    if init_state is not None:
+        model.load_state_dict(init_state)
+    lora = recipe in LORA_RECIPES
     with tempfile.TemporaryDirectory() as tmp:
         args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=a.min_features,
-                                       **RECIPES[recipe])
-        model = prepare_model(model, args)
+                                       **(LORA_RECIPES if lora else RECIPES)[recipe])
+        peft_config = None
+        if lora:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear")
+        model = prepare_model(model, args, peft_config)
     fwd = torch.compile(model) if a.compile else model
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0 if lora else 0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / a.warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / a.steps))))
-    order = torch.Generator().manual_seed(a.seed)
+        1 + math.cos(math.pi * min(1.0, s / steps))))
+    order = torch.Generator().manual_seed(a.seed + (1 if lora else 0))  # LoRA: a new batch order
     losses = []
-    for step in range(a.steps):
+    for step in range(steps):
         idx = torch.randint(0, train_blocks.shape[0], (a.batch,), generator=order)
         ids = train_blocks[idx].to(a.device)
         with torch.autocast(device_type=torch.device(a.device).type, dtype=torch.bfloat16):
             loss = fwd(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -63,9 +84,12 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
     with torch.no_grad(), torch.autocast(device_type=torch.device(a.device).type, dtype=torch.bfloat16):
         eval_losses = [fwd(input_ids=b.to(a.device), labels=b.to(a.device)).loss.item()
                        for b in eval_blocks.split(a.batch)]
-    tail = max(1, a.steps // 10)
-    return {"recipe": recipe, "losses": losses, "final_train_loss": sum(losses[-tail:]) / tail,
-            "eval_loss": sum(eval_losses) / len(eval_losses)}
+    tail = max(1, steps // 10)
+    row = {"recipe": recipe, "losses": losses, "final_train_loss": sum(losses[-tail:]) / tail,
+           "eval_loss": sum(eval_losses) / len(eval_losses)}
+    if keep_state:
+        row["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return row
 
 
 def main():
@@ -76,15 +100,17 @@ def main():
                           ("min_features", 64), ("seed", 0), ("max_docs", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lora_r", type=int, default=16)
+    p.add_argument("--pretrain_steps", type=int, default=300, help="bf16 pre-training of the base of the lora_* recipes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (as in real training)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--plot", default=None, help="PNG of the loss curves (needs matplotlib)")
     a = p.parse_args()
-    unknown = [r for r in a.recipes.split(",") if r not in RECIPES]
+    unknown = [r for r in a.recipes.split(",") if r not in RECIPES and r not in LORA_RECIPES]
     if unknown:
-        raise SystemExit(f"--recipes: unknown {unknown}; choose from {', '.join(RECIPES)}")
+        raise SystemExit(f"--recipes: unknown {unknown}; choose from {', '.join([*RECIPES, *LORA_RECIPES])}")
 
     docs = python_docs_corpus()
     if a.max_docs:
@@ -93,9 +119,15 @@ def main():
     tok = build_bpe_tokenizer(train_docs, a.vocab)
     train_blocks = pack(train_docs, tok, a.seq).blocks
     eval_blocks = pack(eval_docs, tok, a.seq).blocks
-    rows = [train_one(r, a, train_blocks, eval_blocks, len(tok)) for r in a.recipes.split(",")]
-    base = next((r for r in rows if r["recipe"] == "bf16"), None)
-    for r in rows:
+    pretrained = None
+    if any(r in LORA_RECIPES for r in a.recipes.split(",")):
+        pre = train_one("bf16", a, train_blocks, eval_blocks, len(tok), steps=a.pretrain_steps, keep_state=True)
+        pretrained = pre.pop("state")
+        print(f"pre-trained base: {a.pretrain_steps} steps, held-out loss {pre['eval_loss']:.4f}", flush=True)
+    rows = [train_one(r, a, train_blocks, eval_blocks, len(tok), init_state=pretrained if r in LORA_RECIPES else None)
+            for r in a.recipes.split(",")]
+    for r in rows:  # full fine-tunes vs bf16, LoRA recipes vs lora_bf16
+        base = next((x for x in rows if x["recipe"] == ("lora_bf16" if r["recipe"] in LORA_RECIPES else "bf16")), None)
         if base:
             r["final_train_loss_vs_bf16"] = r["final_train_loss"] / base["final_train_loss"] - 1
             r["eval_loss_vs_bf16"] = r["eval_loss"] / base["eval_loss"] - 1

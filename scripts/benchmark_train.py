@@ -8,6 +8,12 @@ Default bench: a Llama-8B-shaped block (hidden 4096, MLP 14336, 32 heads / 8 KV 
 layer compiled. Each recipe runs in its own process: warm-up steps (compile, autotune) are timed and
 reported apart, then the timed steps give tokens/s, the ratio to bf16, peak memory and the first/last
 loss. The number of compiled graphs and graph breaks is recorded so a silent fall-back to eager shows.
+
+LoRA / QLoRA (see LORA_RECIPES; adapters on every decoder linear, only they train; rows compare to the
+first LoRA recipe of the run):
+
+    python scripts/benchmark_train.py --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --lora_r 16
+    python scripts/benchmark_train.py --recipes lora_bf16,lora_nf4 --layers 32 --batch 1 --grad_checkpointing
 """
 
 from __future__ import annotations
@@ -26,6 +32,70 @@ sys.path.insert(0, ROOT)
 
 RECIPES = ("bf16", "int8", "fp8", "torchao_int8", "torchao_float8", "qat_8da4w", "torchao_qat_8da4w")
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
+# LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
+# INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
+# and the peers: torchtune-style LoRA over a torchao NF4Tensor base (linear_nf4), and that base through
+# torchao's INT8 mixed-precision function. The first LoRA recipe run is the reference of the lora rows.
+LORA_RECIPES = ("lora_bf16", "lora_nf4", "lora_nf4_int8", "lora_nf4_int8cache", "lora_int8_int8",
+                "lora_torchao_nf4", "lora_torchao_nf4_int8")
+_LORA_ARGS = {"lora_bf16": {}, "lora_nf4": dict(lora_base_quant="nf4"),
+              "lora_nf4_int8": dict(lora_base_quant="nf4", int8_mixed_precision=True),
+              "lora_nf4_int8cache": dict(lora_base_quant="nf4", int8_mixed_precision=True, lora_base_int8_cache=True),
+              "lora_int8_int8": dict(lora_base_quant="int8", int8_mixed_precision=True)}
+
+
+def _torchao_nf4_lora(model, r: int, int8: bool):
+    """torchtune-style LoRA (bf16 adapters beside an ``F.linear`` on a torchao ``NF4Tensor``) on every
+    decoder linear; ``int8`` runs the base through torchao's INT8 mixed-precision autograd function."""
+    import torch
+    from torch import nn
+    from torchao.prototype.quantized_training.int8_mixed_precision import (
+        Int8MixedPrecisionTrainingConfig, _Int8MixedPrecisionTrainingLinearFunction)
+    from torchao.quantization import to_nf4
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+    class TorchaoNf4LoraLinear(nn.Module):
+        def __init__(self, linear: nn.Linear):
+            super().__init__()
+            self.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
+            self.lora_a = nn.Linear(linear.in_features, r, bias=False, device=linear.weight.device,
+                                    dtype=linear.weight.dtype)
+            self.lora_b = nn.Linear(r, linear.out_features, bias=False, device=linear.weight.device,
+                                    dtype=linear.weight.dtype)
+            nn.init.zeros_(self.lora_b.weight)
+            self.config = Int8MixedPrecisionTrainingConfig(grad_weight=False) if int8 else None
+
+        def forward(self, x):
+            if self.config is not None:
+                y = _Int8MixedPrecisionTrainingLinearFunction.apply(x, self.weight, None, self.config)
+            else:
+                y = linear_nf4(x, self.weight)
+            return y + self.lora_b(self.lora_a(x)) * 2.0  # alpha / r = 2, as LoraConfig(lora_alpha=2r)
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in model.model.layers:
+        for name, mod in list(layer.named_modules()):
+            if type(mod) is nn.Linear:
+                parent, _, attr = name.rpartition(".")
+                setattr(layer.get_submodule(parent) if parent else layer, attr, TorchaoNf4LoraLinear(mod))
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return model
+
+
+def apply_lora_recipe(model, recipe: str, min_features: int, r: int):
+    """``recipe`` from LORA_RECIPES: returns the model to train (a ``PeftModel`` for ours)."""
+    from peft import LoraConfig
+
+    if recipe in ("lora_torchao_nf4", "lora_torchao_nf4_int8"):
+        return _torchao_nf4_lora(model, r, int8=recipe.endswith("int8"))
+    from hf_lowbit import LowBitTrainingArguments, prepare_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=min_features,
+                                       **_LORA_ARGS[recipe])
+        # lm_head stays full precision and adapter-free, as in PEFT's "all-linear"
+        return prepare_model(model, args, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
 
 
 def apply_recipe(model, recipe: str, min_features: int):
@@ -77,8 +147,21 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
     """Fail loudly if ``recipe`` left the first decoder MLP projection computing plain ``F.linear``."""
     import torch
     import torch.nn.functional as F
+    from torch import nn
 
     if recipe == "bf16":
+        return
+    if recipe in LORA_RECIPES:
+        from hf_lowbit import Int8Linear, LoraLinear, Nf4Linear
+
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        mod = inner.model.layers[0].mlp.up_proj
+        want = {"lora_bf16": nn.Linear, "lora_nf4": Nf4Linear, "lora_nf4_int8": Nf4Linear, "lora_int8_int8": Int8Linear,
+                "lora_nf4_int8cache": Nf4Linear}.get(recipe)
+        base = getattr(mod, "base_layer", None)
+        if want is not None and not (isinstance(mod, LoraLinear if want is not nn.Linear else nn.Module)
+                                     and type(base) is want and (("int8" in recipe[5:]) == (getattr(base, "compute", None) is not None))):
+            raise RuntimeError(f"recipe {recipe!r} is not active: up_proj is {type(mod).__name__} over {type(base).__name__}")
         return
     mod = model.model.layers[0].mlp.up_proj
     weight = getattr(mod.weight, "_data", mod.weight)
@@ -102,16 +185,22 @@ def worker(a) -> dict:
                          use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
     with torch.device(a.device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    apply_recipe(model, a.recipe, a.min_features)
+    if a.recipe in LORA_RECIPES:
+        model = apply_lora_recipe(model, a.recipe, a.min_features, a.lora_r)
+    else:
+        apply_recipe(model, a.recipe, a.min_features)
     check_recipe_active(model, a.recipe, a.device)
+    if a.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not a.no_compile:
         # One compiled graph per decoder layer; each layer instance guards on its own attributes
         # (layer_idx), so the recompile limit must cover the layer count or dynamo falls back to eager.
         torch._dynamo.config.cache_size_limit = max(64, 2 * a.layers)
         torch._dynamo.config.accumulated_cache_size_limit = max(256, 4 * a.layers)
-        for layer in model.model.layers:
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for layer in inner.model.layers:
             layer.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=cuda)
     gen = torch.Generator(device=a.device).manual_seed(0)
     batches = [torch.randint(0, a.vocab, (a.batch, a.seq), device=a.device, generator=gen) for _ in range(4)]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -150,13 +239,14 @@ def worker(a) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, from {RECIPES}")
+    p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, from {RECIPES + LORA_RECIPES}")
     for name, default in (("hidden", 4096), ("intermediate", 14336), ("heads", 32), ("kv_heads", 8),
                           ("vocab", 32000), ("layers", 8), ("batch", 8), ("seq", 2048), ("warmup", 3),
-                          ("steps", 10), ("min_features", 64)):
+                          ("steps", 10), ("min_features", 64), ("lora_r", 16)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the script)")
     p.add_argument("--no_compile", action="store_true", help="run eagerly (smoke tests only)")
+    p.add_argument("--grad_checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
     p.add_argument("--json", default=None, help="write results here (rewritten after every recipe)")
     p.add_argument("--markdown", default=None)
     p.add_argument("--profile", action="store_true",
@@ -173,7 +263,8 @@ def main():
         raise SystemExit("benchmark_train.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
     meta = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(sys.argv), "config": {k: getattr(a, k) for k in (
-                "hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "batch", "seq", "warmup", "steps")}}
+                "hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "batch", "seq", "warmup", "steps",
+                "lora_r", "grad_checkpointing")}}
     try:
         import torchao
 
@@ -183,10 +274,10 @@ def main():
     rows = []
     base_args = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool)
                  for x in (f"--{k}", str(v))] + ["--device", a.device] + (["--no_compile"] if a.no_compile else []) \
-        + (["--profile"] if a.profile else [])
+        + (["--profile"] if a.profile else []) + (["--grad_checkpointing"] if a.grad_checkpointing else [])
     for recipe in a.recipes.split(","):
-        if recipe not in RECIPES:
-            raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+        if recipe not in RECIPES + LORA_RECIPES:
+            raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(RECIPES + LORA_RECIPES)}")
         cmd = [sys.executable, os.path.abspath(__file__), *base_args, "--recipe", recipe]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
@@ -195,17 +286,19 @@ def main():
         except subprocess.TimeoutExpired:
             row = {"recipe": recipe, "error": f"timed out after {a.timeout} s"}
         rows.append(row)
-        base = next((r for r in rows if r["recipe"] == "bf16" and "error" not in r), None)
-        for r in rows:
+        for r in rows:  # full fine-tunes vs bf16; LoRA rows vs the first LoRA row (lora_bf16 when run first)
+            ref = "bf16" if r["recipe"] in RECIPES else next((x["recipe"] for x in rows if x["recipe"] in LORA_RECIPES), None)
+            base = next((x for x in rows if x["recipe"] == ref and "error" not in x), None)
             if base and "error" not in r:
                 r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
                 r["mem_vs_bf16"] = r["peak_mem_gib"] / base["peak_mem_gib"]
+                r["reference"] = ref
         print(json.dumps(row), flush=True)
         if a.json:
             os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
             with open(a.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    table = ["| recipe | tok/s | vs bf16 | peak GiB | mem vs bf16 | warm-up s | first loss | last loss | graphs | breaks |",
+    table = ["| recipe | tok/s | vs ref | peak GiB | mem vs ref | warm-up s | first loss | last loss | graphs | breaks |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:

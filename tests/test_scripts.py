@@ -78,3 +78,85 @@ def test_benchmark_mm_smoke_on_cpu(tmp_path):
     assert {(r["layout"], r["recipe"]) for r in data["matmuls"]} >= {("wgrad", "int8 quantize+matmul"),
                                                                       ("dgrad", "fp8 kernel"), ("fwd", "bf16")}
     assert [q["kernel"] for q in data["quantize"]][0] == "copy (bf16)"
+
+
+def test_benchmark_train_lora_recipes_smoke_on_cpu(tmp_path):
+    out = tmp_path / "lora.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_train.py"), "--device", "cpu", "--no_compile",
+           "--recipes", "lora_nf4_int8", "--hidden", "256", "--intermediate", "512",
+           "--heads", "4", "--kv_heads", "2", "--vocab", "96", "--layers", "1", "--batch", "1", "--seq", "32",
+           "--warmup", "1", "--steps", "1", "--lora_r", "4", "--grad_checkpointing", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["recipe"] for r in rows] == ["lora_nf4_int8"] and "error" not in rows[0], rows
+    assert rows[0]["reference"] == "lora_nf4_int8" and 4 < rows[0]["first_loss"] < 5  # ~ln(96) at init
+
+
+def _bench_train():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_train", os.path.join(ROOT, "scripts", "benchmark_train.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_benchmark_lora_peers_and_checks_in_process():
+    import torch
+    from conftest import tiny_model
+
+    bench = _bench_train()
+    ids = torch.randint(0, 96, (2, 16))
+    losses = {}
+    for recipe in ("lora_nf4", "lora_torchao_nf4", "lora_torchao_nf4_int8"):
+        model = bench.apply_lora_recipe(tiny_model(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                                   num_key_value_heads=2).bfloat16(), recipe, 16, 4)
+        bench.check_recipe_active(model, recipe, "cpu")
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert any(p.grad is not None for p in model.parameters() if p.requires_grad)
+        losses[recipe] = loss.item()
+    # ours and torchao's NF4 store the same codes: same loss at init (LoRA B = 0)
+    assert losses["lora_nf4"] == losses["lora_torchao_nf4"]
+    assert abs(losses["lora_torchao_nf4_int8"] - losses["lora_nf4"]) < 0.05
+
+
+def test_benchmark_nf4_workers_on_cpu():
+    """benchmark_nf4.py's two measurements, in process (tiny shapes; CPU peaks are RSS growth, not asserted)."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_nf4", os.path.join(ROOT, "scripts", "benchmark_nf4.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a = argparse.Namespace(device="cpu", rows=512, cols=256, reps=1, load_layers=1, hidden=128, intermediate=256,
+                           heads=4, kv_heads=2, vocab=128, min_features=16, method="hf_lowbit")
+    row = bench.quantize_worker(a)
+    assert row["codes_equal_torchao"] == 1.0 and row["scales_equal_torchao"] and row["seconds"] > 0
+    a.method = "torchao"
+    assert bench.quantize_worker(a)["peak_total_vs_input"] >= 1.0
+    load = bench.load_worker(a)
+    assert load["swapped"] == 7 and load["nf4_model_gib"] < load["checkpoint_gib"]
+
+
+def test_benchmark_quality_lora_recipes_in_process():
+    """The lora_* recipes of benchmark_quality.py on random tokens: a bf16 pre-trained base, then LoRA over it."""
+    import argparse
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("benchmark_quality", os.path.join(ROOT, "scripts", "benchmark_quality.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a = argparse.Namespace(seed=0, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, seq=32, device="cpu",
+                           min_features=16, compile=False, lr=1e-3, warmup=1, steps=3, batch=4, lora_r=4)
+    gen = torch.Generator().manual_seed(0)
+    train, held_out = torch.randint(0, 64, (16, 32), generator=gen), torch.randint(0, 64, (4, 32), generator=gen)
+    pre = bench.train_one("bf16", a, train, held_out, 64, steps=3, keep_state=True)
+    rows = [bench.train_one(r, a, train, held_out, 64, init_state=pre["state"]) for r in ("lora_bf16", "lora_nf4_int8")]
+    assert all(len(r["losses"]) == 3 for r in rows)
+    # LoRA starts from the pre-trained base (B = 0): its first loss is the base's loss on that batch, near pre's last
+    assert abs(rows[0]["losses"][0] - pre["losses"][-1]) < 0.2
+    assert abs(rows[1]["eval_loss"] / rows[0]["eval_loss"] - 1) < 0.02

@@ -122,3 +122,15 @@ def test_eval_set_shorter_than_a_block_warns_and_trains(tmp_path):
         metrics = main(["--output_dir", str(tmp_path), "--max_steps", "2", "--arithmetic_train_records", "500",
                         "--arithmetic_eval_records", "5", "--disable_tqdm", "True"])
     assert "eval_loss" not in metrics and "eval_accuracy" in metrics
+
+
+def test_embedded_qlora_short_run(tmp_path, capsys):
+    metrics = main(["--output_dir", str(tmp_path), "--max_steps", "2", "--eval_strategy", "no",
+                    "--per_device_train_batch_size", "4", "--lora_base_quant", "nf4", "--lora_r", "4",
+                    "--arithmetic_train_records", "200",
+                    "--arithmetic_eval_records", "4", "--disable_tqdm", "True", "--logging_steps", "1"])
+    out = capsys.readouterr().out
+    assert "[hf_lowbit] lora_base_quant: 14 modules swapped" in out and "NF4 frozen base + INT8 compute" in out
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0
+    assert os.path.exists(tmp_path / "adapter_model.safetensors") and os.path.exists(tmp_path / "adapter_config.json")
+    assert not os.path.exists(tmp_path / "model.safetensors")  # adapters only: the base is the original model

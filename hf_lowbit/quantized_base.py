@@ -1,0 +1,389 @@
+"""Frozen quantized base linears for QLoRA: ``Nf4Linear`` and ``Int8Linear``.
+
+Storage and compute are separate concerns: these modules only *store* a frozen weight compactly
+(plain tensors registered as ``requires_grad=False`` parameters, so ``state_dict`` / safetensors /
+``.to()`` / FSDP2 sharding treat them like any weight) and compute ``x · Wᵀ (+ b)``; LoRA wraps them
+from outside (:class:`hf_lowbit.LoraLinear`) and INT8 compute is a switch on them (``compute``).
+
+The matmul is one ``autograd.Function`` with no weight gradient (the base is frozen) that keeps
+nothing per call for backward but the stored tensors (no dequantized copy lives until backward):
+
+* bf16 compute: dequantize, ``F.linear``; backward dequantizes again for ``dX = dY·W``.
+* INT8 compute (``MixedPrecisionConfig(format="int8")``), with the weight as int8 per output channel
+  ``W ≈ diag(s)·Wq``: forward ``Y = q(X)·Wqᵀ`` (X quantized per token); backward folds ``s`` into
+  the gradient, ``dX = q(dY·diag(s))·Wq``, so the *same* int8 weight serves both matmuls. An
+  ``Int8Linear`` stores ``Wq`` and ``s`` and never requantizes; an ``Nf4Linear`` either dequantizes
+  and quantizes per call (memory-lean) or keeps an INT8 copy computed once (``int8_cache``: faster,
+  +1 byte/parameter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .mixed_precision import MixedPrecisionConfig, _compute_dtype
+from .ops.int8 import int8_scaled_mm, quantize_int8
+from .ops.nf4 import BLOCK_SIZE, Nf4Data, check_nf4_shape, dequantize_nf4, quantize_nf4
+from .swap import LinearFilter, SwapReport, swap_linears
+
+QUANT_FORMATS = ("nf4", "int8")
+_INT8_CHUNK_NUMEL = 1 << 22
+
+
+def _frozen(t: Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _int8_weight(kind: str, tensors: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """(int8 ``[N, K]``, float32 scale ``[N]``) of the stored weight, per output channel."""
+    if kind == "int8":
+        return tensors[0], tensors[1].float()
+    q, s = quantize_int8(dequantize_nf4(Nf4Data(*tensors)), dim=1)
+    return q, s.reshape(-1)
+
+
+def _dense_weight(kind: str, tensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+    if kind == "int8":
+        return (tensors[0].to(torch.float32) * tensors[1].float()[:, None]).to(dtype)
+    return dequantize_nf4(Nf4Data(*tensors), dtype)
+
+
+class _FrozenQuantizedLinearFn(torch.autograd.Function):
+    """``x · Wᵀ + b`` for a stored (``kind``) frozen weight; optional INT8 forward / input-gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, bias: Tensor | None, kind: str, int8_output: bool, int8_grad_input: bool,
+                *tensors: Tensor) -> Tensor:
+        dtype = _compute_dtype(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        if int8_output:
+            qw, sw = _int8_weight(kind, tensors)
+            qx, sx = quantize_int8(x2, dim=1)
+            y = int8_scaled_mm(qx, qw, sx.reshape(-1), sw, dtype)
+        else:
+            y = x2.to(dtype) @ _dense_weight(kind, tensors, dtype).T
+        if bias is not None:
+            y = y + bias.to(dtype)
+        ctx.save_for_backward(*tensors)
+        ctx.flags = (kind, int8_grad_input, dtype, x.dtype, x.shape,
+                     None if bias is None else bias.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        tensors = ctx.saved_tensors
+        kind, int8_grad_input, dtype, x_dtype, x_shape, bias_dtype = ctx.flags
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        dx = db = None
+        if ctx.needs_input_grad[0]:
+            if int8_grad_input:  # dX = dY·diag(s)·Wq: reduce over N with the same int8 weight
+                qw, sw = _int8_weight(kind, tensors)
+                qg, sg = quantize_int8(g2.float() * sw, dim=1)
+                # INT8 tensor cores need the reduction dim (N here) contiguous: a transposed view runs
+                # ~3x slower (docs/benchmarks.md), so copy Wqᵀ K-contiguous (1 byte/param read+write,
+                # ~1 ms per step for 8 Llama-8B layers on an H200) rather than keep a second copy resident.
+                qw_t = qw.T.contiguous()
+                ones = torch.ones(qw.shape[1], dtype=torch.float32, device=qw.device)
+                dx = int8_scaled_mm(qg, qw_t, sg.reshape(-1), ones, x_dtype)
+            else:
+                dx = (g2.to(dtype) @ _dense_weight(kind, tensors, dtype)).to(x_dtype)
+            dx = dx.reshape(x_shape)
+        if bias_dtype is not None and ctx.needs_input_grad[1]:
+            db = g2.sum(0, dtype=torch.float32).to(bias_dtype)
+        return (dx, db, None, None, None) + (None,) * len(tensors)
+
+
+class QuantizedLinear(nn.Module):
+    """Shared behaviour of the frozen quantized bases (see :class:`Nf4Linear`, :class:`Int8Linear`).
+
+    ``compute``: ``None`` (matmuls in the compute dtype) or an INT8 ``MixedPrecisionConfig`` whose
+    ``output`` / ``grad_input`` pick the low-bit matmuls (a frozen base has no weight gradient).
+    ``compute_dtype`` is the dtype of the weight it was built from (PEFT casts adapters to it).
+    """
+
+    kind: str = ""
+
+    def __init__(self, in_features: int, out_features: int, compute_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype = compute_dtype
+        self.compute: MixedPrecisionConfig | None = None
+        self.bias: nn.Parameter | None = None
+
+    def set_compute(self, compute: MixedPrecisionConfig | None) -> None:
+        if compute is not None and compute.format != "int8":
+            raise ValueError(f"{type(self).__name__}: only INT8 compute is supported on a quantized base, "
+                             f"got format {compute.format!r}")
+        self.compute = compute
+
+    def _stored(self) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The weight this module stores, ``[out_features, in_features]`` in ``dtype`` (default: compute_dtype)."""
+        return _dense_weight(self.kind, self._stored(), dtype or self.compute_dtype)
+
+    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
+        """A plain ``nn.Linear`` holding the dequantized weight (and this bias)."""
+        dtype = dtype or self.compute_dtype
+        w = self.dequantize(dtype)
+        out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        out.weight = nn.Parameter(w, requires_grad=False)
+        if self.bias is not None:
+            out.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        c = self.compute
+        return _FrozenQuantizedLinearFn.apply(x, self.bias, self.kind, bool(c and c.output),
+                                              bool(c and c.grad_input), *self._stored())
+
+    def extra_repr(self) -> str:
+        compute = "bf16" if self.compute is None else "+".join(
+            n for n, v in (("output", self.compute.output), ("grad_input", self.compute.grad_input)) if v)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, storage={self.kind}, int8_compute={compute}")
+
+
+class Nf4Linear(QuantizedLinear):
+    """A frozen linear whose weight is stored as NF4 (64-element blocks, double-quantized scales).
+
+    Parameters (all ``requires_grad=False``): ``qweight`` uint8 ``[out, in/2]`` (two codes a byte),
+    ``qscale`` int8 ``[out, in/64]``, ``scale_factor`` ``[groups of 256 blocks]``, ``scale_mean`` ``[1]``
+    (see :mod:`hf_lowbit.ops.nf4`), ``bias`` as the source linear had it.
+    """
+
+    kind = "nf4"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
+                 dtype: torch.dtype = torch.bfloat16, int8_cache: bool = False):
+        super().__init__(in_features, out_features, dtype)
+        why = check_nf4_shape((out_features, in_features))
+        if why:
+            raise ValueError(f"Nf4Linear: {why}")
+        n_blocks = out_features * in_features // BLOCK_SIZE
+        self.qweight = _frozen(torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.qscale = _frozen(torch.empty(out_features, in_features // BLOCK_SIZE, dtype=torch.int8, device=device))
+        self.scale_factor = _frozen(torch.empty(-(-n_blocks // 256), dtype=dtype, device=device))
+        self.scale_mean = _frozen(torch.empty(1, dtype=dtype, device=device))
+        if bias:
+            self.bias = _frozen(torch.empty(out_features, dtype=dtype, device=device))
+        self.int8_cache = int8_cache
+        self.register_buffer("_cache_q", None, persistent=False)
+        self.register_buffer("_cache_s", None, persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, int8_cache: bool = False) -> "Nf4Linear":
+        new = cls(linear.in_features, linear.out_features, bias=False, device="meta",
+                  dtype=linear.weight.dtype, int8_cache=int8_cache)
+        new.load_weight(linear.weight)
+        if linear.bias is not None:
+            new.bias = _frozen(linear.bias.detach())
+        new.train(linear.training)
+        return new
+
+    @torch.no_grad()
+    def load_weight(self, weight: Tensor) -> None:
+        """Quantize ``weight`` (``[out, in]``, floating) into this module's storage, on its device."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"Nf4Linear.load_weight: expected shape {(self.out_features, self.in_features)}, "
+                             f"got {tuple(weight.shape)}")
+        data = quantize_nf4(weight)
+        self.qweight, self.qscale = _frozen(data.codes), _frozen(data.scales)
+        self.scale_factor, self.scale_mean = _frozen(data.scale_factor), _frozen(data.scale_mean)
+        self.compute_dtype = weight.dtype
+        self._cache_q = self._cache_s = None
+
+    def set_compute(self, compute: MixedPrecisionConfig | None) -> None:
+        super().set_compute(compute)
+        self.refresh_int8_cache()
+
+    @torch.no_grad()
+    def refresh_int8_cache(self) -> None:
+        """(Re)build the INT8 copy used by INT8 compute when ``int8_cache`` is on (call after ``.to()``)."""
+        self._cache_q = self._cache_s = None
+        if self.int8_cache and self.compute is not None and self.qweight.device.type != "meta":
+            q, s = _int8_weight("nf4", self._nf4())
+            self._cache_q, self._cache_s = q, s
+
+    def _nf4(self) -> tuple[Tensor, ...]:
+        return (self.qweight, self.qscale, self.scale_factor, self.scale_mean)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._cache_q is not None and self.compute is not None:
+            c = self.compute
+            return _FrozenQuantizedLinearFn.apply(x, self.bias, "int8", c.output, c.grad_input,
+                                                  self._cache_q, self._cache_s)
+        return super().forward(x)
+
+    def _stored(self) -> tuple[Tensor, ...]:
+        return self._nf4()
+
+
+class Int8Linear(QuantizedLinear):
+    """A frozen linear whose weight is stored as int8 per output channel: ``W ≈ qweight * scale[:, None]``.
+
+    Parameters (``requires_grad=False``): ``qweight`` int8 ``[out, in]``, ``scale`` float32 ``[out]``, ``bias``.
+    INT8 compute multiplies ``qweight`` directly in both forward and input-gradient matmuls.
+    """
+
+    kind = "int8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
+                 dtype: torch.dtype = torch.bfloat16):
+        super().__init__(in_features, out_features, dtype)
+        self.qweight = _frozen(torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.scale = _frozen(torch.empty(out_features, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = _frozen(torch.empty(out_features, dtype=dtype, device=device))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        new = cls(linear.in_features, linear.out_features, bias=False, device="meta", dtype=linear.weight.dtype)
+        new.load_weight(linear.weight)
+        if linear.bias is not None:
+            new.bias = _frozen(linear.bias.detach())
+        new.train(linear.training)
+        return new
+
+    @torch.no_grad()
+    def load_weight(self, weight: Tensor) -> None:
+        """Quantize ``weight`` row-wise (a chunk of rows at a time: no full float32 copy)."""
+        if weight.dim() != 2 or tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"Int8Linear.load_weight: expected shape {(self.out_features, self.in_features)}, "
+                             f"got {tuple(weight.shape)}")
+        q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+        s = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+        step = max(1, _INT8_CHUNK_NUMEL // weight.shape[1])
+        for r0 in range(0, weight.shape[0], step):
+            qc, sc = quantize_int8(weight[r0:r0 + step], dim=1)
+            q[r0:r0 + step], s[r0:r0 + step] = qc, sc.reshape(-1)
+        self.qweight, self.scale = _frozen(q), _frozen(s)
+        self.compute_dtype = weight.dtype
+
+    def _stored(self) -> tuple[Tensor, ...]:
+        return (self.qweight, self.scale)
+
+
+QUANTIZED_LINEARS = (Nf4Linear, Int8Linear)
+
+
+@dataclass(frozen=True)
+class QuantizedBaseConfig:
+    """How :func:`quantize_base` stores the frozen linears and computes with them."""
+
+    format: str = "nf4"  # "nf4" or "int8"
+    compute: MixedPrecisionConfig | None = None  # INT8 compute on the base (None: compute dtype)
+    int8_cache: bool = False  # NF4 + INT8 compute: keep an INT8 copy computed once
+
+    def __post_init__(self):
+        if self.format not in QUANT_FORMATS:
+            raise ValueError(f"QuantizedBaseConfig.format must be one of {QUANT_FORMATS}, got {self.format!r}")
+
+    def make_empty(self, linear: nn.Linear, device=None) -> QuantizedLinear:
+        """An unfilled module for ``linear``'s shape (``load_weight`` fills it)."""
+        dtype = linear.weight.dtype
+        if self.format == "nf4":
+            new = Nf4Linear(linear.in_features, linear.out_features, linear.bias is not None, device, dtype,
+                            int8_cache=self.int8_cache)
+        else:
+            new = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, device, dtype)
+        new.compute = self.compute
+        return new
+
+    def make(self, linear: nn.Linear) -> QuantizedLinear:
+        new = (Nf4Linear.from_linear(linear, self.int8_cache) if self.format == "nf4"
+               else Int8Linear.from_linear(linear))
+        new.set_compute(self.compute)
+        return new
+
+    def filter(self, base: LinearFilter) -> LinearFilter:
+        """``base`` plus the format's shape rule (NF4: in_features a multiple of its 64-element block)."""
+        from dataclasses import replace
+
+        return replace(base, in_features_multiple_of=BLOCK_SIZE) if self.format == "nf4" else base
+
+
+def quantize_base(model: nn.Module, config: QuantizedBaseConfig, filter: LinearFilter = LinearFilter(),
+                  recipe: str = "lora_base_quant") -> SwapReport:
+    """Replace each eligible ``nn.Linear`` of ``model`` by a frozen quantized base, in place.
+
+    Each weight is quantized on its own device as it is visited and the bf16 original is released
+    when the swap drops it, so the peak is the model plus one layer's quantization temporaries.
+    """
+    target = f"{config.format.upper()} frozen base" + (" + INT8 compute" if config.compute else "")
+    return swap_linears(model, lambda name, linear: config.make(linear), recipe=recipe, target=target,
+                        filter=config.filter(filter), already=QUANTIZED_LINEARS)
+
+
+@torch.no_grad()
+def load_quantized_model(model_cls, checkpoint_dir: str, config: QuantizedBaseConfig, *, device="cpu",
+                         dtype: torch.dtype = torch.bfloat16, filter: LinearFilter = LinearFilter(),
+                         **model_kwargs) -> tuple[nn.Module, SwapReport]:
+    """Build ``model_cls`` (e.g. ``AutoModelForCausalLM``) from the safetensors checkpoint in
+    ``checkpoint_dir`` with its linears quantized *as they load*: tensor by tensor, shard by shard,
+    so the full-precision model never exists on ``device`` (peak ≈ quantized model + the largest
+    tensor and its quantization temporaries).
+
+    The model is built with empty (meta) parameters; buffers (rotary tables …) are computed as usual.
+    """
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(checkpoint_dir)
+    with init_empty_weights(include_buffers=False):
+        model = model_cls.from_config(model_config, dtype=dtype, **model_kwargs)
+    report = swap_linears(model, lambda name, linear: config.make_empty(linear, device="meta"),
+                          recipe="lora_base_quant (on load)",
+                          target=f"{config.format.upper()} frozen base", filter=config.filter(filter),
+                          already=QUANTIZED_LINEARS)
+    index = os.path.join(checkpoint_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(checkpoint_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"load_quantized_model: no model.safetensors(.index.json) in {checkpoint_dir}")
+    expected = set(model.state_dict().keys())
+    loaded = set()
+    for file in files:
+        with safe_open(os.path.join(checkpoint_dir, file), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                module_name, _, attr = key.rpartition(".")
+                try:
+                    module = model.get_submodule(module_name)
+                except AttributeError:
+                    continue  # a tensor this model class does not have (e.g. an unused head)
+                tensor = f.get_tensor(key)
+                if isinstance(module, QuantizedLinear) and attr == "weight":
+                    module.load_weight(tensor.to(dtype))
+                    loaded.update(k for k in expected if k.startswith(module_name + ".") and not k.endswith(".bias"))
+                elif attr in module._parameters:
+                    module._parameters[attr] = nn.Parameter(tensor.to(dtype) if tensor.is_floating_point() else tensor,
+                                                            requires_grad=False)
+                    loaded.add(key)
+                elif attr in module._buffers:
+                    module._buffers[attr] = tensor
+                    loaded.add(key)
+                del tensor
+    if getattr(model_config, "tie_word_embeddings", False):
+        model.tie_weights()
+        loaded.update(k for k in expected if k.endswith("lm_head.weight"))
+    missing = sorted(k for k in expected - loaded
+                     if any(p.is_meta for n, p in model.named_parameters() if n == k))
+    if missing:
+        raise ValueError(f"load_quantized_model: {checkpoint_dir} lacks {len(missing)} tensors the model needs, "
+                         f"e.g. {missing[:5]}")
+    model.to(device)
+    for module in model.modules():
+        if isinstance(module, Nf4Linear):
+            module.set_compute(module.compute)
+    return model, report
