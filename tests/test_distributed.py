@@ -34,6 +34,7 @@ RECIPES = {
     "int8_mixed_precision": ["--int8_mixed_precision", "True", "--fp8_mixed_precision", "False"],
     "fp8_mixed_precision": ["--int8_mixed_precision", "False", "--fp8_mixed_precision", "True"],
     "qat": ["--int8_mixed_precision", "False", "--fp8_mixed_precision", "False", "--qat_scheme", "8da4w"],
+    "lora_base_quant": ["--int8_mixed_precision", "True", "--fp8_mixed_precision", "False", "--lora_base_quant", "nf4"],
 }
 CONFIGS = {"ddp": "MULTI_CPU", "fsdp2": "FSDP"}  # config file -> accelerate's distributed type
 STEPS, GLOBAL_BATCH, PROCESSES = 4, 8, 2
@@ -114,8 +115,12 @@ def test_two_processes_match_one_and_resume(config, one_process, tmp_path):
         # the swap report prints on rank 0 only (the first recipe also prints for the resumed run)
         assert proc.stdout.count(f"[hf_lowbit] {recipe}: 14 modules swapped") == 1 + (recipe == next(iter(RECIPES)))
         # the final model is whole (FSDP2 gathers it for the last save) and holds every weight
-        state = load_file(tmp_path / recipe / "model.safetensors")
-        assert "model.layers.1.mlp.down_proj.weight" in state and state["lm_head.weight"].shape == (16, 128)
+        if recipe == "lora_base_quant":  # QLoRA saves the adapter (whole: gathered like the model)
+            state = load_file(tmp_path / recipe / "adapter_model.safetensors")
+            assert len([k for k in state if "lora_A" in k]) == 14 and all(v.numel() for v in state.values())
+        else:
+            state = load_file(tmp_path / recipe / "model.safetensors")
+            assert "model.layers.1.mlp.down_proj.weight" in state and state["lm_head.weight"].shape == (16, 128)
         if recipe == "qat":  # save_quantized from a distributed run: gathered, converted, written once by rank 0
             with open(tmp_path / recipe / "quantized" / "config.json") as f:
                 assert json.load(f)["quantization_config"]["quant_method"] == "torchao"
