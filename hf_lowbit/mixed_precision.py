@@ -57,24 +57,25 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
             y = x2.to(dtype) @ weight.to(dtype).T
         if bias is not None:
             y = y + bias.to(dtype)
-        ctx.save_for_backward(x, weight)
-        ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype)
+        # x is only needed for the weight gradient: a frozen weight (LoRA over this layer) does not keep it alive
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+        ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype, x.shape, x.dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight = ctx.saved_tensors
-        fmt, grad_input, grad_weight, bias_dtype, dtype = ctx.flags
+        fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype = ctx.flags
         g2 = grad_out.reshape(-1, weight.shape[0])
-        x2 = x.reshape(-1, x.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if grad_input:  # dX[M, K] = dY[M, N] · W[N, K]: reduce over N
-                dx = scaled_matmul(fmt, g2, 1, weight, 0, x.dtype)
+                dx = scaled_matmul(fmt, g2, 1, weight, 0, x_dtype)
             else:
-                dx = (g2.to(dtype) @ weight.to(dtype)).to(x.dtype)
-            dx = dx.reshape(x.shape)
+                dx = (g2.to(dtype) @ weight.to(dtype)).to(x_dtype)
+            dx = dx.reshape(x_shape)
         if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])
             if grad_weight:  # dW[N, K] = dYᵀ[N, M] · X[M, K]: reduce over tokens
                 dw = scaled_matmul(fmt, g2, 0, x2, 0, weight.dtype)
             else:

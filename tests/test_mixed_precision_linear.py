@@ -73,8 +73,15 @@ def test_frozen_weight_gets_no_grad_and_autocast_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = lin(x)
     assert y.dtype == torch.bfloat16
+    # the input is kept for backward only when a weight gradient will need it
+    assert not any(t is x for t in y.grad_fn.saved_tensors)
     y.float().sum().backward()
     assert lin.weight.grad is None and x.grad.dtype == torch.float32 and lin.bias.grad.dtype == torch.float32
+    lin.weight.requires_grad_(True)
+    z = lin(x)
+    assert any(t is x for t in z.grad_fn.saved_tensors)
+    z.sum().backward()
+    assert lin.weight.grad is not None
 
 
 def test_from_linear_shares_parameters_and_state_dict():
