@@ -14,6 +14,7 @@ from hf_lowbit import LowBitTrainingArguments
     (dict(int8_mixed_precision=True, fp8_mixed_precision=True), "choose one"),
     (dict(int8_mixed_precision=True, lowbit_output=False, lowbit_grad_input=False, lowbit_grad_weight=False),
      "quantizes nothing"),
+    (dict(qat_scheme="8da4w", lora_base_quant="nf4"), "qat_scheme='8da4w' with lora_base_quant='nf4'"),
 ])
 def test_bad_arguments_name_the_field(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):

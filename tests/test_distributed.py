@@ -11,7 +11,8 @@ and resumes the first recipe from its step-2 checkpoint. Compared with one proce
   feature across the tokens *of each process*, so each rank's scales differ from the single process's
   and the averaged gradients differ by quantization noise (with --lowbit_grad_weight False the runs
   agree to 2e-6; measured here: INT8 <= 1e-4, FP8 <= 1.4e-3 by step 4).
-* FSDP2 vs DDP: the same per-rank computation, so within ``STEP1_ATOL`` at every step.
+* FSDP2 vs DDP: the same per-rank computation, so within ``STEP1_ATOL`` at every step (QAT: at step 1;
+  later within ``CROSS_CONFIG_ATOL``, since fake quantization turns reduction-order noise into int4 code flips).
 * resume from the step-2 checkpoint (sharded for FSDP2): steps 3-4 equal the uninterrupted run.
 """
 
@@ -40,6 +41,9 @@ CONFIGS = {"ddp": "MULTI_CPU", "fsdp2": "FSDP"}  # config file -> accelerate's d
 STEPS, GLOBAL_BATCH, PROCESSES = 4, 8, 2
 STEP1_ATOL = 1e-5
 LATER_ATOL = 5e-3
+# DDP vs FSDP2 after step 1: QAT rounds each weight to a 16-level int4 grid in every forward, so a
+# reduction-order difference of ~1e-7 in an updated weight can flip its code (measured 2.4e-4 at step 3)
+CROSS_CONFIG_ATOL = {"qat": LATER_ATOL}
 RUN = ["--max_steps", str(STEPS), "--logging_steps", "1", "--block_size", "32", "--arithmetic_train_records", "400",
        "--arithmetic_eval_records", "4", "--eval_strategy", "no", "--lr_scheduler_type", "constant",
        "--warmup_steps", "0", "--report_to", "none", "--disable_tqdm", "True", "--seed", "0"]
@@ -141,4 +145,6 @@ def test_two_processes_match_one_and_resume(config, one_process, tmp_path):
     if set(_LOSSES) == set(CONFIGS):
         for recipe in RECIPES:
             ddp, fsdp = _LOSSES["ddp"][recipe], _LOSSES["fsdp2"][recipe]
-            assert max(abs(a - b) for a, b in zip(ddp, fsdp)) <= STEP1_ATOL, (recipe, ddp, fsdp)
+            assert abs(ddp[0] - fsdp[0]) <= STEP1_ATOL, (recipe, ddp, fsdp)
+            atol = CROSS_CONFIG_ATOL.get(recipe, STEP1_ATOL)
+            assert max(abs(a - b) for a, b in zip(ddp, fsdp)) <= atol, (recipe, ddp, fsdp)
