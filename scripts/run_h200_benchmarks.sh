@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The H200 measurements behind docs/benchmarks.md, in stages that each fit a 10-minute device call.
-#   bash scripts/run_h200_benchmarks.sh train   OUTDIR   # 8-layer training bench, 5 recipes (<=110 s each; 2-layer warm-ups took 3-30 s)
+#   bash scripts/run_h200_benchmarks.sh cuda_tests OUTDIR # every test with "cuda" in its id, fast ones first (~4-5 min: autotune)
+#   bash scripts/run_h200_benchmarks.sh train   OUTDIR   # 8-layer bench, 7 recipes + profile (~50-70 s each, ~6 min)
 #   bash scripts/run_h200_benchmarks.sh kernels OUTDIR   # linear + per-layout matmuls (~4 min)
-#   bash scripts/run_h200_benchmarks.sh quality OUTDIR   # 300-step loss curves bf16/INT8/FP8 (~3 min)
+#   bash scripts/run_h200_benchmarks.sh quality OUTDIR   # 300-step loss curves bf16/INT8/FP8 (> 170 s: give it ~5 min)
 #   bash scripts/run_h200_benchmarks.sh qlora_train OUTDIR   # LoRA r16 over bf16/NF4/INT8 bases, 8 layers 8x2048 (docs/qlora.md)
 #   bash scripts/run_h200_benchmarks.sh qlora_peers OUTDIR   # the same beside torchao NF4 (+ torchao INT8) peers
 #   bash scripts/run_h200_benchmarks.sh qlora_memory OUTDIR  # peak memory: 32 layers, 1x2048, checkpointing (eager)
@@ -10,13 +11,18 @@
 #   bash scripts/run_h200_benchmarks.sh qlora_quality OUTDIR # LoRA adapters over a bf16-pretrained base, 200 steps
 # On the lent H200, carry torchao's wheel (.whl/) and set PYTHONPATH to where it was installed.
 set -euo pipefail
-stage=${1:?stage: train, kernels, quality or qlora_*}
+stage=${1:?stage: cuda_tests, train, kernels, quality or qlora_*}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 case "$stage" in
+  cuda_tests)  # the quick kernel checks first: the Triton matmul check autotunes ~24 shape/layout keys
+    python3 -m pytest -q -p no:cacheprovider -k cuda tests/ --deselect tests/test_triton_int8.py::test_triton_int8_scaled_mm_cuda \
+        2>&1 | tee "$out/pytest_cuda.txt"
+    python3 -m pytest -q -p no:cacheprovider tests/test_triton_int8.py::test_triton_int8_scaled_mm_cuda \
+        2>&1 | tee -a "$out/pytest_cuda.txt" ;;
   train)
-    python3 scripts/benchmark_train.py --timeout 110 --json "$out/train_h200.json" --markdown "$out/train_h200.md"
+    python3 scripts/benchmark_train.py --timeout 110 --profile --json "$out/train_h200.json" --markdown "$out/train_h200.md"
     python3 scripts/plot_benchmark.py "$out/train_h200.json" "$out/train_h200.png" ;;
   kernels)
     python3 scripts/benchmark_linear.py --json "$out/linear_h200.json" --markdown "$out/linear_h200.md"
