@@ -74,10 +74,13 @@ def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, M, N, n_chunks, stride
     tl.store(q_ptrs, tl.trans(q), mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
 
 
-def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, N] (any strides) -> ``q`` [N, M] contiguous in ``qdtype``, ``scale`` [N] float32."""
+def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float,
+                      chunk_m: int = _CHUNK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, N] (any strides) -> ``q`` [N, M] contiguous in ``qdtype``, ``scale`` [N] float32.
+
+    ``chunk_m``: rows per partial absmax (a multiple of the row tile; smaller only in tests)."""
     M, N = x.shape
-    n_chunks = triton.cdiv(M, _CHUNK_M)
+    n_chunks = triton.cdiv(M, chunk_m)
     part = torch.empty((n_chunks, N), dtype=torch.float32, device=x.device)
     q = torch.empty((N, M), dtype=qdtype, device=x.device)
     scale = torch.empty((N,), dtype=torch.float32, device=x.device)
@@ -85,7 +88,7 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float) -> tupl
     # 64x64 tiles, 4 warps: measured on the H200 at 0.13 ms mean per call in the bench; 32x256 with
     # 8 warps was 3x slower
     bm, bn = (16, 16) if small else (64, 64)
-    _col_amax_kernel[(n_chunks, triton.cdiv(N, bn))](x, part, M, N, x.stride(0), x.stride(1), CHUNK_M=_CHUNK_M,
+    _col_amax_kernel[(n_chunks, triton.cdiv(N, bn))](x, part, M, N, x.stride(0), x.stride(1), CHUNK_M=chunk_m,
                                                      BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
     bm, bn = (16, 16) if small else (128, 64)
     _quantize_t_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
