@@ -21,7 +21,7 @@ sft: $(VENV)/.installed
 	$(PY) scripts/sft.py $(ARGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs
