@@ -36,7 +36,9 @@ RECIPES = {
     "fp8_mixed_precision": ["--int8_mixed_precision", "False", "--fp8_mixed_precision", "True"],
     "qat": ["--int8_mixed_precision", "False", "--fp8_mixed_precision", "False", "--qat_scheme", "8da4w"],
     "lora_base_quant": ["--int8_mixed_precision", "True", "--fp8_mixed_precision", "False", "--lora_base_quant", "nf4"],
+    "lora_int8_base": ["--int8_mixed_precision", "True", "--fp8_mixed_precision", "False", "--lora_base_quant", "int8"],
 }
+REPORT = {"lora_int8_base": "lora_base_quant"}  # recipe -> the swap report it prints (default: its own name)
 CONFIGS = {"ddp": "MULTI_CPU", "fsdp2": "FSDP"}  # config file -> accelerate's distributed type
 STEPS, GLOBAL_BATCH, PROCESSES = 4, 8, 2
 STEP1_ATOL = 1e-5
@@ -117,9 +119,11 @@ def test_two_processes_match_one_and_resume(config, one_process, tmp_path):
         assert abs(losses[0] - ref[0]) <= STEP1_ATOL, (recipe, losses, ref)
         assert max(abs(a - b) for a, b in zip(losses, ref)) <= LATER_ATOL, (recipe, losses, ref)
         # the swap report prints on rank 0 only (the first recipe also prints for the resumed run)
-        assert proc.stdout.count(f"[hf_lowbit] {recipe}: 14 modules swapped") == 1 + (recipe == next(iter(RECIPES)))
+        report = REPORT.get(recipe, recipe)
+        printed = sum(REPORT.get(r, r) == report for r in RECIPES) + (report == next(iter(RECIPES)))
+        assert proc.stdout.count(f"[hf_lowbit] {report}: 14 modules swapped") == printed
         # the final model is whole (FSDP2 gathers it for the last save) and holds every weight
-        if recipe == "lora_base_quant":  # QLoRA saves the adapter (whole: gathered like the model)
+        if report == "lora_base_quant":  # QLoRA saves the adapter (whole: gathered like the model)
             state = load_file(tmp_path / recipe / "adapter_model.safetensors")
             assert len([k for k in state if "lora_A" in k]) == 14 and all(v.numel() for v in state.values())
         else:
