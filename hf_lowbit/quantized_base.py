@@ -107,6 +107,7 @@ class QuantizedLinear(nn.Module):
     """
 
     kind: str = ""
+    stored: tuple[str, ...] = ()  # names of the storage tensors, in the order the kernels take them
 
     def __init__(self, in_features: int, out_features: int, compute_dtype: torch.dtype):
         super().__init__()
@@ -122,7 +123,19 @@ class QuantizedLinear(nn.Module):
         self.compute = compute
 
     def _stored(self) -> tuple[Tensor, ...]:
-        raise NotImplementedError
+        return tuple(getattr(self, name) for name in self.stored)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "QuantizedLinear":
+        """Quantize ``linear``'s weight into a new module of this kind (bias shared, frozen); ``kwargs`` go to
+        the constructor."""
+        new = cls(linear.in_features, linear.out_features, bias=False, device="meta", dtype=linear.weight.dtype,
+                  **kwargs)
+        new.load_weight(linear.weight)
+        if linear.bias is not None:
+            new.bias = _frozen(linear.bias.detach())
+        new.train(linear.training)
+        return new
 
     @torch.no_grad()
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
@@ -160,6 +173,7 @@ class Nf4Linear(QuantizedLinear):
     """
 
     kind = "nf4"
+    stored = ("qweight", "qscale", "scale_factor", "scale_mean")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
                  dtype: torch.dtype = torch.bfloat16, int8_cache: bool = False):
@@ -177,16 +191,6 @@ class Nf4Linear(QuantizedLinear):
         self.int8_cache = int8_cache
         self.register_buffer("_cache_q", None, persistent=False)
         self.register_buffer("_cache_s", None, persistent=False)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, int8_cache: bool = False) -> "Nf4Linear":
-        new = cls(linear.in_features, linear.out_features, bias=False, device="meta",
-                  dtype=linear.weight.dtype, int8_cache=int8_cache)
-        new.load_weight(linear.weight)
-        if linear.bias is not None:
-            new.bias = _frozen(linear.bias.detach())
-        new.train(linear.training)
-        return new
 
     @torch.no_grad()
     def load_weight(self, weight: Tensor) -> None:
@@ -209,11 +213,8 @@ class Nf4Linear(QuantizedLinear):
         """(Re)build the INT8 copy used by INT8 compute when ``int8_cache`` is on (call after ``.to()``)."""
         self._cache_q = self._cache_s = None
         if self.int8_cache and self.compute is not None and self.qweight.device.type != "meta":
-            q, s = _int8_weight("nf4", self._nf4())
+            q, s = _int8_weight("nf4", self._stored())
             self._cache_q, self._cache_s = q, s
-
-    def _nf4(self) -> tuple[Tensor, ...]:
-        return (self.qweight, self.qscale, self.scale_factor, self.scale_mean)
 
     def forward(self, x: Tensor) -> Tensor:
         if self._cache_q is not None and self.compute is not None:
@@ -221,9 +222,6 @@ class Nf4Linear(QuantizedLinear):
             return _FrozenQuantizedLinearFn.apply(x, self.bias, "int8", c.output, c.grad_input,
                                                   self._cache_q, self._cache_s)
         return super().forward(x)
-
-    def _stored(self) -> tuple[Tensor, ...]:
-        return self._nf4()
 
 
 class Int8Linear(QuantizedLinear):
@@ -234,6 +232,7 @@ class Int8Linear(QuantizedLinear):
     """
 
     kind = "int8"
+    stored = ("qweight", "scale")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
                  dtype: torch.dtype = torch.bfloat16):
@@ -242,15 +241,6 @@ class Int8Linear(QuantizedLinear):
         self.scale = _frozen(torch.empty(out_features, dtype=torch.float32, device=device))
         if bias:
             self.bias = _frozen(torch.empty(out_features, dtype=dtype, device=device))
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        new = cls(linear.in_features, linear.out_features, bias=False, device="meta", dtype=linear.weight.dtype)
-        new.load_weight(linear.weight)
-        if linear.bias is not None:
-            new.bias = _frozen(linear.bias.detach())
-        new.train(linear.training)
-        return new
 
     @torch.no_grad()
     def load_weight(self, weight: Tensor) -> None:
@@ -266,9 +256,6 @@ class Int8Linear(QuantizedLinear):
             q[r0:r0 + step], s[r0:r0 + step] = qc, sc.reshape(-1)
         self.qweight, self.scale = _frozen(q), _frozen(s)
         self.compute_dtype = weight.dtype
-
-    def _stored(self) -> tuple[Tensor, ...]:
-        return (self.qweight, self.scale)
 
 
 QUANTIZED_LINEARS = (Nf4Linear, Int8Linear)
@@ -298,7 +285,7 @@ class QuantizedBaseConfig:
         return new
 
     def make(self, linear: nn.Linear) -> QuantizedLinear:
-        new = (Nf4Linear.from_linear(linear, self.int8_cache) if self.format == "nf4"
+        new = (Nf4Linear.from_linear(linear, int8_cache=self.int8_cache) if self.format == "nf4"
                else Int8Linear.from_linear(linear))
         new.set_compute(self.compute)
         return new
