@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from typing import Callable
 
@@ -28,6 +29,16 @@ def median_ms(fn: Callable[[], object], device: str = "cuda", reps: int = 20, wa
             fn()
             times.append(1000 * (time.perf_counter() - t0))
     return sorted(times)[len(times) // 2]
+
+
+def run_worker(cmd: list[str], label: dict, timeout: int) -> dict:
+    """Run one benchmark worker process; its last ``RESULT {json}`` line, or ``label`` + an ``error``."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**label, "error": f"timed out after {timeout} s"}
+    out = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(out[-1][len("RESULT "):]) if out else {**label, "error": proc.stderr[-1500:]}
 
 
 def write_results(data: dict, table: list[str], header: str, json_path: str | None = None,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -149,15 +148,12 @@ def main():
         raise SystemExit(f"--stages: unknown stage(s) {bad}; choose from quantize, load")
     methods = (METHODS if "quantize" in stages else ()) + (("load",) if "load" in stages else ())
     args = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool) for x in (f"--{k}", str(v))]
+    from hf_lowbit.bench import run_worker, write_results
+
     rows = []
     for method in methods:
         cmd = [sys.executable, os.path.abspath(__file__), *args, "--device", a.device, "--method", method]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-            out = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            row = json.loads(out[-1][7:]) if out else {"method": method, "error": proc.stderr[-1500:]}
-        except subprocess.TimeoutExpired:
-            row = {"method": method, "error": f"timed out after {a.timeout} s"}
+        row = run_worker(cmd, {"method": method}, a.timeout)
         rows.append(row)
         print(json.dumps(row), flush=True)
     table = ["| method | seconds | peak (total) / input | peak beyond input / input | notes |", "|---|---|---|---|---|"]
@@ -173,7 +169,6 @@ def main():
                     if "codes_equal_torchao" in r else "")
             table.append(f"| {r['method']} {r['shape'][0]}x{r['shape'][1]} | {r['seconds']:.3f} | "
                          f"{r['peak_total_vs_input']:.2f}x | {r['peak_extra_vs_input']:.2f}x | {note} |")
-    from hf_lowbit.bench import write_results
 
     meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
             "command": " ".join(sys.argv)}

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -271,6 +270,8 @@ def main():
         meta["torchao"] = torchao.__version__
     except ImportError:
         meta["torchao"] = None
+    from hf_lowbit.bench import run_worker, write_results
+
     rows = []
     base_args = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool)
                  for x in (f"--{k}", str(v))] + ["--device", a.device] + (["--no_compile"] if a.no_compile else []) \
@@ -279,12 +280,7 @@ def main():
         if recipe not in RECIPES + LORA_RECIPES:
             raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(RECIPES + LORA_RECIPES)}")
         cmd = [sys.executable, os.path.abspath(__file__), *base_args, "--recipe", recipe]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-            out = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            row = json.loads(out[-1][7:]) if out else {"recipe": recipe, "error": proc.stderr[-1500:]}
-        except subprocess.TimeoutExpired:
-            row = {"recipe": recipe, "error": f"timed out after {a.timeout} s"}
+        row = run_worker(cmd, {"recipe": recipe}, a.timeout)
         rows.append(row)
         for r in rows:  # full fine-tunes vs bf16; LoRA rows vs the first LoRA row (lora_bf16 when run first)
             ref = "bf16" if r["recipe"] in RECIPES else next((x["recipe"] for x in rows if x["recipe"] in LORA_RECIPES), None)
@@ -315,7 +311,6 @@ def main():
         table += [f"| {c} | " + " | ".join(f"{r['profile']['categories_ms'].get(c, 0.0):.1f}" for r in profiled) + " |"
                   for c in cats]
         table.append("| **total** | " + " | ".join(f"{r['profile']['device_ms_per_step']:.1f}" for r in profiled) + " |")
-    from hf_lowbit.bench import write_results
 
     write_results({"meta": meta, "rows": rows}, table,
                   f"{meta['gpu']}, torch {meta['torch']}, torchao {meta['torchao']}, config {meta['config']}",

@@ -13,6 +13,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa:
 VOCAB = 96
 
 
+def _arith_tokenizer():
+    from hf_lowbit.data import ARITHMETIC_CHARS, build_char_tokenizer
+
+    return build_char_tokenizer(ARITHMETIC_CHARS)
+
+
+ARITH_TOKENIZER = _arith_tokenizer()  # the character tokenizer of the embedded addition task
+
+
 def tiny_config(arch: str = "llama", **kw):
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -24,6 +33,16 @@ def tiny_config(arch: str = "llama", **kw):
 def tiny_model(arch: str = "llama", seed: int = 0, **kw):
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_config(arch, **kw))
+
+
+def arithmetic_blocks(n_blocks: int, block: int = 32):
+    """A packed dataset of ``n_blocks`` blocks of generated addition problems (ARITH_TOKENIZER)."""
+    from hf_lowbit.data import arithmetic_records, format_records, pack
+
+    train, _ = arithmetic_records(n_blocks * block // 8, 1, seed=0)
+    ds = pack(format_records(train, ARITH_TOKENIZER, "arith"), ARITH_TOKENIZER, block)
+    ds.blocks = ds.blocks[:n_blocks]
+    return ds
 
 
 def snr_db(ref: torch.Tensor, actual: torch.Tensor) -> float:

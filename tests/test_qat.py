@@ -8,25 +8,21 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import snr_db, tiny_model
+from conftest import ARITH_TOKENIZER, arithmetic_blocks, snr_db, tiny_model
 from peft import LoraConfig
 from torch import nn
 from transformers import TrainerCallback
 
 from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
-from hf_lowbit.data import ARITHMETIC_CHARS, arithmetic_records, build_char_tokenizer, format_records, pack
 from hf_lowbit.ops.fake_quant import fake_quant_per_group_sym, fake_quant_per_token_asym
 from hf_lowbit.qat import QATConfig, QATLinear, convert_qat, prepare_qat, qat_linear, set_fake_quant_enabled
 
-TOKENIZER = build_char_tokenizer(ARITHMETIC_CHARS)
+TOKENIZER = ARITH_TOKENIZER
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _data(n_blocks=32, block=32):
-    train, _ = arithmetic_records(n_blocks * block // 8, 1, seed=0)
-    ds = pack(format_records(train, TOKENIZER, "arith"), TOKENIZER, block)
-    ds.blocks = ds.blocks[:n_blocks]
-    return ds
+def _data(n_blocks=32):
+    return arithmetic_blocks(n_blocks)
 
 
 def _args(tmp_path, **kw):

@@ -2,22 +2,18 @@
 
 import pytest
 import torch
-from conftest import snr_db, tiny_model
+from conftest import ARITH_TOKENIZER, arithmetic_blocks, snr_db, tiny_model
 from peft import LoraConfig, PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, TrainingArguments
 
 from hf_lowbit import LowBitLinear, LowBitTrainer, LowBitTrainingArguments, LowBitWarning
-from hf_lowbit.data import ARITHMETIC_CHARS, arithmetic_records, build_char_tokenizer, format_records, pack
 
-TOKENIZER = build_char_tokenizer(ARITHMETIC_CHARS)
+TOKENIZER = ARITH_TOKENIZER
 
 
-def _data(n_blocks=64, block=32):
-    train, _ = arithmetic_records(n_blocks * block // 8, 1, seed=0)
-    ds = pack(format_records(train, TOKENIZER, "arith"), TOKENIZER, block)
-    ds.blocks = ds.blocks[:n_blocks]
-    return ds
+def _data(n_blocks=64):
+    return arithmetic_blocks(n_blocks)
 
 
 def _args(tmp_path, **kw):
