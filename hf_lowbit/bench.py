@@ -31,14 +31,48 @@ def median_ms(fn: Callable[[], object], device: str = "cuda", reps: int = 20, wa
     return sorted(times)[len(times) // 2]
 
 
-def run_worker(cmd: list[str], label: dict, timeout: int) -> dict:
-    """Run one benchmark worker process; its last ``RESULT {json}`` line, or ``label`` + an ``error``."""
+def run_worker(cmd: list[str], label: dict, timeout: int, env: dict | None = None) -> dict:
+    """Run one benchmark worker process (``env``: extra environment variables); its last
+    ``RESULT {json}`` line, or ``label`` + an ``error``."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=None if env is None else {**os.environ, **env})
     except subprocess.TimeoutExpired:
         return {**label, "error": f"timed out after {timeout} s"}
     out = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return json.loads(out[-1][len("RESULT "):]) if out else {**label, "error": proc.stderr[-1500:]}
+    if out:
+        return json.loads(out[-1][len("RESULT "):])
+    # under torchrun the ranks' own tracebacks are the "[rankN]:" lines, before the launcher's
+    ranks = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
+    return {**label, "error": ("\n".join(ranks) if ranks else proc.stderr)[-1500:]}
+
+
+def allow_fsdp_on_cpu() -> None:
+    """Let accelerate run FSDP in CPU processes (gloo), for CPU tests of the distributed code paths.
+
+    accelerate 1.15 turns FSDP on only for accelerator devices: in CPU processes (``ACCELERATE_USE_CPU``)
+    ``AcceleratorState`` keeps ``MULTI_CPU`` and the model would silently get DDP. torch's ``fully_shard``
+    works on a CPU device mesh, so this makes the state take the FSDP plugin the launcher configured,
+    as it does on GPUs. Call it before creating the ``Accelerator`` / ``Trainer``.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+    if getattr(init, "_hf_lowbit_cpu_fsdp", False):
+        return
+
+    def init_with_cpu_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            if self.mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self.mixed_precision)
+            # what AcceleratorState does for GPU processes (it keeps PartialState in step the same way)
+            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    init_with_cpu_fsdp._hf_lowbit_cpu_fsdp = True
+    AcceleratorState.__init__ = init_with_cpu_fsdp
 
 
 def write_results(data: dict, table: list[str], header: str, json_path: str | None = None,

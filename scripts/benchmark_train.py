@@ -170,35 +170,54 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
             raise RuntimeError(f"recipe {recipe!r} is not active: {type(mod).__name__} computes plain F.linear")
 
 
-def worker(a) -> dict:
+def build_model(a, device: str):
+    """The bench's model (``a``: the parsed flags) on ``device`` with ``a.recipe`` applied and checked."""
     import torch
-    import torch._dynamo
-    from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    cuda = a.device == "cuda"
     config = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
                          num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
                          max_position_embeddings=a.seq, tie_word_embeddings=False,
                          use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
-    with torch.device(a.device):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     if a.recipe in LORA_RECIPES:
         model = apply_lora_recipe(model, a.recipe, a.min_features, a.lora_r)
     else:
         apply_recipe(model, a.recipe, a.min_features)
-    check_recipe_active(model, a.recipe, a.device)
+    check_recipe_active(model, a.recipe, device)
     if a.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not a.no_compile:
-        # One compiled graph per decoder layer; each layer instance guards on its own attributes
-        # (layer_idx), so the recompile limit must cover the layer count or dynamo falls back to eager.
-        torch._dynamo.config.cache_size_limit = max(64, 2 * a.layers)
-        torch._dynamo.config.accumulated_cache_size_limit = max(256, 4 * a.layers)
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        for layer in inner.model.layers:
+    return model
+
+
+def compile_layers(model, n_layers: int, forward_only: bool = False) -> None:
+    """Compile each decoder layer (``nn.Module.compile``), or with ``forward_only`` just its ``forward``
+    so that module hooks (FSDP2's all-gather / reshard) run eagerly around the compiled graph."""
+    import torch
+    import torch._dynamo
+
+    # One compiled graph per decoder layer; each layer instance guards on its own attributes
+    # (layer_idx), so the recompile limit must cover the layer count or dynamo falls back to eager.
+    torch._dynamo.config.cache_size_limit = max(64, 2 * n_layers)
+    torch._dynamo.config.accumulated_cache_size_limit = max(256, 4 * n_layers)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in inner.model.layers:
+        if forward_only:
+            layer.forward = torch.compile(layer.forward)
+        else:
             layer.compile()
+
+
+def worker(a) -> dict:
+    import torch
+    from torch._dynamo.utils import counters
+
+    cuda = a.device == "cuda"
+    model = build_model(a, a.device)
+    if not a.no_compile:
+        compile_layers(model, a.layers)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=cuda)
     gen = torch.Generator(device=a.device).manual_seed(0)
     batches = [torch.randint(0, a.vocab, (a.batch, a.seq), device=a.device, generator=gen) for _ in range(4)]

@@ -36,7 +36,7 @@ from hf_lowbit.qat import QAT_SCHEMES, QATConfig, convert_qat, prepare_qat  # no
 
 def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None) -> list[float]:
     """AdamW with warm-up + cosine, bf16 autocast, random batches drawn from ``seed`` (same for every run)."""
-    fwd = fwd or model
+    fwd = model if fwd is None else fwd  # a compiled module has no truth value (no len)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     warm = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (

@@ -4,8 +4,8 @@
 #   bash scripts/run_h200_benchmarks.sh train   OUTDIR   # 8-layer bench, 7 recipes + profile (~50-70 s each, ~6 min)
 #   bash scripts/run_h200_benchmarks.sh kernels OUTDIR   # linear + per-layout matmuls (~4 min)
 #   bash scripts/run_h200_benchmarks.sh quality OUTDIR   # 300-step loss curves bf16/INT8/FP8 (> 170 s: give it ~5 min)
-#   bash scripts/run_h200_benchmarks.sh qlora_train OUTDIR   # LoRA r16 over bf16/NF4/INT8 bases, 8 layers 8x2048 (docs/qlora.md)
-#   bash scripts/run_h200_benchmarks.sh qlora_peers OUTDIR   # the same beside torchao NF4 (+ torchao INT8) peers
+#   bash scripts/run_h200_benchmarks.sh qlora_train OUTDIR   # LoRA r16 over bf16/NF4/INT8 bases beside the torchao NF4
+#                                                            # (+ torchao INT8) peers, 8 layers 8x2048, one run (~7 min)
 #   bash scripts/run_h200_benchmarks.sh qlora_memory OUTDIR  # peak memory: 32 layers, 1x2048, checkpointing (eager)
 #   bash scripts/run_h200_benchmarks.sh qlora_nf4 OUTDIR     # NF4 quantizer vs torchao to_nf4 (128256x4096), quantize-on-load
 #   bash scripts/run_h200_benchmarks.sh qlora_quality OUTDIR # LoRA adapters over a bf16-pretrained base, 200 steps
@@ -32,12 +32,9 @@ case "$stage" in
     python3 scripts/benchmark_quality.py --compile --json "$out/quality_h200.json" \
         --markdown "$out/quality_h200.md" --plot "$out/quality_h200.png" ;;
   qlora_train)
-    python3 scripts/benchmark_train.py --timeout 110 --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 \
-        --json "$out/qlora_train_h200.json" --markdown "$out/qlora_train_h200.md" ;;
-  qlora_peers)
-    python3 scripts/benchmark_train.py --timeout 110 \
-        --recipes lora_bf16,lora_nf4_int8cache,lora_torchao_nf4,lora_torchao_nf4_int8 \
-        --json "$out/qlora_peers_h200.json" --markdown "$out/qlora_peers_h200.md" ;;
+    python3 scripts/benchmark_train.py --timeout 110 --json "$out/qlora_train_h200.json" --markdown "$out/qlora_train_h200.md" \
+        --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_nf4_int8cache,lora_int8_int8,lora_torchao_nf4,lora_torchao_nf4_int8
+    python3 scripts/plot_benchmark.py "$out/qlora_train_h200.json" "$out/qlora_train_h200.png" ;;
   qlora_memory)
     python3 scripts/benchmark_train.py --timeout 150 --layers 32 --batch 1 --grad_checkpointing --no_compile \
         --warmup 1 --steps 3 --recipes lora_bf16,lora_nf4,lora_nf4_int8 \
@@ -48,5 +45,5 @@ case "$stage" in
     python3 scripts/benchmark_quality.py --compile --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 \
         --steps 200 --pretrain_steps 300 --json "$out/qlora_quality_h200.json" \
         --markdown "$out/qlora_quality_h200.md" --plot "$out/qlora_quality_h200.png" ;;
-  *) echo "unknown stage $stage (train, kernels, quality, qlora_train, qlora_peers, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (cuda_tests, train, kernels, quality, qlora_train, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
 esac

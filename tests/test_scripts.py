@@ -160,3 +160,23 @@ def test_benchmark_quality_lora_recipes_in_process():
     # LoRA starts from the pre-trained base (B = 0): its first loss is the base's loss on that batch, near pre's last
     assert abs(rows[0]["losses"][0] - pre["losses"][-1]) < 0.2
     assert abs(rows[1]["eval_loss"] / rows[0]["eval_loss"] - 1) < 0.02
+
+
+def test_benchmark_fsdp2_smoke_on_cpu(tmp_path):
+    """scripts/benchmark_fsdp2.py: FSDP2 through accelerate in 1 and 2 gloo processes, same data per step."""
+    out = tmp_path / "fsdp2.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_fsdp2.py"), "--device", "cpu", "--no_compile",
+           "--gpus", "1,2", "--recipes", "int8", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+           "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--batch", "2", "--seq", "32", "--warmup", "1",
+           "--steps", "2", "--min_features", "16", "--timeout", "300", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=700, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["recipe"], r["gpus"]) for r in rows] == [("int8", 1), ("int8", 2)], rows
+    assert all("error" not in r for r in rows), rows
+    one, two = rows
+    assert (one["grad_accum"], two["grad_accum"]) == (2, 1)  # fixed global batch of 2 micro-batches
+    # step 1: the same weights and micro-batches, only the reduction differs
+    assert abs(one["losses"][0] - two["losses"][0]) < 1e-5, (one["losses"], two["losses"])
+    assert two["scaling_efficiency"] > 0 and "vs_ref" not in two  # no bf16 row in this run to compare with
+    assert "| int8 | 2 |" in proc.stdout

@@ -56,12 +56,13 @@ def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, M, N, n_chunks, stride
     for c in range(1, n_chunks):
         part = tl.load(part_ptr + c * N + offs_n, mask=mask_n, other=0.0)
         amax = tl.where((part != part) | (part > amax), part, amax)  # keeps NaN
-    scale = tl.where(amax < 1e-30, 1e-30, amax) / QMAX  # NaN < x is False: NaN stays
+    # IEEE-rounded divisions (Triton's fp32 `/` is approximate on CUDA): bit-exact with torch's `x / scale`
+    scale = tl.math.div_rn(tl.where(amax < 1e-30, 1e-30, amax), QMAX)  # NaN < x is False: NaN stays
     if pid_m == 0:
         tl.store(scale_ptr + offs_n, scale, mask=mask_n)
     mask = (offs_m[:, None] < M) & mask_n[None, :]
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
-    y = tl.minimum(tl.maximum(x.to(tl.float32) / scale[None, :], -QMAX), QMAX)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale[None, :]), -QMAX), QMAX)
     if IS_INT8:
         q = _rne(y).to(tl.int8)
     else:

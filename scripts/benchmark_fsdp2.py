@@ -1,0 +1,283 @@
+#!/usr/bin/env python
+"""FSDP2 training throughput of the low-bit recipes on 1..N GPUs of one host, through accelerate.
+
+    python scripts/benchmark_fsdp2.py --gpus 1,2 --json docs/results/fsdp2_h200x2.json \\
+        --markdown docs/results/fsdp2_h200x2.md --plot docs/results/fsdp2_h200x2.png
+
+Every (GPU count, recipe) is one ``accelerate launch --config_file accelerate_configs/fsdp2.yaml
+--num_processes N`` of this script's worker: scripts/benchmark_train.py's model and recipes (default
+here: the whole Llama-8B shape, 32 layers), sharded per decoder layer by accelerate's FSDP2 with the
+config's bf16 mixed precision (fp32 master weights and optimizer state, bf16 compute, fp32 gradient
+reduction), each layer's forward compiled (FSDP2's hooks run around the compiled graphs), fused AdamW.
+
+The global batch is fixed (strong scaling): ``max(--gpus)`` micro-batches of ``--batch`` x ``--seq``
+per optimizer step; with N GPUs each rank takes ``max/N`` of them by gradient accumulation. Rank r's
+micro-batches are the same token ids in every run, so the per-step losses of a recipe must agree
+across GPU counts (reported as the max difference to the 1-GPU run). Reported per run: tokens/s per
+GPU, the ratio to the reference recipe at the same GPU count (bf16, or lora_bf16 for LoRA recipes),
+scaling efficiency (tokens/s per GPU vs the fewest-GPU run of the recipe), peak memory per GPU (max
+over ranks), warm-up time, compiled graphs and graph breaks.
+
+``--concurrent`` runs launches that need fewer GPUs than the machine has side by side on disjoint GPUs
+(e.g. two 1-GPU runs on a 2-GPU host; recorded per row). ``--device cpu`` runs the same code in gloo
+CPU processes (a smoke test of the script; tiny shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchmark_train import LORA_RECIPES, RECIPES, build_model, compile_layers  # noqa: E402
+
+DEFAULT_RECIPES = "bf16,int8,fp8,qat_8da4w,torchao_float8,lora_bf16,lora_nf4_int8"
+CONFIG = os.path.join(ROOT, "accelerate_configs", "fsdp2.yaml")
+# NVLink multicast stays off (the lent machines' rule; NCCL would otherwise use it when it can)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def worker(a) -> dict | None:
+    """One run inside ``accelerate launch``; rank 0 returns the result row."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+    from torch._dynamo.utils import counters
+
+    cuda = a.device == "cuda"
+    if not cuda:
+        from hf_lowbit.bench import allow_fsdp_on_cpu
+
+        allow_fsdp_on_cpu()
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+    # the model first: the recipes build TrainingArguments, which reset accelerate's shared state
+    model = build_model(a, device)
+    acc = Accelerator()
+    if acc.distributed_type != DistributedType.FSDP or not acc.is_fsdp2:
+        raise RuntimeError(f"expected FSDP2 from {CONFIG}, accelerate gave {acc.distributed_type}")
+    n, rank = acc.num_processes, acc.process_index
+    if a.global_micro % n:
+        raise SystemExit(f"--global_micro {a.global_micro} is not divisible by {n} processes")
+    accum = a.global_micro // n
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=cuda)
+    model, opt = acc.prepare(model, opt)
+    if not a.no_compile:
+        compile_layers(model, a.layers, forward_only=True)
+    # micro-batch j of step s: the same ids whatever the GPU count (4 distinct steps, cycled)
+    gen = torch.Generator(device="cpu")
+    mine = range(rank * accum, (rank + 1) * accum)
+    batches = []
+    for s in range(4):
+        row = []
+        for j in range(a.global_micro):
+            ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen.manual_seed(1000 * s + j))
+            if j in mine:
+                row.append(ids.to(acc.device))
+        batches.append(row)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(s):
+        total = 0.0
+        for ids in batches[s % len(batches)]:
+            loss = model(input_ids=ids, labels=ids).loss / accum
+            loss.backward()
+            total = total + loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    def mean_over_ranks(t):
+        t = t.clone()
+        dist.all_reduce(t)
+        return (t / n).item()
+
+    t0 = time.perf_counter()
+    losses = [mean_over_ranks(step(i)) for i in range(a.warmup)]
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    dist.barrier()
+    t0 = time.perf_counter()
+    timed = [step(a.warmup + i) for i in range(a.steps)]
+    sync()
+    elapsed = time.perf_counter() - t0
+    losses += [mean_over_ranks(t) for t in timed]
+    stats = torch.tensor([torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0, elapsed], device=acc.device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+    peak, elapsed = stats.tolist()
+    if rank:
+        return None
+    tokens_per_gpu = accum * a.batch * a.seq * a.steps / elapsed
+    return {"recipe": a.recipe, "gpus": n, "grad_accum": accum, "tokens_per_s_per_gpu": tokens_per_gpu,
+            "tokens_per_s": n * tokens_per_gpu, "step_ms": 1000 * elapsed / a.steps, "warmup_s": warmup_s,
+            "peak_mem_gib_per_gpu": peak if cuda else float("nan"), "losses": losses,
+            "compiled_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """vs the reference recipe at the same GPU count; scaling and loss agreement vs the fewest GPUs."""
+    ok = [r for r in rows if "error" not in r]
+    for r in ok:
+        ref_name = "bf16" if r["recipe"] in RECIPES else "lora_bf16"
+        ref = next((x for x in ok if x["recipe"] == ref_name and x["gpus"] == r["gpus"]), None)
+        if ref:
+            r["reference"] = ref_name
+            r["vs_ref"] = r["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"]
+            r["mem_vs_ref"] = r["peak_mem_gib_per_gpu"] / ref["peak_mem_gib_per_gpu"]
+        base = min((x for x in ok if x["recipe"] == r["recipe"]), key=lambda x: x["gpus"])
+        r["scaling_efficiency"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+        r["max_loss_diff_vs_fewest_gpus"] = max(abs(x - y) for x, y in zip(r["losses"], base["losses"]))
+
+
+def table(rows: list[dict]) -> list[str]:
+    out = ["| recipe | GPUs | tok/s per GPU | vs ref | scaling eff. | peak GiB per GPU | mem vs ref | "
+           "max loss diff vs 1 GPU | first / last loss | warm-up s | graphs | breaks |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["gpus"], 0)):
+        if "error" in r:
+            last = r["error"].strip().splitlines()[-1][:80] if r["error"].strip() else "?"
+            out.append(f"| {r['recipe']} | {r['gpus']} | error: {last} ||||||||||")
+            continue
+        out.append(f"| {r['recipe']} | {r['gpus']} | {r['tokens_per_s_per_gpu']:.0f} | {r.get('vs_ref', float('nan')):.2f}x"
+                   f" | {r['scaling_efficiency']:.2f} | {r['peak_mem_gib_per_gpu']:.1f} | {r.get('mem_vs_ref', float('nan')):.2f}x"
+                   f" | {r['max_loss_diff_vs_fewest_gpus']:.1e} | {r['losses'][0]:.3f} / {r['losses'][-1]:.3f}"
+                   f" | {r['warmup_s']:.0f} | {r['compiled_graphs']} | {r['graph_breaks']} |")
+    return out
+
+
+def plot(data: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["rows"] if "error" not in r and "vs_ref" in r]
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    gpus = sorted({r["gpus"] for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    width = 0.8 / len(gpus)
+    for j, g in enumerate(gpus):
+        vals = [next((r["vs_ref"] for r in rows if r["recipe"] == rec and r["gpus"] == g), 0) for rec in recipes]
+        bars = ax.bar([i + j * width for i in range(len(recipes))], vals, width, label=f"{g} GPU{'s' * (g > 1)}")
+        ax.bar_label(bars, fmt="%.2fx", fontsize=7)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks([i + width * (len(gpus) - 1) / 2 for i in range(len(recipes))], recipes, fontsize=8)
+    ax.set_ylabel("tok/s per GPU vs bf16\n(LoRA: vs lora_bf16)")
+    c = data["meta"]["config"]
+    ax.set_title(f"{data['meta']['gpu']}: FSDP2, {c['layers']} layers h{c['hidden']}, "
+                 f"global batch {c['global_micro']}x{c['batch']}x{c['seq']}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipes", default=DEFAULT_RECIPES, help=f"comma-separated, from {RECIPES + LORA_RECIPES}")
+    p.add_argument("--gpus", default="1,2", help="comma-separated process counts (one GPU each)")
+    for name, default in (("hidden", 4096), ("intermediate", 14336), ("heads", 32), ("kv_heads", 8),
+                          ("vocab", 32000), ("layers", 32), ("batch", 1), ("seq", 2048), ("warmup", 3),
+                          ("steps", 8), ("min_features", 64), ("lora_r", 16), ("global_micro", 0)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (gloo smoke test of the script)")
+    p.add_argument("--no_compile", action="store_true", help="run eagerly (smoke tests only)")
+    p.add_argument("--json", default=None, help="write results here (rewritten after every run)")
+    p.add_argument("--markdown", default=None)
+    p.add_argument("--plot", default=None, help="PNG of tok/s per GPU vs the reference (needs matplotlib)")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per launch")
+    p.add_argument("--concurrent", action="store_true",
+                   help="run the launches that need fewer GPUs than the machine has side by side, each on its own "
+                        "GPUs (saves wall time; the host's CPUs are shared)")
+    p.add_argument("--recipe", default=None, help=argparse.SUPPRESS)  # worker mode
+    a = p.parse_args()
+    a.grad_checkpointing = False  # build_model's flag; not part of this bench
+    if a.recipe:
+        row = worker(a)
+        if row is not None:
+            print("RESULT " + json.dumps(row), flush=True)
+        return
+    import torch
+
+    counts = sorted({int(g) for g in a.gpus.split(",")})
+    if a.device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < counts[-1]):
+        raise SystemExit(f"--gpus {a.gpus}: this machine has {torch.cuda.device_count()} CUDA GPUs")
+    for r in a.recipes.split(","):
+        if r not in RECIPES + LORA_RECIPES:
+            raise SystemExit(f"--recipes: unknown recipe {r!r}; choose from {', '.join(RECIPES + LORA_RECIPES)}")
+    a.global_micro = a.global_micro or counts[-1]
+    if any(a.global_micro % c for c in counts):
+        raise SystemExit(f"--global_micro {a.global_micro} must be divisible by every --gpus count {counts}")
+    env = {**NO_MULTICAST, "PYTHONUNBUFFERED": "1"}
+    if a.device == "cpu":
+        env["ACCELERATE_USE_CPU"] = "1"
+    os.environ.update(env)
+    meta = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
+            "gpu_count": torch.cuda.device_count() if a.device == "cuda" else 0, "torch": torch.__version__,
+            "python": platform.python_version(), "command": " ".join(sys.argv), "accelerate_config": "accelerate_configs/fsdp2.yaml",
+            "env": env, "concurrent": a.concurrent, "config": {k: getattr(a, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab",
+                                                              "layers", "batch", "seq", "global_micro", "warmup", "steps", "lora_r")}}
+    for mod in ("accelerate", "transformers", "torchao"):
+        try:
+            meta[mod] = __import__(mod).__version__
+        except ImportError:
+            meta[mod] = None
+    from hf_lowbit.bench import run_worker, write_results
+
+    flags = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool) for x in (f"--{k}", str(v))]
+    flags += ["--device", a.device] + (["--no_compile"] if a.no_compile else [])
+    cpu_launch = ["--mixed_precision", "no"] if a.device == "cpu" else []  # gloo smoke test: fp32 reductions
+    recipes = a.recipes.split(",")
+    rows = []
+    for n in counts:
+        # --concurrent: launches of n GPUs side by side on disjoint GPUs (each sees its own CUDA_VISIBLE_DEVICES)
+        slots = max(1, meta["gpu_count"] // n) if a.concurrent and a.device == "cuda" else 1
+        for i in range(0, len(recipes), slots):
+            group = recipes[i:i + slots]
+            launches = []
+            for k, recipe in enumerate(group):
+                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG, "--num_processes",
+                       str(n), "--main_process_port", str(_free_port()), *cpu_launch, os.path.abspath(__file__),
+                       *flags, "--recipe", recipe]
+                gpus = {"CUDA_VISIBLE_DEVICES": ",".join(str(k * n + d) for d in range(n))} if slots > 1 else None
+                launches.append((cmd, {"recipe": recipe, "gpus": n}, a.timeout, gpus))
+            with ThreadPoolExecutor(len(launches)) as pool:
+                done = list(pool.map(lambda job: run_worker(*job), launches))
+            for row in done:
+                row["concurrent_launches"] = len(launches)
+                rows.append(row)
+                add_ratios(rows)
+                print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+            if a.json:
+                os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+                with open(a.json, "w") as f:
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    data = {"meta": meta, "rows": rows}
+    write_results(data, table(rows), f"{meta['gpu']} x{meta['gpu_count']}, torch {meta['torch']}, accelerate "
+                  f"{meta['accelerate']}, torchao {meta['torchao']}, FSDP2 (accelerate_configs/fsdp2.yaml), config "
+                  f"{meta['config']}\n\nCommand: `{meta['command']}`", a.json, a.markdown)
+    if a.plot:
+        plot(data, a.plot)
+
+
+if __name__ == "__main__":
+    main()
