@@ -8,7 +8,7 @@ from .args import LowBitTrainingArguments
 from .export import merge_lora, save_quantized
 from .prepare import apply_recipes, log_reports
 from .qat import FakeQuantScheduleCallback, QATConfig
-from .validation import check_training_setup
+from .validation import check_fsdp2_params, check_training_setup
 
 _SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
 
@@ -33,6 +33,8 @@ class LowBitTrainer(Trainer):
         model, self.lowbit_reports = apply_recipes(model, args, peft_config)
         log_reports(self.lowbit_reports)
         super().__init__(model, args, *pargs, **kwargs)
+        if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
+            check_fsdp2_params(self.model)  # before accelerate shards it in train()
         if args.qat_scheme is not None:
             self.add_callback(FakeQuantScheduleCallback(args.qat_fake_quant_after_n_steps))
 

@@ -54,6 +54,8 @@ def worker(a) -> dict | None:
     from accelerate.utils import DistributedType
     from torch._dynamo.utils import counters
 
+    from hf_lowbit.validation import check_fsdp2_params
+
     cuda = a.device == "cuda"
     if not cuda:
         from hf_lowbit.bench import allow_fsdp_on_cpu
@@ -64,6 +66,7 @@ def worker(a) -> dict | None:
         torch.cuda.set_device(device)
     # the model first: the recipes build TrainingArguments, which reset accelerate's shared state
     model = build_model(a, device)
+    check_fsdp2_params(model)  # a clear error where this torch's FSDP2 cannot shard a quantized base
     acc = Accelerator()
     if acc.distributed_type != DistributedType.FSDP or not acc.is_fsdp2:
         raise RuntimeError(f"expected FSDP2 from {CONFIG}, accelerate gave {acc.distributed_type}")

@@ -115,3 +115,15 @@ def test_trainer_rejects_plain_training_arguments(tmp_path):
         LowBitTrainer(_model("llama"), TrainingArguments(output_dir=str(tmp_path), report_to="none"))
     with pytest.raises(ValueError, match="pass model="):
         LowBitTrainer(None, _args(tmp_path))
+
+
+def test_fsdp2_integer_parameters_need_a_torch_that_can_shard_them():
+    """A quantized base under FSDP2 of torch < 2.13 fails deep in fully_shard; we say why, and what to do, first."""
+    from hf_lowbit import Nf4Linear
+    from hf_lowbit.validation import check_fsdp2_params
+
+    model = nn.Sequential(Nf4Linear.from_linear(nn.Linear(128, 64)), nn.Linear(64, 8))
+    with pytest.raises(ValueError, match=r"torch 2\.11\.0\+cu130 cannot shard integer parameters .*e\.g\. 0\..*ddp\.yaml"):
+        check_fsdp2_params(model, torch_version="2.11.0+cu130")
+    check_fsdp2_params(model, torch_version="2.13.0")  # fixed there: sharded as they are
+    check_fsdp2_params(nn.Linear(4, 4), torch_version="2.11.0")  # nothing integer: nothing to say
