@@ -9,8 +9,10 @@
 * :class:`QATLinear`: one ``autograd.Function`` that fake-quantizes the activation and the weight
   (``hf_lowbit.ops.fake_quant``, the same arithmetic as torchao's convert) and multiplies; backward is the
   straight-through estimator and *recomputes* the fake-quantized operands from the saved input and
-  weight, so nothing weight- or activation-sized is kept beyond what bf16 keeps, and under
-  ``torch.compile`` the quantization fuses into a couple of kernels.
+  weight, so nothing weight- or activation-sized is kept beyond what bf16 keeps. Under
+  ``torch.compile`` the quantization fuses into a couple of kernels, and a selective activation
+  checkpoint around the function (see :func:`qat_linear`) keeps the partitioner from saving the
+  fake-quantized operands anyway.
 * :func:`set_fake_quant_enabled` and :class:`FakeQuantScheduleCallback`: fake quant off for the
   first ``N`` optimizer steps, then on, decided from ``state.global_step`` so resuming is correct.
 * :func:`convert_qat`: back to ``nn.Linear`` (shared parameters), then torchao's ``quantize_`` with the
@@ -23,11 +25,13 @@ also recognized by :func:`set_fake_quant_enabled` and :func:`convert_qat`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import TrainerCallback
 
 from .mixed_precision import _compute_dtype
@@ -94,6 +98,8 @@ class QATConfig:
 
 
 class _QATLinearFn(torch.autograd.Function):
+    """``F.linear(fq(x), fq(W), b)``; saves only ``x`` and ``W``, recomputes ``fq(x)``, ``fq(W)`` in backward (STE)."""
+
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, act_bits: int | None, weight_bits: int,
                 group_size: int) -> Tensor:
@@ -125,10 +131,29 @@ def _fake_operands(x: Tensor, weight: Tensor, act_bits, weight_bits, group_size)
     return xq, fake_quant_per_group_sym(weight, group_size, weight_bits)
 
 
+# Under torch.compile, what the QAT linear keeps for backward: the matmul output (as a plain linear
+# does) and the per-token / per-group min and max (tiny); the elementwise rest is recomputed.
+_KEPT_OPS = tuple(getattr(torch.ops.aten, n).default for n in ("mm", "addmm", "bmm", "amin", "amax"))
+
+
+def _keep_matmul_and_min_max(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.MUST_RECOMPUTE
+
+
 def qat_linear(x: Tensor, weight: Tensor, bias: Tensor | None, config: QATConfig) -> Tensor:
-    """``F.linear`` on fake-quantized operands (as ``config``'s scheme), straight-through gradients."""
+    """``F.linear`` on fake-quantized operands (as ``config``'s scheme), straight-through gradients.
+
+    Under ``torch.compile`` the call runs in a selective activation checkpoint (policy
+    :func:`_keep_matmul_and_min_max`): AOTAutograd's CSE merges the backward's recomputation of the
+    fake-quantized operands with the forward's, and the partitioner would then keep them (a bf16 copy
+    of the weight and of the input) until backward; the policy makes it recompute them instead.
+    """
     s = config.spec
-    return _QATLinearFn.apply(x, weight, bias, s.act_bits, s.weight_bits, config.group_size)
+    args = (x, weight, bias, s.act_bits, s.weight_bits, config.group_size)
+    if torch.compiler.is_compiling():
+        return checkpoint(_QATLinearFn.apply, *args, use_reentrant=False,
+                          context_fn=partial(create_selective_checkpoint_contexts, _keep_matmul_and_min_max))
+    return _QATLinearFn.apply(*args)
 
 
 class QATLinear(nn.Linear):
