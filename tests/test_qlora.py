@@ -160,6 +160,25 @@ def test_no_graph_break_under_compile():
     assert x.grad is not None and not counters["graph_break"]
 
 
+@pytest.mark.parametrize("quant,cache", [("nf4", True), ("int8", False)])
+def test_compiled_decoder_layers_trace_whole_with_frozen_inputs(tmp_path, quant, cache):
+    """Each decoder layer compiles to one graph (the first layer, whose input needs no grad, to a second).
+    Regression: with exactly two stored tensors (INT8 base, NF4 INT8 cache) Dynamo bound the base's
+    autograd.Function arguments one off when no input needed grad, skipped the whole layer frame and ran
+    it eagerly in ~10 small graphs (0 graph breaks counted)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    args = _args(tmp_path, lora_base_quant=quant, lora_base_int8_cache=cache)
+    pm = prepare_model(tiny_model().bfloat16(), args, LoraConfig(r=4, target_modules="all-linear"))
+    for layer in pm.base_model.model.model.layers:
+        layer.compile(backend="eager", fullgraph=True)  # a Dynamo matter
+    ids = torch.randint(0, 96, (2, 16))
+    pm(input_ids=ids, labels=ids).loss.backward()
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+
+
 # ---- PEFT ---------------------------------------------------------------------------------------
 
 def _args(tmp_path, **kw):
