@@ -14,12 +14,29 @@ holding ``dequantize(W) + ΔW``, a model stock transformers can save and load.
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
+import torch.nn.functional as F
 from peft import LoraConfig
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
-from torch import nn
+from torch import Tensor, nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .quantized_base import QUANTIZED_LINEARS, QuantizedLinear
+
+
+def _recompute_all_but_mm(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.MUST_RECOMPUTE
+
+
+_KEEP_MM = partial(create_selective_checkpoint_contexts, _recompute_all_but_mm)
+
+
+def _lora_down(x: Tensor, weight: Tensor) -> Tensor:
+    return F.linear(x.to(weight.dtype), weight)
+
 
 _PLAIN_INITS = (True, False, "gaussian")
 
@@ -51,6 +68,32 @@ class LoraLinear(PeftLoraLinear):
             raise ValueError(f"hf_lowbit.LoraLinear: LoRA variant {type(variant).__name__} (DoRA, …) is not "
                              "supported over a quantized base; use plain LoRA")
         return variant
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        """PEFT's LoRA forward, same arithmetic, without keeping a float32 copy of ``x`` for backward.
+
+        PEFT keeps adapters in float32 and casts ``x`` to them; the down-projection's weight gradient
+        then needs that cast, so autograd (and ``torch.compile``'s partitioner, which never recomputes
+        a matmul operand) saves ``x`` in float32: twice the bytes of the bf16 activation, for every
+        adapted linear. Here the cast is recomputed in backward from ``x`` (selective checkpointing:
+        only the matmul output is saved). Mixed-batch ``adapter_names``, disabled or merged adapters,
+        variants and LoRA dropout go through PEFT's forward unchanged.
+        """
+        if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:
+            return super().forward(x, *args, **kwargs)
+        result = self.base_layer(x)
+        out_dtype = result.dtype
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            lora_a, dropout = self.lora_A[name], self.lora_dropout[name]
+            if (isinstance(dropout, nn.Identity) and x.dtype != lora_a.weight.dtype and torch.is_grad_enabled()
+                    and not torch.is_autocast_enabled(x.device.type) and getattr(self, "cast_input_dtype_enabled", True)):
+                h = checkpoint(_lora_down, x, lora_a.weight, use_reentrant=False, context_fn=_KEEP_MM)
+            else:
+                h = lora_a(self._cast_input_dtype(dropout(x), lora_a.weight.dtype))
+            result = result + self.lora_B[name](h) * self.scaling[name]
+        return result.to(out_dtype)
 
     def _dequantize_base(self) -> None:
         """Swap a quantized base for a plain linear holding its dequantized weight (what merging needs)."""

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import snr_db, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -177,6 +178,62 @@ def test_compiled_decoder_layers_trace_whole_with_frozen_inputs(tmp_path, quant,
     ids = torch.randint(0, 96, (2, 16))
     pm(input_ids=ids, labels=ids).loss.backward()
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+
+
+def _saved_bytes(fn, params):
+    """``fn()`` and the bytes of the distinct non-parameter storages autograd saved for backward during it."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+@pytest.mark.parametrize("quant,compute", [("nf4", None), ("nf4", INT8), ("int8", INT8)])
+def test_compiled_qlora_layer_saves_no_more_than_bf16_lora(quant, compute):
+    """Saved for backward by a compiled LoRA layer (Inductor's partitioner, eager kernels): over a quantized
+    base, x once in bf16 and the rank-r activation; no float32 copy of x (PEFT's float32 adapters), no
+    dequantized or INT8 weight; no more than PEFT's LoRA over a bf16 nn.Linear."""
+    m_tokens, k, n, r = 384, 256, 512, 8
+    x = torch.randn(m_tokens, k, dtype=torch.bfloat16, requires_grad=True)
+    saved = {}
+    for name in ("bf16", "ours"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(k, n, bias=False)).bfloat16()
+        if name == "ours":
+            quantize_base(m, QuantizedBaseConfig(quant, compute=compute), LinearFilter(exclude=()))
+        pm = get_peft_model(m, LoraConfig(r=r, target_modules=["0"]))
+        f = torch.compile(pm, fullgraph=True)
+        f(x).float().sum().backward()
+        out, saved[name] = _saved_bytes(lambda: f(x), pm.parameters())
+        out.float().sum().backward()
+    assert saved["ours"] <= saved["bf16"]
+    assert saved["ours"] <= x.numel() * 2 + m_tokens * r * 4 + 4096, saved  # x in bf16 + [M, r] + small scales
+
+
+def test_lora_linear_forward_is_peft_arithmetic():
+    """LoraLinear's own forward (no float32 copy of x saved) computes exactly what PEFT's forward does."""
+    m = nn.Sequential(nn.Linear(128, 64)).bfloat16()
+    quantize_base(m, QuantizedBaseConfig("int8", compute=INT8), LinearFilter(exclude=()))
+    pm = get_peft_model(m, LoraConfig(r=4, target_modules=["0"], init_lora_weights="gaussian"))
+    layer = pm.base_model.model[0]
+    nn.init.normal_(layer.lora_B["default"].weight, std=0.02)
+    x = torch.randn(2, 16, 128, dtype=torch.bfloat16)
+    results = []
+    for forward in (layer.forward, lambda x: PeftLoraLinear.forward(layer, x)):
+        xi = x.clone().requires_grad_()
+        y = forward(xi)
+        y.float().square().sum().backward()
+        results.append([y, xi.grad] + [p.grad.clone() for p in layer.parameters() if p.requires_grad])
+        layer.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 # ---- PEFT ---------------------------------------------------------------------------------------
