@@ -1,9 +1,10 @@
 """``LoraLinear``: PEFT's LoRA layer over a separate frozen base linear (plain, NF4 or INT8).
 
 The base layer computes ``x · Wᵀ`` however it stores ``W`` and whatever compute it was told to use
-(:mod:`hf_lowbit.quantized_base`); the LoRA branch ``B(A(dropout(x))) · scaling`` is PEFT's own code,
-in the adapters' dtype (bf16 for a bf16 model). Because the two never share an ``F.linear``, INT8
-compute on the base composes with LoRA.
+(:mod:`hf_lowbit.quantized_base`); the LoRA branch ``B(A(dropout(x))) · scaling`` runs beside it in
+the same compute dtype (autocast's, else the input's), with the adapter weights kept in their own dtype
+(float32 by PEFT's default). Because the two never share an ``F.linear``, INT8 compute on the base
+composes with LoRA.
 
 Registration: importing ``hf_lowbit`` adds a dispatcher in front of PEFT's LoRA dispatchers, so
 ``get_peft_model``, ``PeftModel.from_pretrained``, ``load_adapter`` / ``add_adapter`` (several
@@ -14,29 +15,14 @@ holding ``dequantize(W) + ΔW``, a model stock transformers can save and load.
 
 from __future__ import annotations
 
-from functools import partial
-
-import torch
 import torch.nn.functional as F
 from peft import LoraConfig
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .mixed_precision import _compute_dtype
 from .quantized_base import QUANTIZED_LINEARS, QuantizedLinear
-
-
-def _recompute_all_but_mm(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.MUST_RECOMPUTE
-
-
-_KEEP_MM = partial(create_selective_checkpoint_contexts, _recompute_all_but_mm)
-
-
-def _lora_down(x: Tensor, weight: Tensor) -> Tensor:
-    return F.linear(x.to(weight.dtype), weight)
-
 
 _PLAIN_INITS = (True, False, "gaussian")
 
@@ -70,30 +56,27 @@ class LoraLinear(PeftLoraLinear):
         return variant
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        """PEFT's LoRA forward, same arithmetic, without keeping a float32 copy of ``x`` for backward.
+        """``base(x) + B(A(dropout(x))) · scaling`` with the LoRA branch in the compute dtype, like the base.
 
-        PEFT keeps adapters in float32 and casts ``x`` to them; the down-projection's weight gradient
-        then needs that cast, so autograd (and ``torch.compile``'s partitioner, which never recomputes
-        a matmul operand) saves ``x`` in float32: twice the bytes of the bf16 activation, for every
-        adapted linear. Here the cast is recomputed in backward from ``x`` (selective checkpointing:
-        only the matmul output is saved). Mixed-batch ``adapter_names``, disabled or merged adapters,
-        variants and LoRA dropout go through PEFT's forward unchanged.
+        The compute dtype is autocast's when autocast is on, else ``x``'s (:func:`_compute_dtype`).
+        Adapter weights keep their own dtype (float32 by PEFT's default) and are cast per call (r x
+        features, cheap); their gradients arrive in that dtype. Under autocast this is PEFT's forward
+        bit for bit. Without autocast PEFT casts ``x`` to the float32 adapters instead: float32 GEMMs,
+        float32 ``[tokens, features]`` intermediates and a float32 copy of every adapted input saved
+        for backward — that cost 25-30% of a bf16 QLoRA step (docs/qlora.md). Mixed-batch
+        ``adapter_names``, disabled or merged adapters and variants go through PEFT's forward.
         """
         if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:
             return super().forward(x, *args, **kwargs)
         result = self.base_layer(x)
-        out_dtype = result.dtype
+        dtype = _compute_dtype(x)
         for name in self.active_adapters:
             if name not in self.lora_A:
                 continue
-            lora_a, dropout = self.lora_A[name], self.lora_dropout[name]
-            if (isinstance(dropout, nn.Identity) and x.dtype != lora_a.weight.dtype and torch.is_grad_enabled()
-                    and not torch.is_autocast_enabled(x.device.type) and getattr(self, "cast_input_dtype_enabled", True)):
-                h = checkpoint(_lora_down, x, lora_a.weight, use_reentrant=False, context_fn=_KEEP_MM)
-            else:
-                h = lora_a(self._cast_input_dtype(dropout(x), lora_a.weight.dtype))
-            result = result + self.lora_B[name](h) * self.scaling[name]
-        return result.to(out_dtype)
+            a, b = self.lora_A[name].weight, self.lora_B[name].weight
+            h = F.linear(self.lora_dropout[name](x).to(dtype), a.to(dtype))
+            result = result + F.linear(h, b.to(dtype)) * self.scaling[name]
+        return result
 
     def _dequantize_base(self) -> None:
         """Swap a quantized base for a plain linear holding its dequantized weight (what merging needs)."""

@@ -197,9 +197,9 @@ def _saved_bytes(fn, params):
 
 @pytest.mark.parametrize("quant,compute", [("nf4", None), ("nf4", INT8), ("int8", INT8)])
 def test_compiled_qlora_layer_saves_no_more_than_bf16_lora(quant, compute):
-    """Saved for backward by a compiled LoRA layer (Inductor's partitioner, eager kernels): over a quantized
-    base, x once in bf16 and the rank-r activation; no float32 copy of x (PEFT's float32 adapters), no
-    dequantized or INT8 weight; no more than PEFT's LoRA over a bf16 nn.Linear."""
+    """Saved for backward by a compiled LoRA layer: over a quantized base, x once in bf16, the rank-r activation
+    and bf16 copies of the adapters; no float32 copy of x (PEFT's float32 adapters, 2x the bytes), no dequantized
+    or INT8 weight; less than PEFT's LoRA over a bf16 nn.Linear."""
     m_tokens, k, n, r = 384, 256, 512, 8
     x = torch.randn(m_tokens, k, dtype=torch.bfloat16, requires_grad=True)
     saved = {}
@@ -210,30 +210,37 @@ def test_compiled_qlora_layer_saves_no_more_than_bf16_lora(quant, compute):
         if name == "ours":
             quantize_base(m, QuantizedBaseConfig(quant, compute=compute), LinearFilter(exclude=()))
         pm = get_peft_model(m, LoraConfig(r=r, target_modules=["0"]))
-        f = torch.compile(pm, fullgraph=True)
+        # Inductor's partitioner decides what is saved; eager kernels keep the test fast
+        f = torch.compile(pm, backend="aot_eager_decomp_partition", fullgraph=True)
         f(x).float().sum().backward()
         out, saved[name] = _saved_bytes(lambda: f(x), pm.parameters())
         out.float().sum().backward()
-    assert saved["ours"] <= saved["bf16"]
-    assert saved["ours"] <= x.numel() * 2 + m_tokens * r * 4 + 4096, saved  # x in bf16 + [M, r] + small scales
+    assert saved["ours"] < saved["bf16"]
+    assert saved["ours"] <= x.numel() * 2 + (m_tokens + k + n) * r * 2 + 4096, saved  # + small scales
 
 
-def test_lora_linear_forward_is_peft_arithmetic():
-    """LoraLinear's own forward (no float32 copy of x saved) computes exactly what PEFT's forward does."""
+def test_lora_linear_forward_vs_peft():
+    """Under autocast LoraLinear's forward is PEFT's bit for bit; without it the branch computes in the input's
+    dtype (bf16) where PEFT casts x to its float32 adapters: the same up to bf16 rounding."""
     m = nn.Sequential(nn.Linear(128, 64)).bfloat16()
     quantize_base(m, QuantizedBaseConfig("int8", compute=INT8), LinearFilter(exclude=()))
     pm = get_peft_model(m, LoraConfig(r=4, target_modules=["0"], init_lora_weights="gaussian"))
     layer = pm.base_model.model[0]
+    assert layer.lora_A["default"].weight.dtype == torch.float32  # PEFT's autocast_adapter_dtype
     nn.init.normal_(layer.lora_B["default"].weight, std=0.02)
     x = torch.randn(2, 16, 128, dtype=torch.bfloat16)
-    results = []
-    for forward in (layer.forward, lambda x: PeftLoraLinear.forward(layer, x)):
-        xi = x.clone().requires_grad_()
-        y = forward(xi)
-        y.float().square().sum().backward()
-        results.append([y, xi.grad] + [p.grad.clone() for p in layer.parameters() if p.requires_grad])
-        layer.zero_grad()
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    for autocast in (True, False):
+        results = []
+        for forward in (layer.forward, lambda x: PeftLoraLinear.forward(layer, x)):
+            xi = x.clone().requires_grad_()
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                y = forward(xi)
+            y.float().square().sum().backward()
+            results.append([y, xi.grad] + [p.grad.clone() for p in layer.parameters() if p.requires_grad])
+            layer.zero_grad()
+        assert [r.dtype for r in results[0]] == [r.dtype for r in results[1]]
+        for ours, peft in zip(*results):
+            assert torch.equal(ours, peft) if autocast else snr_db(peft.float(), ours.float()) > 40
 
 
 # ---- PEFT ---------------------------------------------------------------------------------------
