@@ -1,9 +1,10 @@
 """``LoraLinear``: PEFT's LoRA layer over a separate frozen base linear (plain, NF4 or INT8).
 
 The base layer computes ``x · Wᵀ`` however it stores ``W`` and whatever compute it was told to use
-(:mod:`hf_lowbit.quantized_base`); the LoRA branch ``B(A(dropout(x))) · scaling`` is PEFT's own code,
-in the adapters' dtype (bf16 for a bf16 model). Because the two never share an ``F.linear``, INT8
-compute on the base composes with LoRA.
+(:mod:`hf_lowbit.quantized_base`); the LoRA branch ``B(A(dropout(x))) · scaling`` runs beside it in
+the same compute dtype (autocast's, else the input's), with the adapter weights kept in their own dtype
+(float32 by PEFT's default). Because the two never share an ``F.linear``, INT8 compute on the base
+composes with LoRA.
 
 Registration: importing ``hf_lowbit`` adds a dispatcher in front of PEFT's LoRA dispatchers, so
 ``get_peft_model``, ``PeftModel.from_pretrained``, ``load_adapter`` / ``add_adapter`` (several
@@ -14,11 +15,13 @@ holding ``dequantize(W) + ΔW``, a model stock transformers can save and load.
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from peft import LoraConfig
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
-from torch import nn
+from torch import Tensor, nn
 
+from .mixed_precision import _compute_dtype
 from .quantized_base import QUANTIZED_LINEARS, QuantizedLinear
 
 _PLAIN_INITS = (True, False, "gaussian")
@@ -51,6 +54,29 @@ class LoraLinear(PeftLoraLinear):
             raise ValueError(f"hf_lowbit.LoraLinear: LoRA variant {type(variant).__name__} (DoRA, …) is not "
                              "supported over a quantized base; use plain LoRA")
         return variant
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        """``base(x) + B(A(dropout(x))) · scaling`` with the LoRA branch in the compute dtype, like the base.
+
+        The compute dtype is autocast's when autocast is on, else ``x``'s (:func:`_compute_dtype`).
+        Adapter weights keep their own dtype (float32 by PEFT's default) and are cast per call (r x
+        features, cheap); their gradients arrive in that dtype. Under autocast this is PEFT's forward
+        bit for bit. Without autocast PEFT casts ``x`` to the float32 adapters instead: float32 GEMMs,
+        float32 ``[tokens, features]`` intermediates and a float32 copy of every adapted input saved
+        for backward — that cost 25-30% of a bf16 QLoRA step (docs/qlora.md). Mixed-batch
+        ``adapter_names``, disabled or merged adapters and variants go through PEFT's forward.
+        """
+        if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:
+            return super().forward(x, *args, **kwargs)
+        result = self.base_layer(x)
+        dtype = _compute_dtype(x)
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            a, b = self.lora_A[name].weight, self.lora_B[name].weight
+            h = F.linear(self.lora_dropout[name](x).to(dtype), a.to(dtype))
+            result = result + F.linear(h, b.to(dtype)) * self.scaling[name]
+        return result
 
     def _dequantize_base(self) -> None:
         """Swap a quantized base for a plain linear holding its dequantized weight (what merging needs)."""

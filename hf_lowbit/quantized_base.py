@@ -54,11 +54,16 @@ def _dense_weight(kind: str, tensors: tuple[Tensor, ...], dtype: torch.dtype) ->
 
 
 class _FrozenQuantizedLinearFn(torch.autograd.Function):
-    """``x · Wᵀ + b`` for a stored (``kind``) frozen weight; optional INT8 forward / input-gradient."""
+    """``x · Wᵀ + b`` for a stored (``kind``) frozen weight; optional INT8 forward / input-gradient.
+
+    The stored tensors come as one tuple, not ``*tensors``: when no input needs grad, Dynamo drops
+    ``ctx`` from a varargs ``forward`` whose argument count happens to equal its parameter count
+    (two stored tensors), fails, and runs the whole enclosing frame (a decoder layer) eagerly.
+    """
 
     @staticmethod
-    def forward(ctx, x: Tensor, bias: Tensor | None, kind: str, int8_output: bool, int8_grad_input: bool,
-                *tensors: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, bias: Tensor | None, tensors: tuple[Tensor, ...], kind: str, int8_output: bool,
+                int8_grad_input: bool) -> Tensor:
         dtype = _compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         if int8_output:
@@ -95,7 +100,7 @@ class _FrozenQuantizedLinearFn(torch.autograd.Function):
             dx = dx.reshape(x_shape)
         if bias_dtype is not None and ctx.needs_input_grad[1]:
             db = g2.sum(0, dtype=torch.float32).to(bias_dtype)
-        return (dx, db, None, None, None) + (None,) * len(tensors)
+        return dx, db, None, None, None, None
 
 
 class QuantizedLinear(nn.Module):
@@ -154,8 +159,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         c = self.compute
-        return _FrozenQuantizedLinearFn.apply(x, self.bias, self.kind, bool(c and c.output),
-                                              bool(c and c.grad_input), *self._stored())
+        return _FrozenQuantizedLinearFn.apply(x, self.bias, self._stored(), self.kind, bool(c and c.output),
+                                              bool(c and c.grad_input))
 
     def extra_repr(self) -> str:
         compute = "bf16" if self.compute is None else "+".join(
@@ -219,8 +224,8 @@ class Nf4Linear(QuantizedLinear):
     def forward(self, x: Tensor) -> Tensor:
         if self._cache_q is not None and self.compute is not None:
             c = self.compute
-            return _FrozenQuantizedLinearFn.apply(x, self.bias, "int8", c.output, c.grad_input,
-                                                  self._cache_q, self._cache_s)
+            return _FrozenQuantizedLinearFn.apply(x, self.bias, (self._cache_q, self._cache_s), "int8", c.output,
+                                                  c.grad_input)
         return super().forward(x)
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import snr_db, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -158,6 +159,88 @@ def test_no_graph_break_under_compile():
     x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
     torch.compile(pm, fullgraph=True)(x).float().sum().backward()
     assert x.grad is not None and not counters["graph_break"]
+
+
+@pytest.mark.parametrize("quant,cache", [("nf4", True), ("int8", False)])
+def test_compiled_decoder_layers_trace_whole_with_frozen_inputs(tmp_path, quant, cache):
+    """Each decoder layer compiles to one graph (the first layer, whose input needs no grad, to a second).
+    Regression: with exactly two stored tensors (INT8 base, NF4 INT8 cache) Dynamo bound the base's
+    autograd.Function arguments one off when no input needed grad, skipped the whole layer frame and ran
+    it eagerly in ~10 small graphs (0 graph breaks counted)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    args = _args(tmp_path, lora_base_quant=quant, lora_base_int8_cache=cache)
+    pm = prepare_model(tiny_model().bfloat16(), args, LoraConfig(r=4, target_modules="all-linear"))
+    for layer in pm.base_model.model.model.layers:
+        layer.compile(backend="eager", fullgraph=True)  # a Dynamo matter
+    ids = torch.randint(0, 96, (2, 16))
+    pm(input_ids=ids, labels=ids).loss.backward()
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+
+
+def _saved_bytes(fn, params):
+    """``fn()`` and the bytes of the distinct non-parameter storages autograd saved for backward during it."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+@pytest.mark.parametrize("quant,compute", [("nf4", None), ("nf4", INT8), ("int8", INT8)])
+def test_compiled_qlora_layer_saves_no_more_than_bf16_lora(quant, compute):
+    """Saved for backward by a compiled LoRA layer: over a quantized base, x once in bf16, the rank-r activation
+    and bf16 copies of the adapters; no float32 copy of x (PEFT's float32 adapters, 2x the bytes), no dequantized
+    or INT8 weight; less than PEFT's LoRA over a bf16 nn.Linear."""
+    m_tokens, k, n, r = 384, 256, 512, 8
+    x = torch.randn(m_tokens, k, dtype=torch.bfloat16, requires_grad=True)
+    saved = {}
+    for name in ("bf16", "ours"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(k, n, bias=False)).bfloat16()
+        if name == "ours":
+            quantize_base(m, QuantizedBaseConfig(quant, compute=compute), LinearFilter(exclude=()))
+        pm = get_peft_model(m, LoraConfig(r=r, target_modules=["0"]))
+        # Inductor's partitioner decides what is saved; eager kernels keep the test fast
+        f = torch.compile(pm, backend="aot_eager_decomp_partition", fullgraph=True)
+        f(x).float().sum().backward()
+        out, saved[name] = _saved_bytes(lambda: f(x), pm.parameters())
+        out.float().sum().backward()
+    assert saved["ours"] < saved["bf16"]
+    assert saved["ours"] <= x.numel() * 2 + (m_tokens + k + n) * r * 2 + 4096, saved  # + small scales
+
+
+def test_lora_linear_forward_vs_peft():
+    """Under autocast LoraLinear's forward is PEFT's bit for bit; without it the branch computes in the input's
+    dtype (bf16) where PEFT casts x to its float32 adapters: the same up to bf16 rounding."""
+    m = nn.Sequential(nn.Linear(128, 64)).bfloat16()
+    quantize_base(m, QuantizedBaseConfig("int8", compute=INT8), LinearFilter(exclude=()))
+    pm = get_peft_model(m, LoraConfig(r=4, target_modules=["0"], init_lora_weights="gaussian"))
+    layer = pm.base_model.model[0]
+    assert layer.lora_A["default"].weight.dtype == torch.float32  # PEFT's autocast_adapter_dtype
+    nn.init.normal_(layer.lora_B["default"].weight, std=0.02)
+    x = torch.randn(2, 16, 128, dtype=torch.bfloat16)
+    for autocast in (True, False):
+        results = []
+        for forward in (layer.forward, lambda x: PeftLoraLinear.forward(layer, x)):
+            xi = x.clone().requires_grad_()
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                y = forward(xi)
+            y.float().square().sum().backward()
+            results.append([y, xi.grad] + [p.grad.clone() for p in layer.parameters() if p.requires_grad])
+            layer.zero_grad()
+        assert [r.dtype for r in results[0]] == [r.dtype for r in results[1]]
+        for ours, peft in zip(*results):
+            assert torch.equal(ours, peft) if autocast else snr_db(peft.float(), ours.float()) > 40
 
 
 # ---- PEFT ---------------------------------------------------------------------------------------

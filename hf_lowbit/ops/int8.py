@@ -28,10 +28,9 @@ def quantize_int8(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
     Returns ``(q, scale)`` with ``q`` int8 in [-127, 127], ``scale`` float32 with ``dim`` kept as
     size 1, and ``x ≈ q * scale``. Non-finite rows give non-finite scales (never silently finite).
     """
-    x32 = x.float()
-    amax = x32.abs().amax(dim=dim, keepdim=True)
+    amax = x.abs().amax(dim=dim, keepdim=True).float()  # exact in x's dtype
     scale = amax.clamp(min=_MIN_AMAX) / INT8_MAX  # clamp keeps NaN, so NaN rows stay NaN
-    q = (x32 / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q = (x / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # divides in float32 (type promotion)
     return q, scale
 
 
