@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
+import torch
 from transformers import Trainer
 
 from .args import LowBitTrainingArguments
 from .export import merge_lora, save_quantized
 from .prepare import apply_recipes, log_reports
 from .qat import FakeQuantScheduleCallback, QATConfig
-from .validation import check_fsdp2_params, check_training_setup
+from .validation import LowBitWarning, check_training_setup, fsdp2_shards_integer_params
 
 _SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
 
@@ -34,7 +38,8 @@ class LowBitTrainer(Trainer):
         log_reports(self.lowbit_reports)
         super().__init__(model, args, *pargs, **kwargs)
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
-            check_fsdp2_params(self.model)  # before accelerate shards it in train()
+            # before accelerate shards the model in train()
+            keep_integer_params_unsharded(self.accelerator.state.fsdp_plugin, self.model, self.args.device)
         if args.qat_scheme is not None:
             self.add_callback(FakeQuantScheduleCallback(args.qat_fake_quant_after_n_steps))
 
@@ -82,6 +87,28 @@ class LowBitTrainer(Trainer):
     def train(self, *args, **kwargs):
         self.check_setup()
         return super().train(*args, **kwargs)
+
+
+def keep_integer_params_unsharded(fsdp_plugin, model, device, torch_version: str = torch.__version__) -> list[str]:
+    """Leave the modules that hold integer parameters (quantized bases) out of FSDP2 sharding where this
+    torch cannot shard them (< 2.13): they stay whole on every rank, on ``device``, as accelerate does for
+    bitsandbytes' uint8 weights. Sets ``fsdp_plugin.ignored_modules``; returns the module names."""
+    if fsdp2_shards_integer_params(torch_version):
+        return []
+    names = [n for n, m in model.named_modules()
+             if any(not (p.is_floating_point() or p.is_complex()) for p in m.parameters(recurse=False))]
+    if not names:
+        return []
+    pattern = "|".join(re.escape(n) for n in names)
+    ignored = fsdp_plugin.ignored_modules
+    if ignored is None or isinstance(ignored, str):  # accelerate moves regex-matched modules to the device
+        fsdp_plugin.ignored_modules = pattern if ignored is None else f"(?:{ignored})|{pattern}"
+    else:
+        fsdp_plugin.ignored_modules = [*ignored, *(model.get_submodule(n).to(device) for n in names)]
+    warnings.warn(f"torch {torch_version}'s FSDP2 cannot shard integer parameters (torch >= 2.13 can): the "
+                  f"{len(names)} quantized base linears stay whole on every rank (e.g. {names[0]}); "
+                  "adapters and everything else are sharded.", LowBitWarning, stacklevel=2)
+    return names
 
 
 def _unsharded_copy(model, state: dict, args: LowBitTrainingArguments):

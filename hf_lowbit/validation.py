@@ -30,19 +30,11 @@ MIN_TOKENS_FOR_SPEEDUP = 4 * 2048
 FSDP2_INTEGER_PARAMS_SINCE = "2.13"
 
 
-def check_fsdp2_params(model: torch.nn.Module, torch_version: str = torch.__version__) -> None:
-    """Raise a clear error if FSDP2 of this torch cannot shard ``model``'s integer (quantized-base) parameters."""
+def fsdp2_shards_integer_params(torch_version: str = torch.__version__) -> bool:
+    """Whether ``fully_shard`` of this torch can shard integer parameters (NF4/INT8 base codes)."""
     from torch.torch_version import TorchVersion
 
-    if TorchVersion(torch_version) >= FSDP2_INTEGER_PARAMS_SINCE:
-        return
-    ints = [n for n, p in model.named_parameters() if not (p.is_floating_point() or p.is_complex())]
-    if ints:
-        raise ValueError(
-            f"FSDP2 in torch {torch_version} cannot shard integer parameters (fixed in torch "
-            f"{FSDP2_INTEGER_PARAMS_SINCE}), and this model's quantized bases store {len(ints)} of them (e.g. "
-            f"{ints[0]}). Use torch>={FSDP2_INTEGER_PARAMS_SINCE}, DDP (accelerate_configs/ddp.yaml), or "
-            "lora_base_quant=None under FSDP2.")
+    return TorchVersion(torch_version) >= FSDP2_INTEGER_PARAMS_SINCE
 
 
 def check_training_setup(*, recipes: list[str], device: torch.device | str, compiled: bool,

@@ -117,13 +117,29 @@ def test_trainer_rejects_plain_training_arguments(tmp_path):
         LowBitTrainer(None, _args(tmp_path))
 
 
-def test_fsdp2_integer_parameters_need_a_torch_that_can_shard_them():
-    """A quantized base under FSDP2 of torch < 2.13 fails deep in fully_shard; we say why, and what to do, first."""
-    from hf_lowbit import Nf4Linear
-    from hf_lowbit.validation import check_fsdp2_params
+def test_fsdp2_keeps_quantized_bases_whole_where_torch_cannot_shard_integer_parameters():
+    """torch < 2.13's fully_shard fails on integer parameters: those modules are left out of sharding instead."""
+    import re
+    from types import SimpleNamespace
 
-    model = nn.Sequential(Nf4Linear.from_linear(nn.Linear(128, 64)), nn.Linear(64, 8))
-    with pytest.raises(ValueError, match=r"torch 2\.11\.0\+cu130 cannot shard integer parameters .*e\.g\. 0\..*ddp\.yaml"):
-        check_fsdp2_params(model, torch_version="2.11.0+cu130")
-    check_fsdp2_params(model, torch_version="2.13.0")  # fixed there: sharded as they are
-    check_fsdp2_params(nn.Linear(4, 4), torch_version="2.11.0")  # nothing integer: nothing to say
+    from hf_lowbit import Nf4Linear
+    from hf_lowbit.trainer import keep_integer_params_unsharded
+
+    model = nn.Sequential(Nf4Linear.from_linear(nn.Linear(128, 64)), nn.Linear(64, 8), Nf4Linear.from_linear(nn.Linear(64, 64)))
+    plugin = SimpleNamespace(ignored_modules=None)
+    assert keep_integer_params_unsharded(plugin, model, "cpu", torch_version="2.13.0") == [] and plugin.ignored_modules is None
+    with pytest.warns(LowBitWarning, match=r"torch 2\.11\.0\+cu130's FSDP2 cannot shard integer parameters.*2 quantized"):
+        names = keep_integer_params_unsharded(plugin, model, "cpu", torch_version="2.11.0+cu130")
+    assert names == ["0", "2"]
+    matched = [n for n, _ in model.named_modules() if n and re.fullmatch(plugin.ignored_modules, n)]
+    assert matched == ["0", "2"]  # accelerate matches the regex with fullmatch: not "1"
+    plugin = SimpleNamespace(ignored_modules="1")  # a user's own regex is kept
+    with pytest.warns(LowBitWarning):
+        keep_integer_params_unsharded(plugin, model, "cpu", torch_version="2.11.0")
+    assert [n for n, _ in model.named_modules() if n and re.fullmatch(plugin.ignored_modules, n)] == ["0", "1", "2"]
+    plugin = SimpleNamespace(ignored_modules=[model[1]])  # or their module list
+    with pytest.warns(LowBitWarning):
+        keep_integer_params_unsharded(plugin, model, "cpu", torch_version="2.11.0")
+    assert plugin.ignored_modules == [model[1], model[0], model[2]]
+    assert keep_integer_params_unsharded(SimpleNamespace(ignored_modules=None), nn.Linear(4, 4), "cpu",
+                                         torch_version="2.11.0") == []  # nothing integer: nothing to do
