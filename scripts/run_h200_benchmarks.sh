@@ -9,9 +9,10 @@
 #   bash scripts/run_h200_benchmarks.sh qlora_memory OUTDIR  # peak memory: 32 layers, 1x2048, checkpointing (eager)
 #   bash scripts/run_h200_benchmarks.sh qlora_nf4 OUTDIR     # NF4 quantizer vs torchao to_nf4 (128256x4096), quantize-on-load
 #   bash scripts/run_h200_benchmarks.sh qlora_quality OUTDIR # LoRA adapters over a bf16-pretrained base, 200 steps
+#   bash scripts/run_h200_benchmarks.sh fsdp2 OUTDIR         # needs 2 GPUs: FSDP2 bench, 32 layers, 1 and 2 GPUs (~7 min + ~3 min LoRA)
 # On the lent H200, carry torchao's wheel (.whl/) and set PYTHONPATH to where it was installed.
 set -euo pipefail
-stage=${1:?stage: cuda_tests, train, kernels, quality or qlora_*}
+stage=${1:?stage: cuda_tests, train, kernels, quality, fsdp2 or qlora_*}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -45,5 +46,11 @@ case "$stage" in
     python3 scripts/benchmark_quality.py --compile --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 \
         --steps 200 --pretrain_steps 300 --json "$out/qlora_quality_h200.json" \
         --markdown "$out/qlora_quality_h200.md" --plot "$out/qlora_quality_h200.png" ;;
-  *) echo "unknown stage $stage (cuda_tests, train, kernels, quality, qlora_train, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
+  fsdp2)
+    python3 scripts/benchmark_fsdp2.py --concurrent --gpus 1,2 --timeout 240 \
+        --recipes bf16,int8,fp8,qat_8da4w,torchao_float8 --json "$out/fsdp2_h200x2.json" \
+        --markdown "$out/fsdp2_h200x2.md" --plot "$out/fsdp2_h200x2.png"
+    python3 scripts/benchmark_fsdp2.py --concurrent --gpus 1,2 --timeout 150 --recipes lora_bf16,lora_nf4_int8 \
+        --json "$out/fsdp2_lora_h200x2.json" --markdown "$out/fsdp2_lora_h200x2.md" --plot "$out/fsdp2_lora_h200x2.png" ;;
+  *) echo "unknown stage $stage (cuda_tests, train, kernels, quality, fsdp2, qlora_train, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
 esac
