@@ -45,6 +45,22 @@ def arithmetic_blocks(n_blocks: int, block: int = 32):
     return ds
 
 
+def saved_bytes(fn, free=()):
+    """``fn()`` and the bytes of the distinct storages autograd saved for backward during it, those of
+    the tensors in ``free`` (e.g. parameters) not counted."""
+    skip = {t.untyped_storage().data_ptr() for t in free}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
 def snr_db(ref: torch.Tensor, actual: torch.Tensor) -> float:
     ref, actual = ref.double(), actual.double()
     return (20 * torch.log10(ref.norm() / (ref - actual).norm())).item()

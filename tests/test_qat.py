@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ARITH_TOKENIZER, arithmetic_blocks, snr_db, tiny_model
+from conftest import ARITH_TOKENIZER, arithmetic_blocks, saved_bytes, snr_db, tiny_model
 from peft import LoraConfig
 from torch import nn
 from transformers import TrainerCallback
@@ -94,22 +94,6 @@ def test_qat_linear_traces_without_graph_break():
     assert x.grad is not None and layer.weight.grad is not None
 
 
-def _bytes_saved_for_backward(fn, x, free=()) -> int:
-    """Bytes of the tensors autograd keeps from ``fn(x)``'s forward for its backward (``x``, ``free`` not counted)."""
-    free_ptrs = {t.untyped_storage().data_ptr() for t in (x, *free)}
-    kept = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in free_ptrs:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(x)
-    out.float().sum().backward()
-    return sum(kept.values())
-
-
 def test_compiled_qat_linear_keeps_what_a_bf16_linear_keeps_for_backward():
     """Under torch.compile the fake-quantized operands are recomputed in backward, not kept from forward.
 
@@ -123,7 +107,8 @@ def test_compiled_qat_linear_keeps_what_a_bf16_linear_keeps_for_backward():
     kept = {}
     for name, layer in (("bf16", linear), ("qat", qat)):
         compiled = torch.compile(lambda t: layer(t * 2), backend="aot_eager_decomp_partition", fullgraph=True)
-        kept[name] = _bytes_saved_for_backward(compiled, x, free=layer.parameters())
+        out, kept[name] = saved_bytes(lambda: compiled(x), free=(x, *layer.parameters()))
+        out.float().sum().backward()
     min_max = 2 * 2 * (4 * 16 + 64 * 256 // 128)  # bf16 min and max per token and per weight group
     assert kept["bf16"] == 4 * 16 * 256 * 2  # the linear's input
     assert kept["qat"] <= kept["bf16"] + min_max, kept

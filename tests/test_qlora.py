@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import snr_db, tiny_model
+from conftest import saved_bytes, snr_db, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from safetensors.torch import load_file, save_file
@@ -180,21 +180,6 @@ def test_compiled_decoder_layers_trace_whole_with_frozen_inputs(tmp_path, quant,
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
 
 
-def _saved_bytes(fn, params):
-    """``fn()`` and the bytes of the distinct non-parameter storages autograd saved for backward during it."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
-
-
 @pytest.mark.parametrize("quant,compute", [("nf4", None), ("nf4", INT8), ("int8", INT8)])
 def test_compiled_qlora_layer_saves_no_more_than_bf16_lora(quant, compute):
     """Saved for backward by a compiled LoRA layer: over a quantized base, x once in bf16, the rank-r activation
@@ -213,7 +198,7 @@ def test_compiled_qlora_layer_saves_no_more_than_bf16_lora(quant, compute):
         # Inductor's partitioner decides what is saved; eager kernels keep the test fast
         f = torch.compile(pm, backend="aot_eager_decomp_partition", fullgraph=True)
         f(x).float().sum().backward()
-        out, saved[name] = _saved_bytes(lambda: f(x), pm.parameters())
+        out, saved[name] = saved_bytes(lambda: f(x), free=pm.parameters())
         out.float().sum().backward()
     assert saved["ours"] < saved["bf16"]
     assert saved["ours"] <= x.numel() * 2 + (m_tokens + k + n) * r * 2 + 4096, saved  # + small scales
