@@ -14,6 +14,10 @@ first LoRA recipe of the run):
 
     python scripts/benchmark_train.py --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --lora_r 16
     python scripts/benchmark_train.py --recipes lora_bf16,lora_nf4 --layers 32 --batch 1 --grad_checkpointing
+
+`--autocast` runs the forward under bf16 autocast, as `Trainer(bf16=True)` does (accelerate wraps the
+forward). It matters for LoRA: without it PEFT computes its float32 adapters in float32, under it in bf16
+(our `LoraLinear` computes the adapters in the compute dtype either way).
 """
 
 from __future__ import annotations
@@ -225,7 +229,8 @@ def worker(a) -> dict:
 
     def step(i):
         ids = batches[i % len(batches)]
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.autocast):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -265,6 +270,8 @@ def main():
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the script)")
     p.add_argument("--no_compile", action="store_true", help="run eagerly (smoke tests only)")
     p.add_argument("--grad_checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
+    p.add_argument("--autocast", action="store_true",
+                   help="forward under bf16 autocast, as Trainer(bf16=True) runs it (PEFT's float32 adapters compute in bf16)")
     p.add_argument("--json", default=None, help="write results here (rewritten after every recipe)")
     p.add_argument("--markdown", default=None)
     p.add_argument("--profile", action="store_true",
@@ -282,7 +289,7 @@ def main():
     meta = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(sys.argv), "config": {k: getattr(a, k) for k in (
                 "hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "batch", "seq", "warmup", "steps",
-                "lora_r", "grad_checkpointing")}}
+                "lora_r", "grad_checkpointing", "autocast")}}
     try:
         import torchao
 
@@ -294,7 +301,8 @@ def main():
     rows = []
     base_args = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool)
                  for x in (f"--{k}", str(v))] + ["--device", a.device] + (["--no_compile"] if a.no_compile else []) \
-        + (["--profile"] if a.profile else []) + (["--grad_checkpointing"] if a.grad_checkpointing else [])
+        + (["--profile"] if a.profile else []) + (["--grad_checkpointing"] if a.grad_checkpointing else []) \
+        + (["--autocast"] if a.autocast else [])
     for recipe in a.recipes.split(","):
         if recipe not in RECIPES + LORA_RECIPES:
             raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(RECIPES + LORA_RECIPES)}")

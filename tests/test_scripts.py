@@ -85,10 +85,12 @@ def test_benchmark_train_lora_recipes_smoke_on_cpu(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_train.py"), "--device", "cpu", "--no_compile",
            "--recipes", "lora_nf4_int8", "--hidden", "256", "--intermediate", "512",
            "--heads", "4", "--kv_heads", "2", "--vocab", "96", "--layers", "1", "--batch", "1", "--seq", "32",
-           "--warmup", "1", "--steps", "1", "--lora_r", "4", "--grad_checkpointing", "--json", str(out)]
+           "--warmup", "1", "--steps", "1", "--lora_r", "4", "--grad_checkpointing", "--autocast", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    assert result["meta"]["config"]["autocast"] is True
+    rows = result["rows"]
     assert [r["recipe"] for r in rows] == ["lora_nf4_int8"] and "error" not in rows[0], rows
     assert rows[0]["reference"] == "lora_nf4_int8" and 4 < rows[0]["first_loss"] < 5  # ~ln(96) at init
 
