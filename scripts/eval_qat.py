@@ -11,6 +11,10 @@
    (what PTQ loses); the QAT fine-tune converted (what QAT keeps). All evaluated in float32.
 
 recovered = (ppl[ft PTQ] - ppl[QAT converted]) / (ppl[ft PTQ] - ppl[ft bf16]).
+
+The corpus is small (~400k tokens), so the defaults train for few epochs (a model that memorizes the
+training half tells nothing about held-out text); `--repeats N` repeats steps 1-3 from N seeds (same
+data and tokenizer) and reports the mean perplexities, the recovery of the means and each seed's.
 """
 
 from __future__ import annotations
@@ -79,9 +83,11 @@ def ptq(model, config: QATConfig):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # defaults sized to the corpus (~200k tokens per half): ~3 pre-training epochs, ~1 fine-tuning epoch
     for name, default in (("layers", 4), ("hidden", 512), ("intermediate", 1536), ("heads", 8), ("kv_heads", 4),
-                          ("seq", 256), ("batch", 32), ("pretrain_steps", 1500), ("finetune_steps", 300),
-                          ("vocab", 4096), ("group_size", 64), ("seed", 0), ("max_docs", 0), ("eval_blocks", 0)):
+                          ("seq", 256), ("batch", 8), ("pretrain_steps", 300), ("finetune_steps", 100),
+                          ("vocab", 4096), ("group_size", 256), ("seed", 0), ("repeats", 1), ("max_docs", 0),
+                          ("eval_blocks", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--scheme", default="8da4w", choices=list(QAT_SCHEMES))
     p.add_argument("--pretrain_lr", type=float, default=2e-3)
@@ -106,22 +112,52 @@ def main():
     half = train_blocks.shape[0] // 2
     pre_blocks, ft_blocks = train_blocks[:half], train_blocks[half:]
 
-    torch.manual_seed(a.seed)
     model_config = LlamaConfig(vocab_size=len(tok), hidden_size=a.hidden, intermediate_size=a.intermediate,
                                num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                                max_position_embeddings=a.seq, tie_word_embeddings=False, use_cache=False)
+    epochs = {"pretrain": a.pretrain_steps * a.batch / pre_blocks.shape[0],
+              "finetune": a.finetune_steps * a.batch / ft_blocks.shape[0]}
+    if max(epochs.values()) > 4:
+        print(f"warning: {epochs['pretrain']:.1f} pre-training / {epochs['finetune']:.1f} fine-tuning epochs over this "
+              "small corpus: the model memorizes it and held-out perplexity says little", flush=True)
+    repeats = [run_once(a, config, model_config, pre_blocks, ft_blocks, eval_blocks, a.seed + i)
+               for i in range(a.repeats)]
+    # mean perplexity of each model over the repeats; the recovery of the means (pooled over repeats)
+    rows = {k: sum(r["perplexity"][k] for r in repeats) / len(repeats) for k in repeats[0]["perplexity"]}
+    lost = rows["fine-tuned PTQ"] - rows["fine-tuned bf16"]
+    recovered = (rows["fine-tuned PTQ"] - rows["QAT fine-tuned, converted"]) / lost if lost > 0 else float("nan")
+    meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
+            "python": platform.python_version(), "command": " ".join(sys.argv), "seconds": time.time() - t0,
+            "corpus": {"documents": len(docs), "pretrain_tokens": pre_blocks.numel(),
+                       "finetune_tokens": ft_blocks.numel(), "eval_tokens": eval_blocks.numel()},
+            "epochs": epochs, "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown")}}
+    result = {"meta": meta, "perplexity": rows, "ptq_loss": lost, "recovered": recovered, "repeats": repeats}
+    head = f"| model ({a.scheme}, group {a.group_size}) | held-out perplexity" + (
+        f", mean of {a.repeats} seeds | per seed |" if a.repeats > 1 else " |")
+    table = [head, "|---|---|" + ("---|" if a.repeats > 1 else "")]
+    for k, v in rows.items():
+        table.append(f"| {k} | {v:.3f} |" + (" " + " / ".join(f"{r['perplexity'][k]:.3f}" for r in repeats) + " |"
+                                              if a.repeats > 1 else ""))
+    table.append(f"| **QAT recovers** | **{recovered:.0%}** of the {lost:.3f} perplexity PTQ loses |" + (
+        " " + " / ".join(f"{r['recovered']:.0%}" for r in repeats) + " |" if a.repeats > 1 else ""))
+    write_results(result, table, f"{meta['device']}, torch {meta['torch']}, {meta['corpus']}, epochs "
+                  f"{epochs['pretrain']:.1f} + {epochs['finetune']:.1f}, {meta['seconds']:.0f} s", a.json, a.markdown)
+
+
+def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blocks, seed: int) -> dict:
+    """Pretrain a base from ``seed``, fine-tune it plain and with QAT on the same batches, evaluate all."""
+    torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_config(model_config).to(a.device)
-    pre_losses = train(base, pre_blocks, a, a.pretrain_steps, a.pretrain_lr, a.seed,
+    pre_losses = train(base, pre_blocks, a, a.pretrain_steps, a.pretrain_lr, seed,
                        torch.compile(base) if a.compile else None)
     rows = {"base bf16": perplexity(base, eval_blocks, a), "base PTQ": perplexity(ptq(base, config), eval_blocks, a)}
-
     runs = {}
     for kind in ("bf16", "qat"):
         model = copy.deepcopy(base)
         if kind == "qat":
             report = prepare_qat(model, config)
             print(report.summary(), flush=True)
-        runs[kind] = train(model, ft_blocks, a, a.finetune_steps, a.finetune_lr, a.seed + 1,
+        runs[kind] = train(model, ft_blocks, a, a.finetune_steps, a.finetune_lr, seed + 1,
                            torch.compile(model) if a.compile else None)
         if kind == "bf16":
             rows["fine-tuned bf16"] = perplexity(model, eval_blocks, a)
@@ -130,22 +166,11 @@ def main():
             rows["QAT fine-tuned, fake quant"] = perplexity(model, eval_blocks, a)
             convert_qat(model, config)
             rows["QAT fine-tuned, converted"] = perplexity(model, eval_blocks, a)
-
     lost = rows["fine-tuned PTQ"] - rows["fine-tuned bf16"]
     recovered = (rows["fine-tuned PTQ"] - rows["QAT fine-tuned, converted"]) / lost if lost > 0 else float("nan")
-    meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
-            "python": platform.python_version(), "command": " ".join(sys.argv), "seconds": time.time() - t0,
-            "corpus": {"documents": len(docs), "pretrain_tokens": pre_blocks.numel(),
-                       "finetune_tokens": ft_blocks.numel(), "eval_tokens": eval_blocks.numel()},
-            "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown")}}
-    result = {"meta": meta, "perplexity": rows, "ptq_loss": lost, "recovered": recovered,
-              "pretrain_losses": pre_losses, "finetune_losses": runs}
-    table = [f"| model ({a.scheme}, group {a.group_size}) | held-out perplexity |", "|---|---|"]
-    table += [f"| {k} | {v:.3f} |" for k, v in rows.items()]
-    table.append(f"| **QAT recovers** | **{recovered:.0%}** of the {lost:.3f} perplexity PTQ loses |")
-    write_results(result, table, f"{meta['device']}, torch {meta['torch']}, {meta['corpus']}, {meta['seconds']:.0f} s",
-                  a.json, a.markdown)
-
+    print(f"seed {seed}: {rows}, QAT recovers {recovered:.0%}", flush=True)
+    return {"seed": seed, "perplexity": rows, "recovered": recovered, "pretrain_losses": pre_losses,
+            "finetune_losses": runs}
 
 if __name__ == "__main__":
     main()

@@ -307,11 +307,16 @@ def test_eval_qat_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["eval_qat.py", "--device", "cpu", "--layers", "1", "--hidden", "64",
                                       "--intermediate", "128", "--heads", "4", "--kv_heads", "2", "--seq", "32",
                                       "--batch", "4", "--pretrain_steps", "3", "--finetune_steps", "2", "--vocab", "300",
-                                      "--group_size", "32", "--eval_blocks", "8", "--json", str(out)])
+                                      "--group_size", "32", "--eval_blocks", "8", "--repeats", "2", "--json", str(out)])
     script.main()
     data = json.loads(out.read_text())
     ppl = data["perplexity"]
     assert set(ppl) == {"base bf16", "base PTQ", "fine-tuned bf16", "fine-tuned PTQ", "QAT fine-tuned, fake quant",
                         "QAT fine-tuned, converted"}
     assert all(1 < v < 1e4 for v in ppl.values())
-    assert len(data["finetune_losses"]["qat"]) == 2 and data["ptq_loss"] == ppl["fine-tuned PTQ"] - ppl["fine-tuned bf16"]
+    assert data["ptq_loss"] == ppl["fine-tuned PTQ"] - ppl["fine-tuned bf16"]
+    runs = data["repeats"]
+    assert [r["seed"] for r in runs] == [0, 1] and len(runs[1]["finetune_losses"]["qat"]) == 2
+    assert runs[0]["pretrain_losses"] != runs[1]["pretrain_losses"]  # another seed: another init and batch order
+    for k in ppl:  # the table's figures are the means over the seeds
+        assert ppl[k] == pytest.approx((runs[0]["perplexity"][k] + runs[1]["perplexity"][k]) / 2)
