@@ -172,9 +172,10 @@ class QuantizedLinear(nn.Module):
 class Nf4Linear(QuantizedLinear):
     """A frozen linear whose weight is stored as NF4 (64-element blocks, double-quantized scales).
 
-    Parameters (all ``requires_grad=False``): ``qweight`` uint8 ``[out, in/2]`` (two codes a byte),
-    ``qscale`` int8 ``[out, in/64]``, ``scale_factor`` ``[groups of 256 blocks]``, ``scale_mean`` ``[1]``
-    (see :mod:`hf_lowbit.ops.nf4`), ``bias`` as the source linear had it.
+    Parameters (``requires_grad=False``; FSDP2 shards them): ``qweight`` uint8 ``[out, in/2]`` (two codes
+    a byte), ``qscale`` int8 ``[out, in/64]``, ``bias`` as the source linear had it. Buffers (small float
+    scales: FSDP2 neither shards them nor casts them to its mixed-precision ``param_dtype``):
+    ``scale_factor`` ``[groups of 256 blocks]``, ``scale_mean`` ``[1]`` (see :mod:`hf_lowbit.ops.nf4`).
     """
 
     kind = "nf4"
@@ -189,8 +190,8 @@ class Nf4Linear(QuantizedLinear):
         n_blocks = out_features * in_features // BLOCK_SIZE
         self.qweight = _frozen(torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.qscale = _frozen(torch.empty(out_features, in_features // BLOCK_SIZE, dtype=torch.int8, device=device))
-        self.scale_factor = _frozen(torch.empty(-(-n_blocks // 256), dtype=dtype, device=device))
-        self.scale_mean = _frozen(torch.empty(1, dtype=dtype, device=device))
+        self.register_buffer("scale_factor", torch.empty(-(-n_blocks // 256), dtype=dtype, device=device))
+        self.register_buffer("scale_mean", torch.empty(1, dtype=dtype, device=device))
         if bias:
             self.bias = _frozen(torch.empty(out_features, dtype=dtype, device=device))
         self.int8_cache = int8_cache
@@ -205,7 +206,7 @@ class Nf4Linear(QuantizedLinear):
                              f"got {tuple(weight.shape)}")
         data = quantize_nf4(weight)
         self.qweight, self.qscale = _frozen(data.codes), _frozen(data.scales)
-        self.scale_factor, self.scale_mean = _frozen(data.scale_factor), _frozen(data.scale_mean)
+        self.scale_factor, self.scale_mean = data.scale_factor, data.scale_mean
         self.compute_dtype = weight.dtype
         self._cache_q = self._cache_s = None
 
@@ -232,7 +233,8 @@ class Nf4Linear(QuantizedLinear):
 class Int8Linear(QuantizedLinear):
     """A frozen linear whose weight is stored as int8 per output channel: ``W ≈ qweight * scale[:, None]``.
 
-    Parameters (``requires_grad=False``): ``qweight`` int8 ``[out, in]``, ``scale`` float32 ``[out]``, ``bias``.
+    Parameters (``requires_grad=False``; FSDP2 shards them): ``qweight`` int8 ``[out, in]``, ``bias``. Buffer:
+    ``scale`` float32 ``[out]`` (FSDP2 neither shards it nor casts it to its mixed-precision ``param_dtype``).
     INT8 compute multiplies ``qweight`` directly in both forward and input-gradient matmuls.
     """
 
@@ -243,7 +245,7 @@ class Int8Linear(QuantizedLinear):
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__(in_features, out_features, dtype)
         self.qweight = _frozen(torch.empty(out_features, in_features, dtype=torch.int8, device=device))
-        self.scale = _frozen(torch.empty(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32, device=device))
         if bias:
             self.bias = _frozen(torch.empty(out_features, dtype=dtype, device=device))
 
@@ -259,7 +261,7 @@ class Int8Linear(QuantizedLinear):
         for r0 in range(0, weight.shape[0], step):
             qc, sc = quantize_int8(weight[r0:r0 + step], dim=1)
             q[r0:r0 + step], s[r0:r0 + step] = qc, sc.reshape(-1)
-        self.qweight, self.scale = _frozen(q), _frozen(s)
+        self.qweight, self.scale = _frozen(q), s
         self.compute_dtype = weight.dtype
 
 
@@ -369,8 +371,8 @@ def load_quantized_model(model_cls, checkpoint_dir: str, config: QuantizedBaseCo
     if getattr(model_config, "tie_word_embeddings", False):
         model.tie_weights()
         loaded.update(k for k in expected if k.endswith("lm_head.weight"))
-    missing = sorted(k for k in expected - loaded
-                     if any(p.is_meta for n, p in model.named_parameters() if n == k))
+    on_meta = {n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta}
+    missing = sorted(k for k in expected - loaded if k in on_meta)
     if missing:
         raise ValueError(f"load_quantized_model: {checkpoint_dir} lacks {len(missing)} tensors the model needs, "
                          f"e.g. {missing[:5]}")

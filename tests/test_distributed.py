@@ -26,6 +26,7 @@ import pytest
 from safetensors.torch import load_file
 
 from hf_lowbit.sft import main
+from hf_lowbit.validation import fsdp2_shards_integer_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +85,16 @@ def test_lowbit_linear_under_fully_shard():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_fsdp2_lowbit_linear.py"), str(_free_port())],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and "fully_shard OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not fsdp2_shards_integer_params(), reason="this torch's fully_shard cannot shard integer "
+                    "parameters (LowBitTrainer leaves quantized bases unsharded there)")
+def test_quantized_bases_under_fully_shard_with_bf16_mixed_precision():
+    """FSDP2's bf16 param_dtype casts floating parameters it shards: the bases' float scales must not be
+    cast (they are buffers), so a sharded NF4 / INT8 base equals the unsharded one bit for bit."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_fsdp2_quantized_base.py"), str(_free_port())],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and "bf16 mixed precision OK" in proc.stdout, proc.stderr[-3000:]
 
 
 def _launch(config: str, tmp_path) -> subprocess.CompletedProcess:
