@@ -150,21 +150,23 @@ def add_ratios(rows: list[dict]) -> None:
             r["mem_vs_ref"] = r["peak_mem_gib_per_gpu"] / ref["peak_mem_gib_per_gpu"]
         base = min((x for x in ok if x["recipe"] == r["recipe"]), key=lambda x: x["gpus"])
         r["scaling_efficiency"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
-        r["max_loss_diff_vs_fewest_gpus"] = max(abs(x - y) for x, y in zip(r["losses"], base["losses"]))
+        r["max_loss_diff_vs_fewest_gpus"] = (None if base is r else  # a run with one GPU count: nothing to compare
+                                             max(abs(x - y) for x, y in zip(r["losses"], base["losses"])))
 
 
 def table(rows: list[dict]) -> list[str]:
     out = ["| recipe | GPUs | tok/s per GPU | vs ref | scaling eff. | peak GiB per GPU | mem vs ref | "
-           "max loss diff vs 1 GPU | first / last loss | warm-up s | graphs | breaks |",
+           "max loss diff vs fewest GPUs | first / last loss | warm-up s | graphs | breaks |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["gpus"], 0)):
         if "error" in r:
             last = r["error"].strip().splitlines()[-1][:80] if r["error"].strip() else "?"
             out.append(f"| {r['recipe']} | {r['gpus']} | error: {last} ||||||||||")
             continue
+        diff = r["max_loss_diff_vs_fewest_gpus"]
         out.append(f"| {r['recipe']} | {r['gpus']} | {r['tokens_per_s_per_gpu']:.0f} | {r.get('vs_ref', float('nan')):.2f}x"
                    f" | {r['scaling_efficiency']:.2f} | {r['peak_mem_gib_per_gpu']:.1f} | {r.get('mem_vs_ref', float('nan')):.2f}x"
-                   f" | {r['max_loss_diff_vs_fewest_gpus']:.1e} | {r['losses'][0]:.3f} / {r['losses'][-1]:.3f}"
+                   f" | {'–' if diff is None else f'{diff:.1e}'} | {r['losses'][0]:.3f} / {r['losses'][-1]:.3f}"
                    f" | {r['warmup_s']:.0f} | {r['compiled_graphs']} | {r['graph_breaks']} |")
     return out
 

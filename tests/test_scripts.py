@@ -181,4 +181,5 @@ def test_benchmark_fsdp2_smoke_on_cpu(tmp_path):
     # step 1: the same weights and micro-batches, only the reduction differs
     assert abs(one["losses"][0] - two["losses"][0]) < 1e-5, (one["losses"], two["losses"])
     assert two["scaling_efficiency"] > 0 and "vs_ref" not in two  # no bf16 row in this run to compare with
+    assert one["max_loss_diff_vs_fewest_gpus"] is None and two["max_loss_diff_vs_fewest_gpus"] < 0.1
     assert "| int8 | 2 |" in proc.stdout
