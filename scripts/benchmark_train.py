@@ -299,10 +299,13 @@ def main():
     from hf_lowbit.bench import run_worker, write_results
 
     rows = []
-    base_args = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool)
-                 for x in (f"--{k}", str(v))] + ["--device", a.device] + (["--no_compile"] if a.no_compile else []) \
-        + (["--profile"] if a.profile else []) + (["--grad_checkpointing"] if a.grad_checkpointing else []) \
-        + (["--autocast"] if a.autocast else [])
+    # the worker gets --device, every int flag and every switch that is on
+    base_args = ["--device", a.device]
+    for k, v in vars(a).items():
+        if isinstance(v, bool):
+            base_args += [f"--{k}"] if v else []
+        elif isinstance(v, int):
+            base_args += [f"--{k}", str(v)]
     for recipe in a.recipes.split(","):
         if recipe not in RECIPES + LORA_RECIPES:
             raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(RECIPES + LORA_RECIPES)}")

@@ -73,6 +73,12 @@ def perplexity(model, blocks, a) -> float:
     return math.exp(total / count)
 
 
+def recovery(ppl: dict) -> tuple[float, float]:
+    """(perplexity PTQ loses, the share of it QAT recovers) from the held-out perplexities ``ppl``."""
+    lost = ppl["fine-tuned PTQ"] - ppl["fine-tuned bf16"]
+    return lost, (ppl["fine-tuned PTQ"] - ppl["QAT fine-tuned, converted"]) / lost if lost > 0 else float("nan")
+
+
 def ptq(model, config: QATConfig):
     """A converted copy of ``model`` (no training): torchao's quantization of its weights as they are."""
     q = copy.deepcopy(model)
@@ -124,8 +130,7 @@ def main():
                for i in range(a.repeats)]
     # mean perplexity of each model over the repeats; the recovery of the means (pooled over repeats)
     rows = {k: sum(r["perplexity"][k] for r in repeats) / len(repeats) for k in repeats[0]["perplexity"]}
-    lost = rows["fine-tuned PTQ"] - rows["fine-tuned bf16"]
-    recovered = (rows["fine-tuned PTQ"] - rows["QAT fine-tuned, converted"]) / lost if lost > 0 else float("nan")
+    lost, recovered = recovery(rows)
     meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
             "python": platform.python_version(), "command": " ".join(sys.argv), "seconds": time.time() - t0,
             "corpus": {"documents": len(docs), "pretrain_tokens": pre_blocks.numel(),
@@ -166,8 +171,7 @@ def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blo
             rows["QAT fine-tuned, fake quant"] = perplexity(model, eval_blocks, a)
             convert_qat(model, config)
             rows["QAT fine-tuned, converted"] = perplexity(model, eval_blocks, a)
-    lost = rows["fine-tuned PTQ"] - rows["fine-tuned bf16"]
-    recovered = (rows["fine-tuned PTQ"] - rows["QAT fine-tuned, converted"]) / lost if lost > 0 else float("nan")
+    _, recovered = recovery(rows)
     print(f"seed {seed}: {rows}, QAT recovers {recovered:.0%}", flush=True)
     return {"seed": seed, "perplexity": rows, "recovered": recovered, "pretrain_losses": pre_losses,
             "finetune_losses": runs}
