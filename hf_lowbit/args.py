@@ -34,6 +34,15 @@ class LowBitTrainingArguments(TrainingArguments):
     lowbit_min_features: int = field(default=64, metadata={"help": (
         "Skip (and report) linears whose in_features or out_features is below this: such matmuls are "
         "too small for low-bit kernels to pay.")})
+    lowbit_weight_cache: bool | None = field(default=None, metadata={"help": (
+        "Quantize each weight once per optimizer step (both low-bit layouts, +2 bytes per weight element) and "
+        "reuse it for every gradient-accumulation micro-batch, instead of twice per micro-batch. Recomputed "
+        "whenever the weight changes. Default (unset): on when gradient_accumulation_steps > 1 and the model "
+        "is not sharded (FSDP, DeepSpeed).")})
+    lowbit_cuda_graphs: bool | None = field(default=None, metadata={"help": (
+        "Compile with CUDA graphs (torch_compile_mode='reduce-overhead'): at 1-2k-token micro-batches the "
+        "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 compute with "
+        "torch_compile=True, no torch_compile_mode given, on a CUDA device, without FSDP or DeepSpeed.")})
     qat_scheme: str | None = field(default=None, metadata={"help": (
         "Quantization-aware training: fake-quantize the linears during training, then convert with "
         f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)} ('8da4w': int8 per-token dynamic "
@@ -62,6 +71,17 @@ class LowBitTrainingArguments(TrainingArguments):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"LowBitTrainingArguments.{name} must be True or False, got {value!r}")
+        for name in ("lowbit_weight_cache", "lowbit_cuda_graphs"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"LowBitTrainingArguments.{name} must be True, False or None (automatic), got {value!r}")
+        if self.lowbit_weight_cache and not self.lowbit_recipes:
+            raise ValueError("LowBitTrainingArguments.lowbit_weight_cache=True caches the INT8/FP8 form of trainable "
+                             "weights: it needs int8_mixed_precision or fp8_mixed_precision")
+        if self.lowbit_cuda_graphs and self.torch_compile_mode not in (None, "reduce-overhead"):
+            raise ValueError(f"LowBitTrainingArguments.lowbit_cuda_graphs=True with torch_compile_mode="
+                             f"{self.torch_compile_mode!r}: CUDA graphs are torch_compile_mode='reduce-overhead'; "
+                             "leave one of them unset")
         if isinstance(self.lowbit_exclude_modules, str):
             self.lowbit_exclude_modules = [self.lowbit_exclude_modules]
         bad = [p for p in self.lowbit_exclude_modules if not isinstance(p, str) or not p.strip()]

@@ -15,13 +15,14 @@ fuses it; the matmul is the format's custom op (``hf_lowbit::int8_scaled_mm`` / 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import FORMATS, scaled_matmul
+from .ops import FORMATS, quantize_weight, scaled_matmul, scaled_matmul_quantized
 
 
 @dataclass(frozen=True)
@@ -46,30 +47,38 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 
 
 class _MixedPrecisionLinearFn(torch.autograd.Function):
+    """The three matmuls; ``cached`` (or None): the weight already quantized in both layouts
+    (:func:`hf_lowbit.ops.quantize_weight`), used instead of quantizing ``weight`` on every call."""
+
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, fmt: str, output: bool,
-                grad_input: bool, grad_weight: bool) -> Tensor:
+                grad_input: bool, grad_weight: bool, cached: tuple[Tensor, ...] | None) -> Tensor:
         dtype = _compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
-        if output:
+        if output and cached is not None:
+            y = scaled_matmul_quantized(fmt, x2, 1, cached[0], cached[1], dtype)
+        elif output:
             y = scaled_matmul(fmt, x2, 1, weight, 1, dtype)
         else:
             y = x2.to(dtype) @ weight.to(dtype).T
         if bias is not None:
             y = y + bias.to(dtype)
         # x is only needed for the weight gradient: a frozen weight (LoRA over this layer) does not keep it alive
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight,
+                              *(cached[2:] if cached is not None else (None, None)))
         ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype, x.shape, x.dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, qw_t, sw_t = ctx.saved_tensors
         fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype = ctx.flags
         g2 = grad_out.reshape(-1, weight.shape[0])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            if grad_input:  # dX[M, K] = dY[M, N] · W[N, K]: reduce over N
+            if grad_input and qw_t is not None:  # dX[M, K] = dY[M, N] · W[N, K] with W cached as [K, N]
+                dx = scaled_matmul_quantized(fmt, g2, 1, qw_t, sw_t, x_dtype)
+            elif grad_input:  # reduce over N
                 dx = scaled_matmul(fmt, g2, 1, weight, 0, x_dtype)
             else:
                 dx = (g2.to(dtype) @ weight.to(dtype)).to(x_dtype)
@@ -82,25 +91,58 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
                 dw = (g2.to(dtype).T @ x2.to(dtype)).to(weight.dtype)
         if bias_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(bias_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-                           config: MixedPrecisionConfig = MixedPrecisionConfig()) -> Tensor:
-    """``F.linear`` with the matmuls selected by ``config`` in its low-bit format."""
+                           config: MixedPrecisionConfig = MixedPrecisionConfig(),
+                           cached_weight: tuple[Tensor, ...] | None = None) -> Tensor:
+    """``F.linear`` with the matmuls selected by ``config`` in its low-bit format.
+
+    ``cached_weight``: ``weight`` already quantized by :func:`hf_lowbit.ops.quantize_weight` (the caller
+    keeps it current; :class:`LowBitLinear` does)."""
     if not (config.output or config.grad_input or config.grad_weight):
         return F.linear(x, weight, bias)
     return _MixedPrecisionLinearFn.apply(x, weight, bias, config.format, config.output, config.grad_input,
-                                         config.grad_weight)
+                                         config.grad_weight, cached_weight)
+
+
+# Layers whose weight cache is on: refreshed after every optimizer step (see _refresh_after_step).
+_CACHED_LAYERS: "weakref.WeakSet[LowBitLinear]" = weakref.WeakSet()
+_STEP_HOOK = None
+
+
+def _refresh_after_step(optimizer, args, kwargs) -> None:
+    """Global optimizer step post-hook: a weight that changed gets its low-bit copies recomputed once,
+    here, instead of on every micro-batch (the cached copies are then current for every forward that
+    follows, compiled or not)."""
+    if _CACHED_LAYERS:
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for layer in list(_CACHED_LAYERS):
+            if id(layer.weight) in params:
+                layer.refresh_weight_cache()
 
 
 class LowBitLinear(nn.Linear):
-    """An ``nn.Linear`` whose matmuls run in INT8 or FP8; same parameters, same ``state_dict`` keys."""
+    """An ``nn.Linear`` whose matmuls run in INT8 or FP8; same parameters, same ``state_dict`` keys.
+
+    With the weight cache on (:meth:`set_weight_cache`, or ``LowBitTrainingArguments.lowbit_weight_cache``)
+    the weight is quantized once per change instead of twice per micro-batch: the two low-bit layouts live
+    in non-persistent buffers (+2 bytes per weight element) and are recomputed whenever the weight's
+    version counter, storage, dtype or device changed — after each optimizer step (a global optimizer
+    hook), on ``load_state_dict``, at each eager forward, and by :func:`refresh_weight_caches` (which
+    ``LowBitTrainer`` calls before every step; a compiled custom loop that modifies weights outside an
+    optimizer or ``load_state_dict`` must call it too).
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  config: MixedPrecisionConfig = MixedPrecisionConfig()):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.lowbit_config = config
+        self.weight_cache = False
+        self._cache_key = None
+        for name in _CACHE_BUFFERS:
+            self.register_buffer(name, None, persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: MixedPrecisionConfig) -> "LowBitLinear":
@@ -112,11 +154,76 @@ class LowBitLinear(nn.Linear):
         new.train(linear.training)
         return new
 
+    def set_weight_cache(self, enabled: bool) -> None:
+        """Switch the weight cache on (quantizing the weight now) or off (freeing the copies)."""
+        global _STEP_HOOK
+        self.weight_cache = bool(enabled) and (self.lowbit_config.output or self.lowbit_config.grad_input)
+        self._cache_key = None
+        if not self.weight_cache:
+            for name in _CACHE_BUFFERS:
+                setattr(self, name, None)
+            _CACHED_LAYERS.discard(self)
+            return
+        _CACHED_LAYERS.add(self)
+        if _STEP_HOOK is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _STEP_HOOK = register_optimizer_step_post_hook(_refresh_after_step)
+        self.refresh_weight_cache()
+
+    def _weight_key(self) -> tuple:
+        w = self.weight
+        return (w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape))
+
+    @torch.no_grad()
+    def refresh_weight_cache(self) -> bool:
+        """Recompute the cached low-bit weight if the weight changed since; return whether it did."""
+        if not self.weight_cache or self.weight.device.type == "meta":
+            return False
+        key = self._weight_key()
+        if key == self._cache_key:
+            return False
+        w, fmt = self.weight.detach(), self.lowbit_config.format
+        current = tuple(getattr(self, name) for name in _CACHE_BUFFERS)
+        reuse = current[0] is not None and current[0].device == w.device and current[0].shape == w.shape
+        out = quantize_weight(fmt, w, out=current if reuse else None)
+        for name, t in zip(_CACHE_BUFFERS, out):
+            setattr(self, name, t)
+        self._cache_key = key
+        return True
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._cache_key = None
+        self.refresh_weight_cache()
+
     def forward(self, x: Tensor) -> Tensor:
-        return mixed_precision_linear(x, self.weight, self.bias, self.lowbit_config)
+        cached = None
+        if self.weight_cache:
+            if not torch.compiler.is_compiling():
+                self.refresh_weight_cache()
+            cached = tuple(getattr(self, name) for name in _CACHE_BUFFERS)
+        return mixed_precision_linear(x, self.weight, self.bias, self.lowbit_config, cached)
 
     def extra_repr(self) -> str:
         c = self.lowbit_config
         on = [n for n, v in (("output", c.output), ("grad_input", c.grad_input),
                              ("grad_weight", c.grad_weight)) if v]
-        return f"{super().extra_repr()}, {c.format}={'+'.join(on) or 'off'}"
+        cache = ", weight_cache" if self.weight_cache else ""
+        return f"{super().extra_repr()}, {c.format}={'+'.join(on) or 'off'}{cache}"
+
+
+_CACHE_BUFFERS = ("_wq", "_wq_scale", "_wq_t", "_wq_t_scale")
+
+
+def set_weight_cache(model: nn.Module, enabled: bool) -> int:
+    """Switch the weight cache of every :class:`LowBitLinear` in ``model``; return how many."""
+    layers = [m for m in model.modules() if isinstance(m, LowBitLinear)]
+    for m in layers:
+        m.set_weight_cache(enabled)
+    return len(layers)
+
+
+def refresh_weight_caches(model: nn.Module) -> int:
+    """Recompute every stale cached low-bit weight of ``model`` (cheap when none changed); return how many."""
+    return sum(m.refresh_weight_cache() for m in model.modules() if isinstance(m, LowBitLinear))

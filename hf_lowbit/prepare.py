@@ -12,7 +12,7 @@ import os
 from torch import nn
 
 from .args import LowBitTrainingArguments
-from .mixed_precision import LowBitLinear, MixedPrecisionConfig
+from .mixed_precision import LowBitLinear, MixedPrecisionConfig, set_weight_cache
 from .ops.fp8 import ALIGN as FP8_ALIGN
 from .qat import QATConfig, prepare_qat
 from .quantized_base import QUANTIZED_LINEARS, QuantizedBaseConfig, quantize_base
@@ -51,6 +51,8 @@ def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=N
         reports.append(swap_linears(
             model, lambda name, linear: LowBitLinear.from_linear(linear, config), recipe=recipe,
             target=f"{fmt.upper()} matmuls", filter=linear_filter, already=already))
+        if args.lowbit_weight_cache:  # None (automatic) is LowBitTrainer's to decide: it knows the accumulation
+            set_weight_cache(model, True)
     if args.qat_scheme is not None:
         config = QATConfig(scheme=args.qat_scheme, group_size=args.qat_group_size)
         report = prepare_qat(model, config, exclude=tuple(args.lowbit_exclude_modules),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 
@@ -10,6 +11,7 @@ from transformers import Trainer
 
 from .args import LowBitTrainingArguments
 from .export import merge_lora, save_quantized
+from .mixed_precision import refresh_weight_caches, set_weight_cache
 from .prepare import apply_recipes, log_reports
 from .qat import FakeQuantScheduleCallback, QATConfig
 from .validation import LowBitWarning, check_training_setup, fsdp2_shards_integer_params
@@ -36,7 +38,15 @@ class LowBitTrainer(Trainer):
                              "model_init is not supported")
         model, self.lowbit_reports = apply_recipes(model, args, peft_config)
         log_reports(self.lowbit_reports)
+        self.lowbit_cuda_graphs = _use_cuda_graphs(args)
+        if self.lowbit_cuda_graphs and args.torch_compile_mode is None:
+            args.torch_compile_mode = "reduce-overhead"  # read by Trainer.__init__ (accelerate's dynamo plugin)
         super().__init__(model, args, *pargs, **kwargs)
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        cache = args.lowbit_weight_cache
+        self.lowbit_weight_cache = bool(args.lowbit_recipes) and not sharded and (
+            cache if cache is not None else args.gradient_accumulation_steps > 1)
+        self._lowbit_cache_on = False
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
             # before accelerate shards the model in train()
             keep_integer_params_unsharded(self.accelerator.state.fsdp_plugin, self.model, self.args.device)
@@ -87,6 +97,42 @@ class LowBitTrainer(Trainer):
     def train(self, *args, **kwargs):
         self.check_setup()
         return super().train(*args, **kwargs)
+
+    def _lowbit_before_forward(self, model, training: bool) -> None:
+        """Keep the cached low-bit weights current (a host-side version check per layer; a weight changed
+        by anything, not only the optimizer, is requantized here, outside the compiled graph). With CUDA
+        graphs and gradient accumulation, allocate ``.grad`` outside the graphs so the backward adds into
+        it instead of handing the graph's output buffer to ``.grad`` (which the next replay overwrites)."""
+        if self.lowbit_weight_cache:
+            if not self._lowbit_cache_on:  # lazily: the model is on its training device by now
+                set_weight_cache(self.model, True)
+                self._lowbit_cache_on = True
+            refresh_weight_caches(self.model)
+        if training and self.lowbit_cuda_graphs and self.args.gradient_accumulation_steps > 1:
+            for p in model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        self._lowbit_before_forward(model, training=True)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        self._lowbit_before_forward(model, training=False)
+        return super().prediction_step(model, inputs, *args, **kwargs)
+
+
+def _use_cuda_graphs(args: LowBitTrainingArguments) -> bool:
+    """Whether this run compiles with CUDA graphs (see ``LowBitTrainingArguments.lowbit_cuda_graphs``)."""
+    if args.lowbit_cuda_graphs is not None:
+        return args.lowbit_cuda_graphs
+    low_bit_compute = bool(args.lowbit_recipes)
+    # FSDP / DeepSpeed (from the arguments or an accelerate launch config): their hooks and collectives
+    # run between the graphs, and the graphs would capture parameters that the wrappers swap
+    sharded = bool(args.fsdp) or bool(args.deepspeed) or any(
+        os.environ.get(v, "false").lower() in ("1", "true") for v in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
+    return (low_bit_compute and args.torch_compile and args.torch_compile_mode is None and not sharded
+            and args.device.type == "cuda")
 
 
 def keep_integer_params_unsharded(fsdp_plugin, model, device, torch_version: str = torch.__version__) -> list[str]:

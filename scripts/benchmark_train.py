@@ -40,7 +40,7 @@ QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # and the peers: torchtune-style LoRA over a torchao NF4Tensor base (linear_nf4), and that base through
 # torchao's INT8 mixed-precision function. The first LoRA recipe run is the reference of the lora rows.
 LORA_RECIPES = ("lora_bf16", "lora_nf4", "lora_nf4_int8", "lora_nf4_int8cache", "lora_int8_int8",
-                "lora_torchao_nf4", "lora_torchao_nf4_int8")
+                "lora_torchao_nf4", "lora_torchao_nf4_int8", "lora_bnb_nf4")
 _LORA_ARGS = {"lora_bf16": {}, "lora_nf4": dict(lora_base_quant="nf4"),
               "lora_nf4_int8": dict(lora_base_quant="nf4", int8_mixed_precision=True),
               "lora_nf4_int8cache": dict(lora_base_quant="nf4", int8_mixed_precision=True, lora_base_int8_cache=True),
@@ -86,10 +86,31 @@ def _torchao_nf4_lora(model, r: int, int8: bool):
     return model
 
 
+def _bnb_nf4_lora(model, r: int):
+    """What Hugging Face users pick for QLoRA: the model loaded through ``BitsAndBytesConfig`` (4-bit NF4,
+    double quant, bf16 compute; saved and reloaded, as from the Hub) and PEFT LoRA on every decoder linear."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    device = model.device
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        del model
+        torch.cuda.empty_cache()
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=q, dtype=torch.bfloat16,
+                                                     device_map={"": device}, attn_implementation="sdpa")
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
+
+
 def apply_lora_recipe(model, recipe: str, min_features: int, r: int):
     """``recipe`` from LORA_RECIPES: returns the model to train (a ``PeftModel`` for ours)."""
     from peft import LoraConfig
 
+    if recipe == "lora_bnb_nf4":
+        return _bnb_nf4_lora(model, r)
     if recipe in ("lora_torchao_nf4", "lora_torchao_nf4_int8"):
         return _torchao_nf4_lora(model, r, int8=recipe.endswith("int8"))
     from hf_lowbit import LowBitTrainingArguments, prepare_model
@@ -101,8 +122,10 @@ def apply_lora_recipe(model, recipe: str, min_features: int, r: int):
         return prepare_model(model, args, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
 
 
-def apply_recipe(model, recipe: str, min_features: int):
-    """Swap the model's decoder linears for ``recipe`` (LM head and embeddings always stay bf16)."""
+def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = False):
+    """Swap the model's decoder linears for ``recipe`` (LM head and embeddings always stay bf16);
+    ``weight_cache``: our INT8/FP8 layers quantize each weight once per optimizer step (with gradient
+    accumulation), as ``LowBitTrainer`` does by default then."""
     import torch
     from torch import nn
 
@@ -113,6 +136,7 @@ def apply_recipe(model, recipe: str, min_features: int):
 
         with tempfile.TemporaryDirectory() as tmp:
             args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=min_features,
+                                           lowbit_weight_cache=weight_cache or None,
                                            **{f"{recipe}_mixed_precision": True})
             prepare_model(model, args)
         return
@@ -186,17 +210,19 @@ def build_model(a, device: str):
                          use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if a.path == "trainer" and a.recipe in ("bf16", "int8", "fp8"):
+        return model  # the Trainer path: LowBitTrainer swaps (stock Trainer for bf16)
     if a.recipe in LORA_RECIPES:
         model = apply_lora_recipe(model, a.recipe, a.min_features, a.lora_r)
     else:
-        apply_recipe(model, a.recipe, a.min_features)
+        apply_recipe(model, a.recipe, a.min_features, weight_cache=a.grad_accum > 1)
     check_recipe_active(model, a.recipe, device)
     if a.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def compile_layers(model, n_layers: int, forward_only: bool = False) -> None:
+def compile_layers(model, n_layers: int, forward_only: bool = False, mode: str | None = None) -> None:
     """Compile each decoder layer (``nn.Module.compile``), or with ``forward_only`` just its ``forward``
     so that module hooks (FSDP2's all-gather / reshard) run eagerly around the compiled graph."""
     import torch
@@ -209,32 +235,102 @@ def compile_layers(model, n_layers: int, forward_only: bool = False) -> None:
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     for layer in inner.model.layers:
         if forward_only:
-            layer.forward = torch.compile(layer.forward)
+            layer.forward = torch.compile(layer.forward, mode=mode)
         else:
-            layer.compile()
+            layer.compile(mode=mode)
+
+
+def trainer_worker(a) -> dict:
+    """The user's path: stock ``Trainer`` (bf16, peers) or ``LowBitTrainer`` (ours) with the same
+    ``TrainingArguments`` (torch_compile, bf16, fused AdamW, gradient accumulation); whatever compile
+    mode or caching ``LowBitTrainer`` picks by itself is what it gets."""
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
+
+    model = build_model(a, a.device)
+    torch._dynamo.config.cache_size_limit = max(64, 2 * a.layers)
+    gen = torch.Generator().manual_seed(0)
+    total = a.warmup + a.steps
+    ids = torch.randint(0, a.vocab, (4 * a.batch, a.seq), generator=gen)
+    data = [{"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]} for i in range(total * a.batch * a.grad_accum)]
+    times, losses = {}, []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step in (a.warmup, total):
+                torch.cuda.synchronize()
+                times[state.global_step] = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    ours = a.recipe in ("int8", "fp8")
+    common = dict(output_dir=tempfile.mkdtemp(), report_to="none", per_device_train_batch_size=a.batch,
+                  gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=1e-5,
+                  optim="adamw_torch_fused", bf16=True, torch_compile=not a.no_compile, logging_steps=1,
+                  save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True, seed=0,
+                  lr_scheduler_type="constant")
+    if a.compile_mode != "default":
+        common["torch_compile_mode"] = a.compile_mode
+    if ours:
+        args = LowBitTrainingArguments(**common, lowbit_min_features=a.min_features,
+                                       lowbit_cuda_graphs=False if a.no_cuda_graphs else None,
+                                       **{f"{a.recipe}_mixed_precision": True})
+        trainer = LowBitTrainer(model, args=args, train_dataset=data)
+        chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
+                  "cuda_graphs": trainer.lowbit_cuda_graphs}
+    else:
+        trainer = Trainer(model, args=TrainingArguments(**common), train_dataset=data)
+        chosen = {"torch_compile_mode": trainer.args.torch_compile_mode}
+    trainer.add_callback(Clock())
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    trainer.train()
+    elapsed = times[total] - times[a.warmup]
+    return {"recipe": a.recipe, "path": "trainer", "tokens_per_s": a.batch * a.seq * a.grad_accum * a.steps / elapsed,
+            "step_ms": 1000 * elapsed / a.steps, "warmup_s": times[a.warmup] - t0,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+            "first_loss": losses[0] if losses else float("nan"), "last_loss": losses[-1] if losses else float("nan"),
+            "compiled_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()), "chosen": chosen, "profile": None}
 
 
 def worker(a) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
+    if a.path == "trainer":
+        return trainer_worker(a)
     cuda = a.device == "cuda"
     model = build_model(a, a.device)
+    mode = None if a.compile_mode == "default" else a.compile_mode
     if not a.no_compile:
-        compile_layers(model, a.layers)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=cuda)
+        compile_layers(model, a.layers, mode=mode)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=cuda)
     gen = torch.Generator(device=a.device).manual_seed(0)
     batches = [torch.randint(0, a.vocab, (a.batch, a.seq), device=a.device, generator=gen) for _ in range(4)]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # CUDA graphs + gradient accumulation: .grad must exist outside the graphs (else the next replay
+    # overwrites the buffer .grad was given); zeroed in place between steps
+    keep_grads = mode == "reduce-overhead" and a.grad_accum > 1
+    if keep_grads:
+        for p in params:
+            p.grad = torch.zeros_like(p)
 
     def step(i):
-        ids = batches[i % len(batches)]
-        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.autocast):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        for j in range(a.grad_accum):
+            ids = batches[(i * a.grad_accum + j) % len(batches)]
+            with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.autocast):
+                loss = model(input_ids=ids, labels=ids).loss / a.grad_accum
+            loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+        opt.zero_grad(set_to_none=not keep_grads)
+        return loss * a.grad_accum
 
     t0 = time.perf_counter()
     losses = [step(i).item() for i in range(a.warmup)]
@@ -252,7 +348,7 @@ def worker(a) -> dict:
         from hf_lowbit.bench import kernel_profile
 
         profile = kernel_profile(lambda: step(0))
-    return {"recipe": a.recipe, "tokens_per_s": a.batch * a.seq * a.steps / elapsed,
+    return {"recipe": a.recipe, "path": "layers", "tokens_per_s": a.batch * a.seq * a.grad_accum * a.steps / elapsed,
             "step_ms": 1000 * elapsed / a.steps, "warmup_s": warmup_s,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
             "first_loss": losses[0], "last_loss": losses[-1],
@@ -260,18 +356,39 @@ def worker(a) -> dict:
             "graph_breaks": sum(counters["graph_break"].values()), "profile": profile}
 
 
+def _git_commit() -> str:
+    """The commit measured (``+dirty`` when the tree had uncommitted changes), or ``unknown``."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, from {RECIPES + LORA_RECIPES}")
     for name, default in (("hidden", 4096), ("intermediate", 14336), ("heads", 32), ("kv_heads", 8),
                           ("vocab", 32000), ("layers", 8), ("batch", 8), ("seq", 2048), ("warmup", 3),
-                          ("steps", 10), ("min_features", 64), ("lora_r", 16)):
+                          ("steps", 10), ("min_features", 64), ("lora_r", 16), ("grad_accum", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the script)")
     p.add_argument("--no_compile", action="store_true", help="run eagerly (smoke tests only)")
+    p.add_argument("--no_cuda_graphs", action="store_true",
+                   help="trainer path: LowBitTrainer(lowbit_cuda_graphs=False), to compare with its automatic choice")
     p.add_argument("--grad_checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
     p.add_argument("--autocast", action="store_true",
                    help="forward under bf16 autocast, as Trainer(bf16=True) runs it (PEFT's float32 adapters compute in bf16)")
+    p.add_argument("--path", choices=("layers", "trainer"), default="layers",
+                   help="layers: a hand loop over the model with each decoder layer compiled; trainer: stock Trainer "
+                        "(bf16, peers) vs LowBitTrainer (int8, fp8), same TrainingArguments, whole-model compile")
+    p.add_argument("--compile_mode", default="default", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                   help="torch.compile mode, for every recipe alike (trainer path: default lets LowBitTrainer choose)")
     p.add_argument("--json", default=None, help="write results here (rewritten after every recipe)")
     p.add_argument("--markdown", default=None)
     p.add_argument("--profile", action="store_true",
@@ -287,9 +404,9 @@ def main():
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmark_train.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
     meta = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
-            "command": " ".join(sys.argv), "config": {k: getattr(a, k) for k in (
+            "command": " ".join(sys.argv), "commit": _git_commit(), "config": {k: getattr(a, k) for k in (
                 "hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "batch", "seq", "warmup", "steps",
-                "lora_r", "grad_checkpointing", "autocast")}}
+                "lora_r", "grad_checkpointing", "autocast", "grad_accum", "path", "compile_mode")}}
     try:
         import torchao
 
@@ -304,7 +421,7 @@ def main():
     for k, v in vars(a).items():
         if isinstance(v, bool):
             base_args += [f"--{k}"] if v else []
-        elif isinstance(v, int):
+        elif isinstance(v, int) or k in ("path", "compile_mode"):
             base_args += [f"--{k}", str(v)]
     for recipe in a.recipes.split(","):
         if recipe not in RECIPES + LORA_RECIPES:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fp8 import fp8_scaled_mm, quantize_fp8
+from .fp8 import fp8_mm, fp8_scaled_mm, quantize_fp8
 from .int8 import int8_scaled_mm, quantize_int8
+from .quantize_t import _FORMATS as _QUANT_PARAMS
 from .quantize_t import quantize_t
 
-FORMATS = {"int8": (quantize_int8, int8_scaled_mm), "fp8": (quantize_fp8, fp8_scaled_mm)}
+FORMATS = {"int8": (quantize_int8, int8_scaled_mm), "fp8": (quantize_fp8, fp8_mm)}
 
 
 def scaled_matmul(fmt: str, x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dtype: torch.dtype) -> Tensor:
@@ -21,7 +22,40 @@ def scaled_matmul(fmt: str, x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dt
     ``hf_lowbit::quantize_t``, which writes them transposed (reduction dim contiguous, the layout
     low-bit tensor cores need).
     """
-    quantize, mm = FORMATS[fmt]
-    qx, sx = quantize_t(x, fmt) if x_dim == 0 else quantize(x, dim=1)
-    qw, sw = quantize_t(w, fmt) if w_dim == 0 else quantize(w, dim=1)
-    return mm(qx, qw, sx.reshape(-1), sw.reshape(-1), out_dtype)
+    qw, sw = quantize_operand(fmt, w, w_dim)
+    return scaled_matmul_quantized(fmt, x, x_dim, qw, sw, out_dtype)
+
+
+def quantize_operand(fmt: str, x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """``x`` quantized along ``dim`` with its reduction dim contiguous: ``(q [other, dim], scale [other])``."""
+    if dim == 0:
+        return quantize_t(x, fmt)
+    q, s = FORMATS[fmt][0](x, dim=1)
+    return q, s.reshape(-1)
+
+
+def scaled_matmul_quantized(fmt: str, x: Tensor, x_dim: int, qw: Tensor, sw: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """:func:`scaled_matmul` with the second operand already quantized (``qw [N, K]``, ``sw [N]``)."""
+    qx, sx = quantize_operand(fmt, x, x_dim)
+    return FORMATS[fmt][1](qx, qw, sx, sw, out_dtype)
+
+
+@torch.no_grad()
+def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None) -> tuple[Tensor, ...]:
+    """Both layouts a linear's weight ``w [N, K]`` takes part in, from one call:
+    ``(q [N, K], scale [N])`` per output channel (forward) and ``(qt [K, N], scale_t [K])`` per input
+    channel (input gradient), the same bits as :func:`quantize_operand` gives each. ``out``: four
+    preallocated tensors to write into (in place, so CUDA graphs that read them stay valid)."""
+    if w.is_cuda:
+        from .triton_quant import quantize_t_triton
+
+        _, qdtype, qmax = _QUANT_PARAMS[fmt]
+        q, s = quantize_t_triton(w.T, qdtype, qmax, out=None if out is None else out[:2])
+        qt, st = quantize_t_triton(w, qdtype, qmax, out=None if out is None else out[2:])
+        return q, s, qt, st
+    got = (*quantize_operand(fmt, w, 1), *quantize_operand(fmt, w, 0))
+    if out is None:
+        return got
+    for dst, src in zip(out, got):
+        dst.copy_(src)
+    return out

@@ -47,10 +47,26 @@ def _(a, b, a_scale, b_scale, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
+def fp8_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``fp8_scaled_mm``'s arithmetic; on CUDA a direct ``torch._scaled_mm`` call, not the custom op.
+
+    Under ``torch.compile`` Inductor lowers ``aten._scaled_mm`` itself (launched from its generated code,
+    scale reshapes and the output cast fused around it) where the custom op cost a Python dispatch per
+    call, most of the step at 2048-token micro-batches (docs/benchmarks.md, "Small micro-batches")."""
+    if a.is_cuda:
+        _check(a, b, a_scale, b_scale)
+        return _scaled_mm_cuda(a, b, a_scale, b_scale, out_dtype)
+    return fp8_scaled_mm(a, b, a_scale, b_scale, out_dtype)
+
+
 @fp8_scaled_mm.register_kernel("cuda")
 def _(a, b, a_scale, b_scale, out_dtype):
     _check(a, b, a_scale, b_scale)
-    if torch.cuda.get_device_capability(a.device) < (8, 9):
+    return _scaled_mm_cuda(a, b, a_scale, b_scale, out_dtype)
+
+
+def _scaled_mm_cuda(a, b, a_scale, b_scale, out_dtype):
+    if not torch.compiler.is_compiling() and torch.cuda.get_device_capability(a.device) < (8, 9):
         raise RuntimeError("fp8_scaled_mm needs FP8 tensor cores (compute capability 8.9 or newer, e.g. L4, H100, "
                            f"H200); this GPU is {torch.cuda.get_device_name(a.device)}. Use int8_mixed_precision.")
     M, K = a.shape

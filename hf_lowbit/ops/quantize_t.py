@@ -24,25 +24,17 @@ def _check(x: Tensor, fmt: str) -> None:
         raise ValueError(f"quantize_t: x must be 2-D, got shape {tuple(x.shape)}")
 
 
-@torch.library.custom_op("hf_lowbit::quantize_t", mutates_args=())
+@torch.library.triton_op("hf_lowbit::quantize_t", mutates_args=())
 def quantize_t(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
-    """``x`` [M, N] -> (``q`` [N, M] contiguous, ``scale`` [N] float32) with ``x.T ≈ q * scale[:, None]``."""
+    """``x`` [M, N] -> (``q`` [N, M] contiguous, ``scale`` [N] float32) with ``x.T ≈ q * scale[:, None]``.
+
+    A ``triton_op`` (Inductor launches the two Triton kernels from its generated code); the plain-torch
+    path off CUDA is the reference the kernels are tested against, bit for bit."""
     _check(x, fmt)
-    q, scale = _FORMATS[fmt][0](x, dim=0)
+    quantize, qdtype, qmax = _FORMATS[fmt]
+    if x.device.type == "cuda":
+        from .triton_quant import quantize_t_triton
+
+        return quantize_t_triton(x, qdtype, qmax)
+    q, scale = quantize(x, dim=0)
     return q.T.contiguous(), scale.reshape(-1)
-
-
-@quantize_t.register_fake
-def _(x, fmt):
-    _check(x, fmt)
-    return (x.new_empty((x.shape[1], x.shape[0]), dtype=_FORMATS[fmt][1]),
-            x.new_empty((x.shape[1],), dtype=torch.float32))
-
-
-@quantize_t.register_kernel("cuda")
-def _(x, fmt):
-    from .triton_quant import quantize_t_triton
-
-    _check(x, fmt)
-    _, qdtype, qmax = _FORMATS[fmt]
-    return quantize_t_triton(x, qdtype, qmax)

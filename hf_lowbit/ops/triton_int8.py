@@ -13,6 +13,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -86,7 +87,7 @@ def int8_scaled_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tenso
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _int8_scaled_mm_kernel[grid](
+    wrap_triton(_int8_scaled_mm_kernel)[grid](
         a, b, a_scale, b_scale, out, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         A_K_CONTIG=a.stride(1) == 1, B_K_CONTIG=b.stride(1) == 1,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 _CHUNK_M = 1024  # rows per partial absmax
 
@@ -75,24 +76,45 @@ def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, M, N, n_chunks, stride
     tl.store(q_ptrs, tl.trans(q), mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
 
 
-def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float,
-                      chunk_m: int = _CHUNK_M) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_rows(M: int, N: int, block_n: int) -> int:
+    """Rows per partial absmax: enough programs to fill an H200 (~4 per SM) even at 2048 tokens, where
+    1024-row chunks gave 2 x N/64 programs (128 for N = 4096) and left most SMs idle."""
+    col_blocks = triton.cdiv(N, block_n)
+    chunk = _CHUNK_M
+    while chunk > 128 and triton.cdiv(M, chunk) * col_blocks < 512:
+        chunk //= 2
+    return chunk
+
+
+def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m: int | None = None,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, N] (any strides) -> ``q`` [N, M] contiguous in ``qdtype``, ``scale`` [N] float32.
 
-    ``chunk_m``: rows per partial absmax (a multiple of the row tile; smaller only in tests)."""
+    ``chunk_m``: rows per partial absmax (a multiple of the row tile; default: sized to the shape). ``out``:
+    preallocated ``(q, scale)`` to write into (the weight cache refreshes its buffers in place, so CUDA graphs
+    that read them stay valid). Any ``x.T`` view works too: ``quantize_t_triton(w.T, ...)`` quantizes ``w``
+    per row and writes it ``[rows, cols]`` contiguous."""
     M, N = x.shape
-    n_chunks = triton.cdiv(M, chunk_m)
-    part = torch.empty((n_chunks, N), dtype=torch.float32, device=x.device)
-    q = torch.empty((N, M), dtype=qdtype, device=x.device)
-    scale = torch.empty((N,), dtype=torch.float32, device=x.device)
     small = x.device.type == "cpu"  # the interpreter: small tiles
     # 64x64 tiles, 4 warps: measured on the H200 at 0.13 ms mean per call in the bench; 32x256 with
     # 8 warps was 3x slower
     bm, bn = (16, 16) if small else (64, 64)
-    _col_amax_kernel[(n_chunks, triton.cdiv(N, bn))](x, part, M, N, x.stride(0), x.stride(1), CHUNK_M=chunk_m,
+    if chunk_m is None:
+        chunk_m = 64 if small else _chunk_rows(M, N, bn)
+    n_chunks = triton.cdiv(M, chunk_m)
+    part = torch.empty((n_chunks, N), dtype=torch.float32, device=x.device)
+    if out is None:
+        q = torch.empty((N, M), dtype=qdtype, device=x.device)
+        scale = torch.empty((N,), dtype=torch.float32, device=x.device)
+    else:
+        q, scale = out
+        if q.shape != (N, M) or not q.is_contiguous() or q.dtype != qdtype or scale.shape != (N,) \
+                or scale.dtype != torch.float32:
+            raise ValueError(f"quantize_t_triton: out must be ({N}x{M} contiguous {qdtype}, {N} float32)")
+    wrap_triton(_col_amax_kernel)[(n_chunks, triton.cdiv(N, bn))](x, part, M, N, x.stride(0), x.stride(1), CHUNK_M=chunk_m,
                                                      BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
     bm, bn = (16, 16) if small else (128, 64)
-    _quantize_t_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+    wrap_triton(_quantize_t_kernel)[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x, part, q, scale, M, N, n_chunks, x.stride(0), x.stride(1), QMAX=qmax,
         IS_INT8=qdtype == torch.int8, BLOCK_M=bm, BLOCK_N=bn, num_warps=4 if small else 8)
     return q, scale

@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Throughput in the regimes users train in: one record per (recipe, micro-batch, accumulation, path).
+
+    python scripts/benchmark_regimes.py --blocks all --json docs/results/regimes_h200.json \
+        --markdown docs/results/regimes_h200.md --plot docs/results/regimes_h200.png
+
+Each block is one ``scripts/benchmark_train.py`` run (every recipe in its own process, bf16 first, so
+every ratio is to the bf16 record of the same micro-batch, accumulation, path and compile mode, in the
+same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
+
+* ``layers_b1``, ``layers_b1_ga8``, ``layers_b8``: the hand loop, each decoder layer compiled with
+  torch.compile's default mode; ``*_ro``: the same with ``mode="reduce-overhead"`` (CUDA graphs) for
+  every recipe alike;
+* ``trainer_b1_ga8``, ``trainer_b8``: stock ``Trainer`` (bf16, torchao float8) vs ``LowBitTrainer``
+  (int8, fp8), the same ``TrainingArguments`` (``torch_compile=True, bf16=True``, fused AdamW);
+  LowBitTrainer chooses its compile mode and weight cache itself;
+* ``qlora_b8``, ``qlora_b1``: LoRA r16 on every decoder linear under bf16 autocast, over a bf16 base,
+  our NF4 + INT8 and INT8 + INT8 bases, and PEFT + bitsandbytes NF4 (double quant, bf16 compute).
+
+Records: ``recipe, micro_batch_tokens, grad_accum, path, compile_mode, tok_s, vs_bf16, peak_gib,
+mem_vs_bf16, first_loss, last_loss, graphs, graph_breaks`` (+ what LowBitTrainer chose, for the
+trainer path). ``vs_bf16`` of LoRA rows is to LoRA over a bf16 base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+FULL = "bf16,int8,fp8,torchao_float8"
+# name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
+BLOCKS = {
+    "layers_b1": ("layers", 1, 1, "default", FULL, []),
+    "layers_b1_ro": ("layers", 1, 1, "reduce-overhead", "bf16,int8,fp8", []),
+    "layers_b1_ga8": ("layers", 1, 8, "default", "bf16,int8,fp8", []),
+    "layers_b1_ga8_ro": ("layers", 1, 8, "reduce-overhead", "bf16,int8,fp8", []),
+    "layers_b8": ("layers", 8, 1, "default", FULL, []),
+    "layers_b8_ro": ("layers", 8, 1, "reduce-overhead", "bf16,int8,fp8", []),
+    "trainer_b1_ga8": ("trainer", 1, 8, "default", "bf16,int8,fp8", []),
+    "trainer_b1": ("trainer", 1, 1, "default", "bf16,int8,fp8", []),
+    "trainer_b8": ("trainer", 8, 1, "default", "bf16,int8,fp8", []),
+    "qlora_b8": ("layers", 8, 1, "default", "lora_bf16,lora_nf4_int8,lora_int8_int8,lora_bnb_nf4", ["--autocast"]),
+    "qlora_b1": ("layers", 1, 1, "default", "lora_bf16,lora_nf4_int8,lora_int8_int8,lora_bnb_nf4", ["--autocast"]),
+    "qlora_b1_ro": ("layers", 1, 1, "reduce-overhead", "lora_bf16,lora_nf4_int8,lora_int8_int8", ["--autocast"]),
+}
+
+
+def run_block(name: str, seq: int, timeout: int, extra: list[str]) -> tuple[dict, list[dict]]:
+    path, batch, ga, mode, recipes, flags = BLOCKS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "block.json")
+        cmd = [sys.executable, os.path.join(HERE, "benchmark_train.py"), "--path", path, "--batch", str(batch),
+               "--grad_accum", str(ga), "--compile_mode", mode, "--recipes", recipes, "--seq", str(seq),
+               "--timeout", str(timeout), "--json", out, *flags, *extra]
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=False)
+        if not os.path.exists(out):
+            return {}, [{"block": name, "error": "no result"}]
+        with open(out) as f:
+            data = json.load(f)
+    records = []
+    for r in data["rows"]:
+        rec = {"block": name, "recipe": r["recipe"], "micro_batch_tokens": batch * seq, "grad_accum": ga,
+               "path": path, "compile_mode": mode}
+        if "error" in r:
+            rec["error"] = r["error"][-600:]
+        else:
+            rec.update(tok_s=r["tokens_per_s"], vs_bf16=r.get("vs_bf16"), peak_gib=r["peak_mem_gib"],
+                       mem_vs_bf16=r.get("mem_vs_bf16"), step_ms=r["step_ms"], warmup_s=r["warmup_s"],
+                       first_loss=r["first_loss"], last_loss=r["last_loss"], graphs=r["compiled_graphs"],
+                       graph_breaks=r["graph_breaks"], chosen=r.get("chosen"), profile=r.get("profile"))
+        records.append(rec)
+    return data["meta"], records
+
+
+def table(records: list[dict]) -> list[str]:
+    lines = ["| block | path | tokens/micro-batch | grad accum | compile mode | recipe | tok/s | vs bf16 | peak GiB | "
+             "mem vs bf16 | first / last loss | graphs / breaks |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        head = (f"| {r['block']} | {r.get('path', '')} | {r.get('micro_batch_tokens', '')} | {r.get('grad_accum', '')} | "
+                f"{r.get('compile_mode', '')} | {r['recipe'] if 'recipe' in r else ''} |")
+        if "error" in r:
+            lines.append(head + f" error: {r['error'].strip().splitlines()[-1][:90] if r['error'].strip() else '?'} ||||||")
+            continue
+        chosen = r.get("chosen") or {}
+        note = " (CUDA graphs)" if chosen.get("cuda_graphs") else ""
+        ratio = f"**{r['vs_bf16']:.2f}x**" if r.get("vs_bf16") and r["recipe"] not in ("bf16", "lora_bf16") else (
+            f"{r['vs_bf16']:.2f}x" if r.get("vs_bf16") else "–")
+        mem = f"{r['mem_vs_bf16']:.2f}x" if r.get("mem_vs_bf16") else "–"
+        lines.append(head + f" {r['tok_s']:,.0f}{note} | {ratio} | {r['peak_gib']:.1f} | {mem} | "
+                     f"{r['first_loss']:.3f} / {r['last_loss']:.3f} | {r['graphs']} / {r['graph_breaks']} |")
+    return lines
+
+
+def plot(records: list[dict], meta: dict, dst: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if "error" not in r and r.get("vs_bf16") and r["recipe"] not in ("bf16", "lora_bf16")]
+    blocks = list(dict.fromkeys(r["block"] for r in ok))
+    recipes = list(dict.fromkeys(r["recipe"] for r in ok))
+    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(blocks)), 4))
+    width = 0.8 / max(1, len(recipes))
+    for j, rec in enumerate(recipes):
+        xs = [i + j * width for i, b in enumerate(blocks) if any(r["block"] == b and r["recipe"] == rec for r in ok)]
+        vals = [next(r["vs_bf16"] for r in ok if r["block"] == b and r["recipe"] == rec)
+                for b in blocks if any(r["block"] == b and r["recipe"] == rec for r in ok)]
+        bars = ax.bar(xs, vals, width, label=rec)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks([i + width * (len(recipes) - 1) / 2 for i in range(len(blocks))], blocks, rotation=30, ha="right",
+                  fontsize=8)
+    ax.set_ylabel("tokens/s vs bf16 (same block)")
+    ax.set_title(f"{meta.get('gpu', '')}: 8 Llama-8B-shaped layers, commit {meta.get('commit', '?')}", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", default="all", help=f"comma-separated from {', '.join(BLOCKS)}, or all")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--timeout", type=int, default=240, help="seconds per recipe process")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--merge", nargs="*", default=[], help="regimes JSON files to merge (table/plot only, no runs)")
+    a, extra = p.parse_known_args()
+    meta, records = {}, []
+    if a.merge:
+        for src in a.merge:
+            with open(src) as f:
+                data = json.load(f)
+            meta = meta or data["meta"]
+            records += data["records"]
+    else:
+        names = list(BLOCKS) if a.blocks == "all" else a.blocks.split(",")
+        for name in names:
+            if name not in BLOCKS:
+                raise SystemExit(f"--blocks: unknown block {name!r}; choose from {', '.join(BLOCKS)}")
+            block_meta, recs = run_block(name, a.seq, a.timeout, extra)
+            meta = meta or block_meta
+            records += recs
+            if a.json:
+                os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+                with open(a.json, "w") as f:
+                    json.dump({"meta": meta, "records": records}, f, indent=1)
+    lines = table(records)
+    print("\n".join(lines))
+    if a.json and a.merge:
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(f"{meta.get('gpu')}, torch {meta.get('torch')}, commit {meta.get('commit')}\n\n" + "\n".join(lines) + "\n")
+    if a.plot and records:
+        plot(records, meta, a.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The weight cache of LowBitLinear: the same bits as quantizing per call, and never stale."""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_lowbit import LowBitLinear, MixedPrecisionConfig
+from hf_lowbit.mixed_precision import refresh_weight_caches, set_weight_cache
+from hf_lowbit.ops import quantize_operand, quantize_weight
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _layer(fmt, device="cpu", dtype=torch.bfloat16, cache=True):
+    torch.manual_seed(0)
+    lin = LowBitLinear(64, 48, device=device, dtype=dtype, config=MixedPrecisionConfig(format=fmt))
+    with torch.no_grad():  # heterogeneous rows and columns, so a wrong per-row/per-column scale shows
+        lin.weight.mul_(torch.logspace(-2, 1, 48, device=device, dtype=dtype)[:, None])
+        lin.weight[:, 5] *= 30
+    lin.set_weight_cache(cache)
+    return lin
+
+
+def _run(lin, x):
+    x = x.detach().clone().requires_grad_(True)
+    y = lin(x)
+    y.backward(torch.linspace(-1, 1, y.numel(), device=x.device).reshape(y.shape).to(y.dtype))
+    grads = (x.grad, lin.weight.grad.clone(), lin.bias.grad.clone())
+    lin.zero_grad(set_to_none=True)
+    return (y.detach(), *grads)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantize_weight_equals_per_call_quantization(fmt, device):
+    w = torch.randn(48, 64, device=device, dtype=torch.bfloat16) * torch.logspace(-2, 1, 48, device=device)[:, None].bfloat16()
+    q, s, qt, st = quantize_weight(fmt, w)
+    rq, rs = quantize_operand(fmt, w, 1)
+    rqt, rst = quantize_operand(fmt, w, 0)
+    for got, ref in ((q, rq), (s, rs), (qt, rqt), (st, rst)):
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got,
+                           ref.view(torch.uint8) if ref.dtype != torch.float32 else ref)
+    assert qt.is_contiguous() and q.is_contiguous()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_cached_layer_is_bit_identical_to_uncached(fmt):
+    x = torch.randn(3, 10, 64, dtype=torch.bfloat16)
+    got = _run(_layer(fmt, cache=True), x)
+    ref = _run(_layer(fmt, cache=False), x)
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r)
+
+
+@pytest.mark.parametrize("how", ["optimizer", "in_place", "load_state_dict", "to_dtype"])
+def test_cache_is_never_stale(how):
+    """After any change of the weight the next forward (eager or through refresh_weight_caches, as a
+    compiled run does) computes with the new weight: equal to a fresh layer holding the same weight."""
+    lin = _layer("int8")
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    before = lin(x).detach()
+    if how == "optimizer":
+        opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
+        lin(x).float().square().mean().backward()
+        opt.step()
+        assert lin._cache_key == lin._weight_key()  # the global optimizer hook refreshed it at once
+    elif how == "in_place":
+        with torch.no_grad():
+            lin.weight.mul_(-2)
+    elif how == "load_state_dict":
+        state = {k: v.clone() for k, v in lin.state_dict().items()}
+        state["weight"] = torch.randn_like(state["weight"])
+        lin.load_state_dict(state)
+        assert lin._cache_key == lin._weight_key()
+    else:
+        lin = lin.to(torch.float32)
+        x = x.float()
+    fresh = _layer("int8", dtype=lin.weight.dtype, cache=False)
+    fresh.load_state_dict(lin.state_dict())
+    after = lin(x).detach()
+    assert not torch.equal(after.to(before.dtype), before)
+    assert torch.equal(after, fresh(x).detach())
+
+
+def test_refresh_weight_caches_counts_only_stale_layers():
+    model = nn.Sequential(_layer("int8"), nn.ReLU(), LowBitLinear(48, 16, dtype=torch.bfloat16))
+    assert set_weight_cache(model, True) == 2
+    assert refresh_weight_caches(model) == 0
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    assert refresh_weight_caches(model) == 1
+    set_weight_cache(model, False)
+    assert model[0]._wq is None and model[0]._cache_key is None
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_compiled_cached_layer_no_graph_break_and_follows_optimizer(fmt):
+    """Compiled, the cached layer computes what the compiled per-call layer computes, step after step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    lin = _layer(fmt, dtype=torch.float32)
+    ref = _layer(fmt, dtype=torch.float32, cache=False)
+    compiled, compiled_ref = torch.compile(lin), torch.compile(ref)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    x = torch.randn(8, 64)
+    for _ in range(3):  # each step changes the weight; the compiled forward must see the new one
+        y, y_ref = compiled(x), compiled_ref(x)
+        assert torch.equal(y, y_ref)
+        y.square().mean().backward()
+        y_ref.square().mean().backward()
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+    assert sum(counters["graph_break"].values()) == 0
