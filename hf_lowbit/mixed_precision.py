@@ -113,14 +113,15 @@ _STEP_HOOK = None
 
 
 def _refresh_after_step(optimizer, args, kwargs) -> None:
-    """Global optimizer step post-hook: a weight that changed gets its low-bit copies recomputed once,
-    here, instead of on every micro-batch (the cached copies are then current for every forward that
-    follows, compiled or not)."""
+    """Global optimizer step post-hook: every weight the optimizer holds gets its low-bit copies
+    recomputed once, here, instead of on every micro-batch (the cached copies are then current for every
+    forward that follows, compiled or not). Unconditionally: fused optimizers (``AdamW(fused=True)``,
+    the Trainer's ``adamw_torch_fused``) update parameters without bumping their version counter."""
     if _CACHED_LAYERS:
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for layer in list(_CACHED_LAYERS):
             if id(layer.weight) in params:
-                layer.refresh_weight_cache()
+                layer.refresh_weight_cache(force=True)
 
 
 class LowBitLinear(nn.Linear):
@@ -129,8 +130,9 @@ class LowBitLinear(nn.Linear):
     With the weight cache on (:meth:`set_weight_cache`, or ``LowBitTrainingArguments.lowbit_weight_cache``)
     the weight is quantized once per change instead of twice per micro-batch: the two low-bit layouts live
     in non-persistent buffers (+2 bytes per weight element) and are recomputed whenever the weight's
-    version counter, storage, dtype or device changed — after each optimizer step (a global optimizer
-    hook), on ``load_state_dict``, at each eager forward, and by :func:`refresh_weight_caches` (which
+    version counter, storage, dtype or device changed, and unconditionally after each optimizer step that
+    holds the weight (a global optimizer hook: fused optimizers do not bump version counters), on
+    ``load_state_dict``, at each eager forward, and by :func:`refresh_weight_caches` (which
     ``LowBitTrainer`` calls before every step; a compiled custom loop that modifies weights outside an
     optimizer or ``load_state_dict`` must call it too).
     """
@@ -176,12 +178,13 @@ class LowBitLinear(nn.Linear):
         return (w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape))
 
     @torch.no_grad()
-    def refresh_weight_cache(self) -> bool:
-        """Recompute the cached low-bit weight if the weight changed since; return whether it did."""
+    def refresh_weight_cache(self, force: bool = False) -> bool:
+        """Recompute the cached low-bit weight if the weight changed since (by its version counter, storage,
+        dtype, device; ``force``: regardless, e.g. after an optimizer step); return whether it did."""
         if not self.weight_cache or self.weight.device.type == "meta":
             return False
         key = self._weight_key()
-        if key == self._cache_key:
+        if key == self._cache_key and not force:
             return False
         w, fmt = self.weight.detach(), self.lowbit_config.format
         current = tuple(getattr(self, name) for name in _CACHE_BUFFERS)

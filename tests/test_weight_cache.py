@@ -35,12 +35,15 @@ def _run(lin, x):
 def test_quantize_weight_equals_per_call_quantization(fmt, device):
     w = torch.randn(48, 64, device=device, dtype=torch.bfloat16) * torch.logspace(-2, 1, 48, device=device)[:, None].bfloat16()
     q, s, qt, st = quantize_weight(fmt, w)
-    rq, rs = quantize_operand(fmt, w, 1)
-    rqt, rst = quantize_operand(fmt, w, 0)
-    for got, ref in ((q, rq), (s, rs), (qt, rqt), (st, rst)):
-        assert got.shape == ref.shape and got.dtype == ref.dtype
-        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got,
-                           ref.view(torch.uint8) if ref.dtype != torch.float32 else ref)
+    rq, rs = quantize_operand(fmt, w.cpu(), 1)  # the plain-torch reference (on CUDA: the Triton kernels)
+    rqt, rst = quantize_operand(fmt, w.cpu(), 0)
+    for name, got, ref in (("q", q, rq), ("scale", s, rs), ("q_t", qt, rqt), ("scale_t", st, rst)):
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        got, ref = got.cpu(), ref
+        as_bits = (lambda t: t.view(torch.uint8)) if got.dtype != torch.float32 else (lambda t: t)
+        assert torch.equal(as_bits(got), as_bits(ref)), (
+            f"{name}: {(as_bits(got) != as_bits(ref)).sum().item()} of {got.numel()} differ, "
+            f"max |diff| {(got.float() - ref.float()).abs().max().item()}")
     assert qt.is_contiguous() and q.is_contiguous()
 
 
@@ -53,18 +56,20 @@ def test_cached_layer_is_bit_identical_to_uncached(fmt):
         assert torch.equal(g, r)
 
 
-@pytest.mark.parametrize("how", ["optimizer", "in_place", "load_state_dict", "to_dtype"])
+@pytest.mark.parametrize("how", ["optimizer", "fused_optimizer", "in_place", "load_state_dict", "to_dtype"])
 def test_cache_is_never_stale(how):
     """After any change of the weight the next forward (eager or through refresh_weight_caches, as a
     compiled run does) computes with the new weight: equal to a fresh layer holding the same weight."""
     lin = _layer("int8")
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     before = lin(x).detach()
-    if how == "optimizer":
-        opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
+    if how in ("optimizer", "fused_optimizer"):  # fused: no version-counter bump, the hook must not rely on it
+        opt = torch.optim.AdamW(lin.parameters(), lr=0.1, fused=how == "fused_optimizer")
         lin(x).float().square().mean().backward()
         opt.step()
-        assert lin._cache_key == lin._weight_key()  # the global optimizer hook refreshed it at once
+        fresh = _layer("int8", cache=False)
+        fresh.load_state_dict(lin.state_dict())
+        assert torch.equal(lin._wq, quantize_operand("int8", lin.weight.detach(), 1)[0])  # refreshed by the hook
     elif how == "in_place":
         with torch.no_grad():
             lin.weight.mul_(-2)
@@ -115,3 +120,27 @@ def test_compiled_cached_layer_no_graph_break_and_follows_optimizer(fmt):
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
     assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_trainer_with_gradient_accumulation_caches_and_matches_uncached(tmp_path, optim):
+    """LowBitTrainer turns the cache on by itself with gradient accumulation; training is unchanged by it
+    (the same losses as with the cache off, bit for bit on a CPU), also with a fused optimizer."""
+    from conftest import arithmetic_blocks, tiny_model
+
+    from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
+
+    losses = {}
+    for cache in (None, False):
+        args = LowBitTrainingArguments(output_dir=str(tmp_path / str(cache)), max_steps=6, per_device_train_batch_size=4,
+                                       gradient_accumulation_steps=2, learning_rate=3e-3, logging_steps=1,
+                                       save_strategy="no", report_to="none", seed=0, lowbit_min_features=16,
+                                       disable_tqdm=True, optim=optim, use_cpu=True, int8_mixed_precision=True,
+                                       lowbit_weight_cache=cache)
+        trainer = LowBitTrainer(tiny_model(vocab_size=96), args=args, train_dataset=arithmetic_blocks(48))
+        assert trainer.lowbit_weight_cache is (cache is None)
+        trainer.train()
+        if cache is None:
+            assert all(m.weight_cache for m in trainer.model.modules() if isinstance(m, LowBitLinear))
+        losses[cache] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses[None]) == 6 and losses[None] == losses[False]
