@@ -51,10 +51,12 @@ BLOCKS = {
 }
 
 
-def run_block(name: str, seq: int, timeout: int, extra: list[str]) -> tuple[dict, list[dict]]:
+def run_block(name: str, seq: int, timeout: int, extra: list[str], keep_dir: str | None) -> tuple[dict, list[dict]]:
+    """Run one block; its raw rows are kept in ``keep_dir/<block>.json`` (rewritten after each recipe, so a
+    run cut short keeps what finished)."""
     path, batch, ga, mode, recipes, flags = BLOCKS[name]
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "block.json")
+        out = os.path.join(keep_dir or tmp, f"{name}.json")
         cmd = [sys.executable, os.path.join(HERE, "benchmark_train.py"), "--path", path, "--batch", str(batch),
                "--grad_accum", str(ga), "--compile_mode", mode, "--recipes", recipes, "--seq", str(seq),
                "--timeout", str(timeout), "--json", out, *flags, *extra]
@@ -67,7 +69,7 @@ def run_block(name: str, seq: int, timeout: int, extra: list[str]) -> tuple[dict
     records = []
     for r in data["rows"]:
         rec = {"block": name, "recipe": r["recipe"], "micro_batch_tokens": batch * seq, "grad_accum": ga,
-               "path": path, "compile_mode": mode}
+               "path": path, "compile_mode": mode, "commit": data["meta"].get("commit")}
         if "error" in r:
             rec["error"] = r["error"][-600:]
         else:
@@ -133,6 +135,7 @@ def main():
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--keep_dir", default=None, help="keep each block's raw benchmark_train JSON here")
     p.add_argument("--merge", nargs="*", default=[], help="regimes JSON files to merge (table/plot only, no runs)")
     a, extra = p.parse_known_args()
     meta, records = {}, []
@@ -147,7 +150,7 @@ def main():
         for name in names:
             if name not in BLOCKS:
                 raise SystemExit(f"--blocks: unknown block {name!r}; choose from {', '.join(BLOCKS)}")
-            block_meta, recs = run_block(name, a.seq, a.timeout, extra)
+            block_meta, recs = run_block(name, a.seq, a.timeout, extra, a.keep_dir)
             meta = meta or block_meta
             records += recs
             if a.json:

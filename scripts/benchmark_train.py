@@ -101,7 +101,7 @@ def _bnb_nf4_lora(model, r: int):
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)
         model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=q, dtype=torch.bfloat16,
-                                                     device_map={"": device}, attn_implementation="sdpa")
+                                                     device_map={"": str(device)}, attn_implementation="sdpa")
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
 
 

@@ -39,11 +39,8 @@ def test_quantize_weight_equals_per_call_quantization(fmt, device):
     rqt, rst = quantize_operand(fmt, w.cpu(), 0)
     for name, got, ref in (("q", q, rq), ("scale", s, rs), ("q_t", qt, rqt), ("scale_t", st, rst)):
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
-        got, ref = got.cpu(), ref
-        as_bits = (lambda t: t.view(torch.uint8)) if got.dtype != torch.float32 else (lambda t: t)
-        assert torch.equal(as_bits(got), as_bits(ref)), (
-            f"{name}: {(as_bits(got) != as_bits(ref)).sum().item()} of {got.numel()} differ, "
-            f"max |diff| {(got.float() - ref.float()).abs().max().item()}")
+        got, ref = got.cpu().float(), ref.float()  # values (the FP8 kernel may write +0 where torch writes -0)
+        assert torch.equal(got, ref), f"{name}: {(got != ref).sum().item()} of {got.numel()} differ"
     assert qt.is_contiguous() and q.is_contiguous()
 
 
