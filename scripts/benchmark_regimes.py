@@ -15,7 +15,7 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   (int8, fp8), the same ``TrainingArguments`` (``torch_compile=True, bf16=True``, fused AdamW);
   LowBitTrainer chooses its compile mode and weight cache itself;
 * ``qlora_b8``, ``qlora_b1``: LoRA r16 on every decoder linear under bf16 autocast, over a bf16 base,
-  our NF4 + INT8 and INT8 + INT8 bases, and PEFT + bitsandbytes NF4 (double quant, bf16 compute).
+  our NF4 + INT8 base, and PEFT + bitsandbytes NF4 (double quant, bf16 compute).
 
 Records: ``recipe, micro_batch_tokens, grad_accum, path, compile_mode, tok_s, vs_bf16, peak_gib,
 mem_vs_bf16, first_loss, last_loss, graphs, graph_breaks`` (+ what LowBitTrainer chose, for the
@@ -45,8 +45,8 @@ BLOCKS = {
     "trainer_b1_ga8": ("trainer", 1, 8, "default", "bf16,int8,fp8", []),
     "trainer_b1": ("trainer", 1, 1, "default", "bf16,int8,fp8", []),
     "trainer_b8": ("trainer", 8, 1, "default", "bf16,int8,fp8", []),
-    "qlora_b8": ("layers", 8, 1, "default", "lora_bf16,lora_nf4_int8,lora_int8_int8,lora_bnb_nf4", ["--autocast"]),
-    "qlora_b1": ("layers", 1, 1, "default", "lora_bf16,lora_nf4_int8,lora_int8_int8,lora_bnb_nf4", ["--autocast"]),
+    "qlora_b8": ("layers", 8, 1, "default", "lora_bf16,lora_nf4_int8,lora_bnb_nf4", ["--autocast"]),
+    "qlora_b1": ("layers", 1, 1, "default", "lora_bf16,lora_nf4_int8,lora_bnb_nf4", ["--autocast"]),
     "qlora_b1_ro": ("layers", 1, 1, "reduce-overhead", "lora_bf16,lora_nf4_int8,lora_int8_int8", ["--autocast"]),
 }
 
