@@ -12,6 +12,9 @@ from transformers import TrainingArguments
 
 from .qat import QAT_SCHEMES
 
+# mixed-precision recipe field -> its number format (a record in hf_lowbit.ops.formats), in the order applied
+MIXED_PRECISION_RECIPES = {"int8_mixed_precision": "int8", "fp8_mixed_precision": "fp8"}
+
 
 @dataclass
 class LowBitTrainingArguments(TrainingArguments):
@@ -111,4 +114,4 @@ class LowBitTrainingArguments(TrainingArguments):
     @property
     def lowbit_recipes(self) -> list[str]:
         """The low-bit recipes these arguments switch on, in the order they are applied."""
-        return [name for name in ("int8_mixed_precision", "fp8_mixed_precision") if getattr(self, name)]
+        return [name for name in MIXED_PRECISION_RECIPES if getattr(self, name)]

@@ -11,18 +11,15 @@ import os
 
 from torch import nn
 
-from .args import LowBitTrainingArguments
+from .args import MIXED_PRECISION_RECIPES, LowBitTrainingArguments
 from .mixed_precision import LowBitLinear, MixedPrecisionConfig
-from .ops.fp8 import ALIGN as FP8_ALIGN
+from .ops.formats import get_format
 from .qat import QATConfig, prepare_qat
 from .quantized_base import QUANTIZED_LINEARS, QuantizedBaseConfig, quantize_base
 from .swap import LinearFilter, SwapReport, swap_linears
 
 logger = logging.getLogger("hf_lowbit")
 
-
-# recipe field -> (number format, alignment its kernel needs)
-_MIXED_PRECISION = {"int8_mixed_precision": ("int8", 1), "fp8_mixed_precision": ("fp8", FP8_ALIGN)}
 
 
 def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=None) -> tuple[nn.Module, list[SwapReport]]:
@@ -42,7 +39,8 @@ def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=N
         reports.append(quantize_base(model, config, LinearFilter(exclude=tuple(args.lowbit_exclude_modules),
                                                                  min_features=args.lowbit_min_features)))
     for recipe in args.lowbit_recipes:
-        fmt, align = _MIXED_PRECISION[recipe]
+        fmt = MIXED_PRECISION_RECIPES[recipe]
+        align = get_format(fmt).alignment
         config = MixedPrecisionConfig(format=fmt, output=args.lowbit_output, grad_input=args.lowbit_grad_input,
                                       grad_weight=args.lowbit_grad_weight)
         linear_filter = LinearFilter(exclude=tuple(args.lowbit_exclude_modules),

@@ -11,15 +11,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
-from .int8 import INT8_MAX, quantize_int8
-
-_FORMATS = {"int8": (quantize_int8, torch.int8, INT8_MAX), "fp8": (quantize_fp8, FP8_DTYPE, FP8_MAX)}
+from .formats import FORMATS
 
 
 def _check(x: Tensor, fmt: str) -> None:
-    if fmt not in _FORMATS:
-        raise ValueError(f"quantize_t: fmt must be one of {sorted(_FORMATS)}, got {fmt!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"quantize_t: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
     if x.dim() != 2:
         raise ValueError(f"quantize_t: x must be 2-D, got shape {tuple(x.shape)}")
 
@@ -28,14 +25,14 @@ def _check(x: Tensor, fmt: str) -> None:
 def quantize_t(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     """``x`` [M, N] -> (``q`` [N, M] contiguous, ``scale`` [N] float32) with ``x.T ≈ q * scale[:, None]``."""
     _check(x, fmt)
-    q, scale = _FORMATS[fmt][0](x, dim=0)
+    q, scale = FORMATS[fmt].quantize(x, dim=0)
     return q.T.contiguous(), scale.reshape(-1)
 
 
 @quantize_t.register_fake
 def _(x, fmt):
     _check(x, fmt)
-    return (x.new_empty((x.shape[1], x.shape[0]), dtype=_FORMATS[fmt][1]),
+    return (x.new_empty((x.shape[1], x.shape[0]), dtype=FORMATS[fmt].dtype),
             x.new_empty((x.shape[1],), dtype=torch.float32))
 
 
@@ -44,5 +41,5 @@ def _(x, fmt):
     from .triton_quant import quantize_t_triton
 
     _check(x, fmt)
-    _, qdtype, qmax = _FORMATS[fmt]
-    return quantize_t_triton(x, qdtype, qmax)
+    f = FORMATS[fmt]
+    return quantize_t_triton(x, f.dtype, f.qmax)
