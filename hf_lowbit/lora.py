@@ -21,7 +21,7 @@ from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
-from .mixed_precision import _compute_dtype
+from .compute import compute_dtype
 from .quantized_base import QUANTIZED_LINEARS, QuantizedLinear
 
 _PLAIN_INITS = (True, False, "gaussian")
@@ -58,7 +58,7 @@ class LoraLinear(PeftLoraLinear):
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         """``base(x) + B(A(dropout(x))) · scaling`` with the LoRA branch in the compute dtype, like the base.
 
-        The compute dtype is autocast's when autocast is on, else ``x``'s (:func:`_compute_dtype`).
+        The compute dtype is autocast's when autocast is on, else ``x``'s (:func:`compute_dtype`).
         Adapter weights keep their own dtype (float32 by PEFT's default) and are cast per call (r x
         features, cheap); their gradients arrive in that dtype. Under autocast this is PEFT's forward
         bit for bit. Without autocast PEFT casts ``x`` to the float32 adapters instead: float32 GEMMs,
@@ -69,7 +69,7 @@ class LoraLinear(PeftLoraLinear):
         if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:
             return super().forward(x, *args, **kwargs)
         result = self.base_layer(x)
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         for name in self.active_adapters:
             if name not in self.lora_A:
                 continue

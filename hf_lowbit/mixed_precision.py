@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .compute import compute_dtype as _compute_dtype  # the name the Function body below uses
 from .ops import FORMATS, scaled_matmul
 
 
@@ -36,13 +37,6 @@ class MixedPrecisionConfig:
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"MixedPrecisionConfig.format must be one of {sorted(FORMATS)}, got {self.format!r}")
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype the layer computes in: autocast's when it is on for this device, else ``x``'s."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 class _MixedPrecisionLinearFn(torch.autograd.Function):

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import TrainerCallback
 
-from .mixed_precision import _compute_dtype
+from .compute import compute_dtype
 from .ops.fake_quant import fake_quant_per_group_sym, fake_quant_per_token_asym
 from .swap import LinearFilter, SwapReport, name_matches, swap_linears
 
@@ -103,7 +103,7 @@ class _QATLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, act_bits: int | None, weight_bits: int,
                 group_size: int) -> Tensor:
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         xq, wq = _fake_operands(x.to(dtype), weight.to(dtype), act_bits, weight_bits, group_size)
         y = F.linear(xq, wq, None if bias is None else bias.to(dtype))
         ctx.save_for_backward(x, weight)  # the fake-quantized operands are recomputed in backward

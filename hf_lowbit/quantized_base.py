@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .mixed_precision import MixedPrecisionConfig, _compute_dtype
+from .compute import compute_dtype
+from .mixed_precision import MixedPrecisionConfig
 from .ops.int8 import int8_scaled_mm, quantize_int8
 from .ops.nf4 import BLOCK_SIZE, Nf4Data, check_nf4_shape, dequantize_nf4, quantize_nf4
 from .swap import LinearFilter, SwapReport, swap_linears
@@ -64,7 +65,7 @@ class _FrozenQuantizedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, bias: Tensor | None, tensors: tuple[Tensor, ...], kind: str, int8_output: bool,
                 int8_grad_input: bool) -> Tensor:
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         if int8_output:
             qw, sw = _int8_weight(kind, tensors)
