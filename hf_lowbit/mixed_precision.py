@@ -11,18 +11,24 @@ low-bit tensor cores (int32 / fp32 accumulation) and scales back to the compute 
 Each can be switched off (it then runs in the compute dtype). The quantization is plain PyTorch
 inside an ``autograd.Function`` that ``torch.compile`` traces (no ``allow_in_graph``), so Inductor
 fuses it; the matmul is the format's custom op (``hf_lowbit::int8_scaled_mm`` / ``fp8_scaled_mm``).
+
+The recipe: :class:`MixedPrecisionConfig` (knows its format's alignment), :func:`convert_to_mixed_precision`
+(swaps eligible ``nn.Linear`` for :class:`MixedPrecisionLinear`, returns the swap report), the layer
+and its ``autograd.Function``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .compute import compute_dtype as _compute_dtype  # the name the Function body below uses
-from .ops import FORMATS, scaled_matmul
+from .ops import FORMATS, get_format, scaled_matmul
+from .quantized_base import QUANTIZED_LINEARS
+from .swap import LinearFilter, SwapReport, swap_linears
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,15 @@ class MixedPrecisionConfig:
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"MixedPrecisionConfig.format must be one of {sorted(FORMATS)}, got {self.format!r}")
+
+    @property
+    def recipe(self) -> str:
+        """The recipe's name (its ``LowBitTrainingArguments`` field), e.g. ``"int8_mixed_precision"``."""
+        return f"{self.format}_mixed_precision"
+
+    def filter(self, base: LinearFilter) -> LinearFilter:
+        """``base`` plus the format's shape rule: in and out features multiples of its kernel's alignment."""
+        return replace(base, multiple_of=get_format(self.format).alignment)
 
 
 class _MixedPrecisionLinearFn(torch.autograd.Function):
@@ -88,8 +103,11 @@ def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None
                                          config.grad_weight)
 
 
-class LowBitLinear(nn.Linear):
-    """An ``nn.Linear`` whose matmuls run in INT8 or FP8; same parameters, same ``state_dict`` keys."""
+class MixedPrecisionLinear(nn.Linear):
+    """A trainable ``nn.Linear`` whose matmuls run in INT8 or FP8; same parameters, same ``state_dict`` keys.
+
+    (Called ``LowBitLinear`` before; that name stays an alias.)
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  config: MixedPrecisionConfig = MixedPrecisionConfig()):
@@ -97,7 +115,7 @@ class LowBitLinear(nn.Linear):
         self.lowbit_config = config
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: MixedPrecisionConfig) -> "LowBitLinear":
+    def from_linear(cls, linear: nn.Linear, config: MixedPrecisionConfig) -> "MixedPrecisionLinear":
         """Wrap ``linear``'s own parameters (shared, not copied), so optimizers and ties still hold."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                   device="meta", config=config)
@@ -114,3 +132,19 @@ class LowBitLinear(nn.Linear):
         on = [n for n, v in (("output", c.output), ("grad_input", c.grad_input),
                              ("grad_weight", c.grad_weight)) if v]
         return f"{super().extra_repr()}, {c.format}={'+'.join(on) or 'off'}"
+
+
+LowBitLinear = MixedPrecisionLinear  # the earlier name
+
+
+def convert_to_mixed_precision(model: nn.Module, config: MixedPrecisionConfig,
+                               filter: LinearFilter = LinearFilter()) -> SwapReport:
+    """Replace each eligible ``nn.Linear`` of ``model`` by a :class:`MixedPrecisionLinear`, in place.
+
+    ``filter`` gets the format's alignment (:meth:`MixedPrecisionConfig.filter`). Layers that are
+    mixed precision already, and frozen quantized bases (whose INT8 compute is set by the QLoRA
+    recipe), are reported as such and left alone.
+    """
+    return swap_linears(model, lambda name, linear: MixedPrecisionLinear.from_linear(linear, config),
+                        recipe=config.recipe, target=f"{config.format.upper()} matmuls", filter=config.filter(filter),
+                        already=(MixedPrecisionLinear, *QUANTIZED_LINEARS))
