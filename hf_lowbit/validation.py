@@ -26,18 +26,6 @@ OPTIMIZER_ALLOWLIST = frozenset({
 MIN_TOKENS_FOR_SPEEDUP = 4 * 2048
 
 
-# torch's FSDP2 before 2.13 creates every sharded parameter with requires_grad=True first, which integer
-# tensors cannot have ("only Tensors of floating point dtype can require gradients"; seen with 2.11)
-FSDP2_INTEGER_PARAMS_SINCE = "2.13"
-
-
-def fsdp2_shards_integer_params(torch_version: str = torch.__version__) -> bool:
-    """Whether ``fully_shard`` of this torch can shard integer parameters (NF4/INT8 base codes)."""
-    from torch.torch_version import TorchVersion
-
-    return TorchVersion(torch_version) >= FSDP2_INTEGER_PARAMS_SINCE
-
-
 def check_training_setup(*, recipes: list[str], device: torch.device | str, compiled: bool,
                          packed: bool | None, optimizer: str, tokens_per_step: int | None,
                          emit: bool = True) -> list[str]:

@@ -54,7 +54,7 @@ def worker(a) -> dict | None:
     from accelerate.utils import DistributedType
     from torch._dynamo.utils import counters
 
-    from hf_lowbit.trainer import keep_integer_params_unsharded
+    from hf_lowbit.distributed import keep_integer_params_unsharded
 
     cuda = a.device == "cuda"
     if not cuda:
