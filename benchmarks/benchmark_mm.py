@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Scaled low-bit matmuls and quantization kernels against bf16 and the copy bandwidth, one run.
 
-    python scripts/benchmark_mm.py --json docs/results/mm_h200.json --markdown docs/results/mm_h200.md
+    python benchmarks/benchmark_mm.py --json docs/results/mm_h200.json --markdown docs/results/mm_h200.md
 
 For each LLM shape (tokens x in -> out of the Llama-8B-shaped bench) and each layout training needs:
   fwd    Y  = X·Wᵀ   (X reduced over dim 1, W over dim 1)
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hf_lowbit.bench import median_ms, write_results  # noqa: E402
+from benchmarks.common import median_ms, write_results  # noqa: E402
 from hf_lowbit.ops import get_format, quantize_t, scaled_matmul  # noqa: E402
 
 LAYOUTS = {"fwd": (1, 1), "dgrad": (1, 0), "wgrad": (0, 0)}
