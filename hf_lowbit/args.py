@@ -36,7 +36,8 @@ class LowBitTrainingArguments(TrainingArguments):
         "'model.lm_head'. The model's output embedding is always excluded.")})
     lowbit_min_features: int = field(default=64, metadata={"help": (
         "Skip (and report) linears whose in_features or out_features is below this: such matmuls are "
-        "too small for low-bit kernels to pay.")})
+        "too small for low-bit kernels to pay. Mixed precision and QLoRA bases; not QAT, whose export "
+        "quantizes every linear it fake-quantized, whatever its size.")})
     qat_scheme: str | None = field(default=None, metadata={"help": (
         "Quantization-aware training: fake-quantize the linears during training, then convert with "
         f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)} ('8da4w': int8 per-token dynamic "

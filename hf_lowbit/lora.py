@@ -64,7 +64,7 @@ class LoraLinear(PeftLoraLinear):
         features, cheap); their gradients arrive in that dtype. Under autocast this is PEFT's forward
         bit for bit. Without autocast PEFT casts ``x`` to the float32 adapters instead: float32 GEMMs,
         float32 ``[tokens, features]`` intermediates and a float32 copy of every adapted input saved
-        for backward — ~20% of a bf16 QLoRA step on the H200 bench (docs/qlora.md). Mixed-batch
+        for backward, a sizeable share of a bf16 QLoRA step (measured in docs/qlora.md). Mixed-batch
         ``adapter_names``, disabled or merged adapters and variants go through PEFT's forward.
         """
         if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:

@@ -99,8 +99,8 @@ class _FrozenQuantizedLinearFn(torch.autograd.Function):
                 qw, sw = _int8_weight(storage, tensors)
                 qg, sg = quantize_int8(g2.float() * sw, dim=1)
                 # INT8 tensor cores need the reduction dim (N here) contiguous: a transposed view runs
-                # ~3x slower (docs/benchmarks.md), so copy Wqᵀ K-contiguous (1 byte/param read+write,
-                # ~1 ms per step for 8 Llama-8B layers on an H200) rather than keep a second copy resident.
+                # several times slower (docs/benchmarks.md, "One linear layer"), so copy Wqᵀ K-contiguous
+                # (1 byte/param read+write per call) rather than keep a second copy resident.
                 qw_t = qw.T.contiguous()
                 ones = torch.ones(qw.shape[1], dtype=torch.float32, device=qw.device)
                 dx = int8_scaled_mm(qg, qw_t, sg.reshape(-1), ones, x_dtype)
