@@ -142,9 +142,14 @@ def convert_to_mixed_precision(model: nn.Module, config: MixedPrecisionConfig,
     """Replace each eligible ``nn.Linear`` of ``model`` by a :class:`MixedPrecisionLinear`, in place.
 
     ``filter`` gets the format's alignment (:meth:`MixedPrecisionConfig.filter`). Layers that are
-    mixed precision already, and frozen quantized bases (whose INT8 compute is set by the QLoRA
-    recipe), are reported as such and left alone.
+    mixed precision already, and frozen quantized bases given INT8 compute by the QLoRA recipe, are
+    reported as such and left alone.
     """
     return swap_linears(model, lambda name, linear: MixedPrecisionLinear.from_linear(linear, config),
                         recipe=config.recipe, target=f"{config.format.upper()} matmuls", filter=config.filter(filter),
-                        already=(MixedPrecisionLinear, *QUANTIZED_LINEARS))
+                        already=_low_bit_already)
+
+
+def _low_bit_already(module: nn.Module) -> bool:
+    return isinstance(module, MixedPrecisionLinear) or (isinstance(module, QUANTIZED_LINEARS)
+                                                        and module.compute is not None)
