@@ -1,23 +1,32 @@
 """hf_lowbit: low-bit training (INT8 / FP8 mixed precision, …) for transformers, peft and accelerate."""
 
 from .args import LowBitTrainingArguments
-from .mixed_precision import LowBitLinear, MixedPrecisionConfig, mixed_precision_linear
-from .lora import LoraLinear
+from .compute import compute_dtype
+from .mixed_precision import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear, convert_to_mixed_precision,
+                              mixed_precision_linear)
+from .lora import LoraLinear, register_with_peft
 from .prepare import prepare_model
 from .export import push_quantized_to_hub, save_quantized
-from .qat import QATConfig, QATLinear, convert_qat, prepare_qat, set_fake_quant_enabled
-from .quantized_base import Int8Linear, Nf4Linear, QuantizedBaseConfig, load_quantized_model, quantize_base
+from .loading import load_quantized_model
+from .qat import QATConfig, QATLinear, convert_qat, convert_to_qat, prepare_qat, set_fake_quant_enabled
+from .quantized_base import Int8Linear, Nf4Linear, QuantizedBaseConfig, convert_to_quantized_base, quantize_base
 from .swap import LinearFilter, SwapReport, swap_linears
 from .trainer import LowBitTrainer
 from .validation import LowBitWarning, check_training_setup
 
+# PEFT picks hf_lowbit.LoraLinear for the quantized bases (get_peft_model, PeftModel.from_pretrained, …)
+# through a dispatcher put in front of its own; see register_with_peft and docs/design.md.
+register_with_peft()
+
 __version__ = "0.1.0"
 
 __all__ = [
-    "LowBitTrainer", "LowBitTrainingArguments", "prepare_model",
-    "MixedPrecisionConfig", "LowBitLinear", "mixed_precision_linear",
-    "QATConfig", "QATLinear", "prepare_qat", "convert_qat", "set_fake_quant_enabled", "save_quantized",
-    "push_quantized_to_hub",
-    "LoraLinear", "Nf4Linear", "Int8Linear", "QuantizedBaseConfig", "quantize_base", "load_quantized_model",
+    "LowBitTrainer", "LowBitTrainingArguments", "prepare_model", "compute_dtype",
+    "MixedPrecisionConfig", "MixedPrecisionLinear", "LowBitLinear", "mixed_precision_linear",
+    "convert_to_mixed_precision",
+    "QATConfig", "QATLinear", "convert_to_qat", "prepare_qat", "convert_qat", "set_fake_quant_enabled",
+    "save_quantized", "push_quantized_to_hub",
+    "LoraLinear", "register_with_peft", "Nf4Linear", "Int8Linear", "QuantizedBaseConfig",
+    "convert_to_quantized_base", "quantize_base", "load_quantized_model",
     "LinearFilter", "SwapReport", "swap_linears", "LowBitWarning", "check_training_setup",
 ]

@@ -12,6 +12,9 @@ from transformers import TrainingArguments
 
 from .qat import QAT_SCHEMES
 
+# mixed-precision recipe field -> its number format (a record in hf_lowbit.ops.formats), in the order applied
+MIXED_PRECISION_RECIPES = {"int8_mixed_precision": "int8", "fp8_mixed_precision": "fp8"}
+
 
 @dataclass
 class LowBitTrainingArguments(TrainingArguments):
@@ -33,7 +36,8 @@ class LowBitTrainingArguments(TrainingArguments):
         "'model.lm_head'. The model's output embedding is always excluded.")})
     lowbit_min_features: int = field(default=64, metadata={"help": (
         "Skip (and report) linears whose in_features or out_features is below this: such matmuls are "
-        "too small for low-bit kernels to pay.")})
+        "too small for low-bit kernels to pay. Mixed precision and QLoRA bases; not QAT, whose export "
+        "quantizes every linear it fake-quantized, whatever its size.")})
     lowbit_weight_cache: bool | None = field(default=None, metadata={"help": (
         "Quantize each weight once per optimizer step (both low-bit layouts, +2 bytes per weight element) and "
         "reuse it for every gradient-accumulation micro-batch, instead of twice per micro-batch. Recomputed "
@@ -131,4 +135,4 @@ class LowBitTrainingArguments(TrainingArguments):
     @property
     def lowbit_recipes(self) -> list[str]:
         """The low-bit recipes these arguments switch on, in the order they are applied."""
-        return [name for name in ("int8_mixed_precision", "fp8_mixed_precision") if getattr(self, name)]
+        return [name for name in MIXED_PRECISION_RECIPES if getattr(self, name)]

@@ -6,7 +6,8 @@ the same compute dtype (autocast's, else the input's), with the adapter weights 
 (float32 by PEFT's default). Because the two never share an ``F.linear``, INT8 compute on the base
 composes with LoRA.
 
-Registration: importing ``hf_lowbit`` adds a dispatcher in front of PEFT's LoRA dispatchers, so
+Registration: ``hf_lowbit/__init__.py`` calls :func:`register_with_peft` once, which adds a dispatcher
+in front of PEFT's LoRA dispatchers, so
 ``get_peft_model``, ``PeftModel.from_pretrained``, ``load_adapter`` / ``add_adapter`` (several
 adapters) pick ``LoraLinear`` for every :data:`QUANTIZED_LINEARS` module with no extra arguments.
 ``merge`` dequantizes the base first: ``merge_and_unload`` returns plain bf16 ``nn.Linear`` layers
@@ -21,8 +22,8 @@ from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
-from .mixed_precision import _compute_dtype
-from .quantized_base import QUANTIZED_LINEARS, QuantizedLinear
+from .compute import compute_dtype
+from .quantized_base import QUANTIZED_LINEARS, QuantizedBaseLinear
 
 _PLAIN_INITS = (True, False, "gaussian")
 
@@ -50,7 +51,7 @@ class LoraLinear(PeftLoraLinear):
 
     def resolve_lora_variant(self, *, config: LoraConfig, **kwargs):
         variant = super().resolve_lora_variant(config=config, **kwargs)
-        if variant is not None and isinstance(self.get_base_layer(), QuantizedLinear):
+        if variant is not None and isinstance(self.get_base_layer(), QuantizedBaseLinear):
             raise ValueError(f"hf_lowbit.LoraLinear: LoRA variant {type(variant).__name__} (DoRA, …) is not "
                              "supported over a quantized base; use plain LoRA")
         return variant
@@ -58,18 +59,18 @@ class LoraLinear(PeftLoraLinear):
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         """``base(x) + B(A(dropout(x))) · scaling`` with the LoRA branch in the compute dtype, like the base.
 
-        The compute dtype is autocast's when autocast is on, else ``x``'s (:func:`_compute_dtype`).
+        The compute dtype is autocast's when autocast is on, else ``x``'s (:func:`compute_dtype`).
         Adapter weights keep their own dtype (float32 by PEFT's default) and are cast per call (r x
         features, cheap); their gradients arrive in that dtype. Under autocast this is PEFT's forward
         bit for bit. Without autocast PEFT casts ``x`` to the float32 adapters instead: float32 GEMMs,
         float32 ``[tokens, features]`` intermediates and a float32 copy of every adapted input saved
-        for backward — ~20% of a bf16 QLoRA step on the H200 bench (docs/qlora.md). Mixed-batch
+        for backward, a sizeable share of a bf16 QLoRA step (measured in docs/qlora.md). Mixed-batch
         ``adapter_names``, disabled or merged adapters and variants go through PEFT's forward.
         """
         if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:
             return super().forward(x, *args, **kwargs)
         result = self.base_layer(x)
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         for name in self.active_adapters:
             if name not in self.lora_A:
                 continue
@@ -83,7 +84,7 @@ class LoraLinear(PeftLoraLinear):
         layer = self
         while isinstance(layer.base_layer, BaseTunerLayer):
             layer = layer.base_layer
-        if isinstance(layer.base_layer, QuantizedLinear):
+        if isinstance(layer.base_layer, QuantizedBaseLinear):
             layer.base_layer = layer.base_layer.to_linear()
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
@@ -104,7 +105,7 @@ def dispatch_lowbit(target: nn.Module, adapter_name: str, config: LoraConfig, **
 
 
 def register_with_peft() -> None:
-    """Put :func:`dispatch_lowbit` in front of PEFT's LoRA dispatchers (idempotent; done on import).
+    """Put :func:`dispatch_lowbit` in front of PEFT's LoRA dispatchers (idempotent; ``import hf_lowbit`` calls it).
 
     PEFT 0.21 picks the LoRA layer class in ``LoraModel._create_new_module``; a config-level
     ``LoraConfig._register_custom_module`` mapping would not survive ``save_pretrained`` /
@@ -139,6 +140,3 @@ def resolve_all_linear(model: nn.Module, peft_config) -> None:
     names = set(peft_config.target_modules)
     names.update(name for name, m in model.named_modules() if isinstance(m, QUANTIZED_LINEARS))
     peft_config.target_modules = names
-
-
-register_with_peft()

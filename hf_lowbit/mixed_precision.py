@@ -11,18 +11,25 @@ low-bit tensor cores (int32 / fp32 accumulation) and scales back to the compute 
 Each can be switched off (it then runs in the compute dtype). The quantization is plain PyTorch
 inside an ``autograd.Function`` that ``torch.compile`` traces (no ``allow_in_graph``), so Inductor
 fuses it; the matmul is the format's custom op (``hf_lowbit::int8_scaled_mm`` / ``fp8_scaled_mm``).
+
+The recipe: :class:`MixedPrecisionConfig` (knows its format's alignment), :func:`convert_to_mixed_precision`
+(swaps eligible ``nn.Linear`` for :class:`MixedPrecisionLinear`, returns the swap report), the layer
+and its ``autograd.Function``.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import FORMATS, quantize_weight, scaled_matmul, scaled_matmul_quantized
+from .compute import compute_dtype as _compute_dtype  # the name the Function body below uses
+from .ops import FORMATS, get_format, quantize_weight, scaled_matmul, scaled_matmul_quantized
+from .quantized_base import QUANTIZED_LINEARS
+from .swap import LinearFilter, SwapReport, swap_linears
 
 
 @dataclass(frozen=True)
@@ -33,17 +40,20 @@ class MixedPrecisionConfig:
     output: bool = True
     grad_input: bool = True
     grad_weight: bool = True
+    weight_cache: bool = False  # quantize each weight once per change, not per call (see MixedPrecisionLinear)
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"MixedPrecisionConfig.format must be one of {sorted(FORMATS)}, got {self.format!r}")
 
+    @property
+    def recipe(self) -> str:
+        """The recipe's name (its ``LowBitTrainingArguments`` field), e.g. ``"int8_mixed_precision"``."""
+        return f"{self.format}_mixed_precision"
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype the layer computes in: autocast's when it is on for this device, else ``x``'s."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+    def filter(self, base: LinearFilter) -> LinearFilter:
+        """``base`` plus the format's shape rule: in and out features multiples of its kernel's alignment."""
+        return replace(base, multiple_of=get_format(self.format).alignment)
 
 
 class _MixedPrecisionLinearFn(torch.autograd.Function):
@@ -100,7 +110,7 @@ def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None
     """``F.linear`` with the matmuls selected by ``config`` in its low-bit format.
 
     ``cached_weight``: ``weight`` already quantized by :func:`hf_lowbit.ops.quantize_weight` (the caller
-    keeps it current; :class:`LowBitLinear` does)."""
+    keeps it current; :class:`MixedPrecisionLinear` does)."""
     if not (config.output or config.grad_input or config.grad_weight):
         return F.linear(x, weight, bias)
     return _MixedPrecisionLinearFn.apply(x, weight, bias, config.format, config.output, config.grad_input,
@@ -108,7 +118,7 @@ def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None
 
 
 # Layers whose weight cache is on: refreshed after every optimizer step (see _refresh_after_step).
-_CACHED_LAYERS: "weakref.WeakSet[LowBitLinear]" = weakref.WeakSet()
+_CACHED_LAYERS: "weakref.WeakSet[MixedPrecisionLinear]" = weakref.WeakSet()
 _STEP_HOOK = None
 
 
@@ -124,17 +134,18 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
                 layer.refresh_weight_cache(force=True)
 
 
-class LowBitLinear(nn.Linear):
-    """An ``nn.Linear`` whose matmuls run in INT8 or FP8; same parameters, same ``state_dict`` keys.
+class MixedPrecisionLinear(nn.Linear):
+    """A trainable ``nn.Linear`` whose matmuls run in INT8 or FP8; same parameters, same ``state_dict`` keys.
+    (Called ``LowBitLinear`` before; that name stays an alias.)
 
-    With the weight cache on (:meth:`set_weight_cache`, or ``LowBitTrainingArguments.lowbit_weight_cache``)
-    the weight is quantized once per change instead of twice per micro-batch: the two low-bit layouts live
-    in non-persistent buffers (+2 bytes per weight element) and are recomputed whenever the weight's
-    version counter, storage, dtype or device changed, and unconditionally after each optimizer step that
-    holds the weight (a global optimizer hook: fused optimizers do not bump version counters), on
-    ``load_state_dict``, at each eager forward, and by :func:`refresh_weight_caches` (which
-    ``LowBitTrainer`` calls before every step; a compiled custom loop that modifies weights outside an
-    optimizer or ``load_state_dict`` must call it too).
+    With the weight cache on (:meth:`set_weight_cache`, ``MixedPrecisionConfig.weight_cache`` or
+    ``LowBitTrainingArguments.lowbit_weight_cache``) the weight is quantized once per change instead of twice
+    per micro-batch: the two low-bit layouts live in non-persistent buffers (+2 bytes per weight element) and
+    are recomputed whenever the weight's version counter, storage, dtype or device changed, and
+    unconditionally after each optimizer step that holds the weight (a global optimizer hook: fused
+    optimizers do not bump version counters), on ``load_state_dict``, at each eager forward, and by
+    :func:`refresh_weight_caches` (which ``LowBitTrainer`` calls before every step; a compiled custom loop
+    that modifies weights outside an optimizer or ``load_state_dict`` must call it too).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
@@ -147,7 +158,7 @@ class LowBitLinear(nn.Linear):
             self.register_buffer(name, None, persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: MixedPrecisionConfig) -> "LowBitLinear":
+    def from_linear(cls, linear: nn.Linear, config: MixedPrecisionConfig) -> "MixedPrecisionLinear":
         """Wrap ``linear``'s own parameters (shared, not copied), so optimizers and ties still hold."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                   device="meta", config=config)
@@ -216,12 +227,14 @@ class LowBitLinear(nn.Linear):
         return f"{super().extra_repr()}, {c.format}={'+'.join(on) or 'off'}{cache}"
 
 
+LowBitLinear = MixedPrecisionLinear  # the earlier name
+
 _CACHE_BUFFERS = ("_wq", "_wq_scale", "_wq_t", "_wq_t_scale")
 
 
 def set_weight_cache(model: nn.Module, enabled: bool) -> int:
-    """Switch the weight cache of every :class:`LowBitLinear` in ``model``; return how many."""
-    layers = [m for m in model.modules() if isinstance(m, LowBitLinear)]
+    """Switch the weight cache of every :class:`MixedPrecisionLinear` in ``model``; return how many."""
+    layers = [m for m in model.modules() if isinstance(m, MixedPrecisionLinear)]
     for m in layers:
         m.set_weight_cache(enabled)
     return len(layers)
@@ -229,4 +242,27 @@ def set_weight_cache(model: nn.Module, enabled: bool) -> int:
 
 def refresh_weight_caches(model: nn.Module) -> int:
     """Recompute every stale cached low-bit weight of ``model`` (cheap when none changed); return how many."""
-    return sum(m.refresh_weight_cache() for m in model.modules() if isinstance(m, LowBitLinear))
+    return sum(m.refresh_weight_cache() for m in model.modules() if isinstance(m, MixedPrecisionLinear))
+
+
+def convert_to_mixed_precision(model: nn.Module, config: MixedPrecisionConfig,
+                               filter: LinearFilter = LinearFilter()) -> SwapReport:
+    """Replace each eligible ``nn.Linear`` of ``model`` by a :class:`MixedPrecisionLinear`, in place.
+
+    ``filter`` gets the format's alignment (:meth:`MixedPrecisionConfig.filter`). Layers that are
+    mixed precision already, and frozen quantized bases given INT8 compute by the QLoRA recipe, are
+    reported as such and left alone. ``config.weight_cache`` switches the swapped layers' weight cache on.
+    """
+    def make(name, linear):
+        layer = MixedPrecisionLinear.from_linear(linear, config)
+        if config.weight_cache:
+            layer.set_weight_cache(True)
+        return layer
+
+    return swap_linears(model, make, recipe=config.recipe, target=f"{config.format.upper()} matmuls",
+                        filter=config.filter(filter), already=_low_bit_already)
+
+
+def _low_bit_already(module: nn.Module) -> bool:
+    return isinstance(module, MixedPrecisionLinear) or (isinstance(module, QUANTIZED_LINEARS)
+                                                        and module.compute is not None)

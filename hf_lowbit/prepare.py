@@ -2,27 +2,58 @@
 
 ``LowBitTrainer`` calls this when it is constructed; custom training loops call it themselves,
 before ``accelerator.prepare`` / ``torch.compile`` / ``fully_shard``.
+
+Every recipe has one shape: a config that knows its own constraints (``config.filter(base)`` adds
+alignment, group or block rules to the base filter) and ``convert(model, config, filter) -> SwapReport``.
+:func:`apply_recipes` builds the one base filter from the arguments (:func:`base_filter`), the
+``(convert, config)`` pairs they switch on (:func:`recipes_from_args`) and calls them in order.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 from torch import nn
 
-from .args import LowBitTrainingArguments
-from .mixed_precision import LowBitLinear, MixedPrecisionConfig, set_weight_cache
-from .ops.fp8 import ALIGN as FP8_ALIGN
-from .qat import QATConfig, prepare_qat
-from .quantized_base import QUANTIZED_LINEARS, QuantizedBaseConfig, quantize_base
-from .swap import LinearFilter, SwapReport, swap_linears
+from .args import MIXED_PRECISION_RECIPES, LowBitTrainingArguments
+from .mixed_precision import MixedPrecisionConfig, convert_to_mixed_precision
+from .qat import QATConfig, convert_to_qat
+from .quantized_base import QuantizedBaseConfig, convert_to_quantized_base
+from .swap import LinearFilter, SwapReport
 
 logger = logging.getLogger("hf_lowbit")
 
 
-# recipe field -> (number format, alignment its kernel needs)
-_MIXED_PRECISION = {"int8_mixed_precision": ("int8", 1), "fp8_mixed_precision": ("fp8", FP8_ALIGN)}
+def base_filter(args: LowBitTrainingArguments) -> LinearFilter:
+    """The one filter the arguments describe; each recipe's config adds its own shape rules to it."""
+    return LinearFilter(exclude=tuple(args.lowbit_exclude_modules), min_features=args.lowbit_min_features)
+
+
+def recipes_from_args(args: LowBitTrainingArguments) -> list[tuple[Callable, object]]:
+    """``(convert, config)`` of every recipe ``args`` switch on, in the order they are applied.
+
+    The QLoRA base goes first: it is stored quantized and computes as the mixed-precision switches ask
+    (INT8 only, no weight gradient: the base is frozen), so the mixed-precision pass then leaves it alone.
+    """
+    recipes: list[tuple[Callable, object]] = []
+    if args.lora_base_quant:
+        compute = (MixedPrecisionConfig(format="int8", output=args.lowbit_output, grad_input=args.lowbit_grad_input,
+                                        grad_weight=False) if args.int8_mixed_precision else None)
+        recipes.append((convert_to_quantized_base, QuantizedBaseConfig(
+            args.lora_base_quant, compute=compute, int8_cache=args.lora_base_int8_cache)))
+    for recipe in args.lowbit_recipes:
+        recipes.append((convert_to_mixed_precision, MixedPrecisionConfig(
+            format=MIXED_PRECISION_RECIPES[recipe], output=args.lowbit_output, grad_input=args.lowbit_grad_input,
+            grad_weight=args.lowbit_grad_weight,
+            # None (automatic) is LowBitTrainer's to decide: it knows the gradient accumulation
+            weight_cache=bool(args.lowbit_weight_cache))))
+    if args.qat_scheme is not None:
+        recipes.append((convert_to_qat, QATConfig(
+            scheme=args.qat_scheme, group_size=args.qat_group_size, include_lm_head=args.qat_include_lm_head,
+            fake_quant_enabled=args.qat_fake_quant_after_n_steps == 0)))
+    return recipes
 
 
 def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=None) -> tuple[nn.Module, list[SwapReport]]:
@@ -31,34 +62,15 @@ def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=N
         raise TypeError(f"args must be LowBitTrainingArguments, got {type(args).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if args.lora_base_quant and peft_config is None:
+        raise ValueError(f"LowBitTrainingArguments.lora_base_quant={args.lora_base_quant!r} freezes and quantizes "
+                         "the base linears, which then cannot train: pass peft_config=LoraConfig(...) too")
+    linear_filter = base_filter(args)
     reports = []
-    if args.lora_base_quant:  # first: the frozen base is stored quantized and computes as the recipes ask
-        if peft_config is None:
-            raise ValueError(f"LowBitTrainingArguments.lora_base_quant={args.lora_base_quant!r} freezes and quantizes "
-                             "the base linears, which then cannot train: pass peft_config=LoraConfig(...) too")
-        compute = (MixedPrecisionConfig(format="int8", output=args.lowbit_output, grad_input=args.lowbit_grad_input,
-                                        grad_weight=False) if args.int8_mixed_precision else None)
-        config = QuantizedBaseConfig(args.lora_base_quant, compute=compute, int8_cache=args.lora_base_int8_cache)
-        reports.append(quantize_base(model, config, LinearFilter(exclude=tuple(args.lowbit_exclude_modules),
-                                                                 min_features=args.lowbit_min_features)))
-    for recipe in args.lowbit_recipes:
-        fmt, align = _MIXED_PRECISION[recipe]
-        config = MixedPrecisionConfig(format=fmt, output=args.lowbit_output, grad_input=args.lowbit_grad_input,
-                                      grad_weight=args.lowbit_grad_weight)
-        linear_filter = LinearFilter(exclude=tuple(args.lowbit_exclude_modules),
-                                     min_features=args.lowbit_min_features, multiple_of=align)
-        already = (LowBitLinear,) + (QUANTIZED_LINEARS if args.lora_base_quant else ())  # bases set up above
-        reports.append(swap_linears(
-            model, lambda name, linear: LowBitLinear.from_linear(linear, config), recipe=recipe,
-            target=f"{fmt.upper()} matmuls", filter=linear_filter, already=already))
-        if args.lowbit_weight_cache:  # None (automatic) is LowBitTrainer's to decide: it knows the accumulation
-            set_weight_cache(model, True)
-    if args.qat_scheme is not None:
-        config = QATConfig(scheme=args.qat_scheme, group_size=args.qat_group_size)
-        report = prepare_qat(model, config, exclude=tuple(args.lowbit_exclude_modules),
-                             include_lm_head=args.qat_include_lm_head,
-                             enabled=args.qat_fake_quant_after_n_steps == 0)
-        if not report.swapped and not any(e.reason.startswith("already") for e in report.entries):
+    for convert, config in recipes_from_args(args):
+        report = convert(model, config, linear_filter)
+        if isinstance(config, QATConfig) and not report.swapped and not any(
+                e.reason.startswith("already") for e in report.entries):
             raise ValueError(f"qat_scheme={args.qat_scheme!r}: no linear can be fake-quantized:\n{report.summary()}\n"
                              "lower qat_group_size (it must divide in_features) or check lowbit_exclude_modules")
         reports.append(report)

@@ -4,8 +4,11 @@
   applies (``"8da4w"``: int8 per-token asymmetric dynamic activations + int4 per-group symmetric
   weights = ``Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
   weight_granularity=PerGroup(g))``; ``"int4_weight_only"``: ``IntxWeightOnlyConfig``).
-* :func:`prepare_qat`: swap eligible ``nn.Linear`` for :class:`QATLinear` through ``swap_linears``;
-  layers whose ``in_features`` is not a multiple of the group size are skipped and reported.
+* :class:`QATConfig` and :func:`convert_to_qat` (the recipe's shape, as for the other recipes): swap
+  eligible ``nn.Linear`` for :class:`QATLinear` through ``swap_linears``; layers whose ``in_features``
+  is not a multiple of the group size are skipped and reported. Layer size does not matter here
+  (``QATConfig.filter`` sets ``min_features=1``): every linear the export quantizes must have trained
+  with fake quant. :func:`prepare_qat` is the same with the filter built from an ``exclude`` list.
 * :class:`QATLinear`: one ``autograd.Function`` that fake-quantizes the activation and the weight
   (``hf_lowbit.ops.fake_quant``, the same arithmetic as torchao's convert) and multiplies; backward is the
   straight-through estimator and *recomputes* the fake-quantized operands from the saved input and
@@ -24,7 +27,7 @@ also recognized by :func:`set_fake_quant_enabled` and :func:`convert_qat`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
 
@@ -34,7 +37,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import TrainerCallback
 
-from .mixed_precision import _compute_dtype
+from .compute import compute_dtype
 from .ops.fake_quant import fake_quant_per_group_sym, fake_quant_per_token_asym
 from .swap import LinearFilter, SwapReport, name_matches, swap_linears
 
@@ -78,10 +81,19 @@ def get_scheme(name: str) -> QATScheme:
 
 @dataclass(frozen=True)
 class QATConfig:
-    """A scheme name from :data:`QAT_SCHEMES` and the weight group size (along ``in_features``)."""
+    """A scheme name from :data:`QAT_SCHEMES` and the weight group size (along ``in_features``).
+
+    ``include_lm_head``: also fake-quantize the output embedding. ``fake_quant_enabled``: whether the
+    swapped layers start with fake quantization on (off while ``qat_fake_quant_after_n_steps`` runs).
+    Only ``scheme`` and ``group_size`` matter to :func:`convert_qat` / the export.
+    """
 
     scheme: str = "8da4w"
     group_size: int = 256
+    include_lm_head: bool = False
+    fake_quant_enabled: bool = True
+
+    recipe = "qat"  # the recipe's name in reports
 
     def __post_init__(self):
         get_scheme(self.scheme)
@@ -96,6 +108,18 @@ class QATConfig:
         """The torchao PTQ config that :func:`convert_qat` applies (and ``TorchAoConfig`` records)."""
         return self.spec.base_config(self.group_size)
 
+    def filter(self, base: LinearFilter) -> LinearFilter:
+        """``base`` with QAT's shape rule (``in_features`` a multiple of the group size) and no size floor.
+
+        ``min_features`` is 1 whatever ``base`` says: ``lowbit_min_features`` keeps matmuls too small for
+        low-bit *kernels* to pay in high precision, but QAT runs no low-bit kernel while training, and the
+        export quantizes exactly the layers that trained with fake quant, so a size floor here would only
+        leave small layers unquantized in the exported model. ``include_lm_head`` lifts the default
+        exclusion of the output embedding (patterns that name it are dropped by :func:`convert_to_qat`).
+        """
+        return replace(base, min_features=1, in_features_multiple_of=self.group_size,
+                       exclude_output_embeddings=base.exclude_output_embeddings and not self.include_lm_head)
+
 
 class _QATLinearFn(torch.autograd.Function):
     """``F.linear(fq(x), fq(W), b)``; saves only ``x`` and ``W``, recomputes ``fq(x)``, ``fq(W)`` in backward (STE)."""
@@ -103,7 +127,7 @@ class _QATLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, act_bits: int | None, weight_bits: int,
                 group_size: int) -> Tensor:
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         xq, wq = _fake_operands(x.to(dtype), weight.to(dtype), act_bits, weight_bits, group_size)
         y = F.linear(xq, wq, None if bias is None else bias.to(dtype))
         ctx.save_for_backward(x, weight)  # the fake-quantized operands are recomputed in backward
@@ -200,28 +224,35 @@ def _torchao_fake_quantized_types() -> tuple[type, ...]:
     return (FakeQuantizedLinear,)
 
 
-def prepare_qat(model: nn.Module, config: QATConfig, exclude: tuple[str, ...] = ("lm_head",),
-                include_lm_head: bool = False, enabled: bool = True) -> SwapReport:
+def convert_to_qat(model: nn.Module, config: QATConfig, filter: LinearFilter = LinearFilter()) -> SwapReport:
     """Swap ``model``'s eligible linears for :class:`QATLinear` in place; return the report.
 
-    ``exclude``: names/globs left alone. The output embedding (LM head) is left alone unless
-    ``include_lm_head`` (then exclusion patterns that name it are ignored for it). A linear whose
-    ``in_features`` is not a multiple of ``config.group_size`` is skipped and reported.
+    ``filter`` gets QAT's rules (:meth:`QATConfig.filter`). With ``config.include_lm_head`` the output
+    embedding is swapped too, and exclusion patterns that name it are ignored for it.
     """
+    linear_filter = config.filter(filter)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if include_lm_head and head is not None:
+    if config.include_lm_head and head is not None:
         head_name = next((n for n, m in model.named_modules() if m is head), None)
-        exclude = tuple(p for p in exclude if head_name is None or name_matches(head_name, [p]) is None)
-    linear_filter = LinearFilter(exclude=tuple(exclude), min_features=1, in_features_multiple_of=config.group_size,
-                                 exclude_output_embeddings=not include_lm_head)
+        linear_filter = replace(linear_filter, exclude=tuple(
+            p for p in linear_filter.exclude if head_name is None or name_matches(head_name, [p]) is None))
 
     def make(name, linear):
         layer = QATLinear.from_linear(linear, config)
-        layer.fake_quant_enabled = enabled
+        layer.fake_quant_enabled = config.fake_quant_enabled
         return layer
 
-    return swap_linears(model, make, recipe="qat", target=f"QAT {config.scheme} fake quant (group {config.group_size})",
+    return swap_linears(model, make, recipe=config.recipe,
+                        target=f"QAT {config.scheme} fake quant (group {config.group_size})",
                         filter=linear_filter, already=(QATLinear, *_torchao_fake_quantized_types()))
+
+
+def prepare_qat(model: nn.Module, config: QATConfig, exclude: tuple[str, ...] = ("lm_head",),
+                include_lm_head: bool = False, enabled: bool = True) -> SwapReport:
+    """:func:`convert_to_qat` with the filter built from ``exclude`` (names/globs left alone) and the
+    ``include_lm_head`` / ``enabled`` switches set on ``config``."""
+    config = replace(config, include_lm_head=include_lm_head, fake_quant_enabled=enabled)
+    return convert_to_qat(model, config, LinearFilter(exclude=tuple(exclude)))
 
 
 def set_fake_quant_enabled(model: nn.Module, enabled: bool) -> int:
@@ -291,5 +322,5 @@ def convert_qat(model: nn.Module, config: QATConfig) -> list[str]:
     return names
 
 
-__all__ = ["QAT_SCHEMES", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "prepare_qat", "convert_qat",
-           "set_fake_quant_enabled", "fake_quant_enabled_at", "FakeQuantScheduleCallback", "get_scheme"]
+__all__ = ["QAT_SCHEMES", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
+           "convert_qat", "set_fake_quant_enabled", "fake_quant_enabled_at", "FakeQuantScheduleCallback", "get_scheme"]

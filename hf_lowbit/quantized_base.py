@@ -1,4 +1,9 @@
-"""Frozen quantized base linears for QLoRA: ``Nf4Linear`` and ``Int8Linear``.
+"""The QLoRA recipe: frozen quantized base linears ``Nf4Linear`` and ``Int8Linear``.
+
+The recipe: :class:`QuantizedBaseConfig` (the storage, ``"nf4"`` or ``"int8"``, and the optional INT8
+compute; knows NF4's block constraint), :func:`convert_to_quantized_base` (swap, return the report),
+the modules and their ``autograd.Function``. Loading a checkpoint straight into quantized bases is
+:func:`hf_lowbit.loading.load_quantized_model`.
 
 Storage and compute are separate concerns: these modules only *store* a frozen weight compactly
 (plain tensors registered as ``requires_grad=False`` parameters, so ``state_dict`` / safetensors /
@@ -19,19 +24,23 @@ nothing per call for backward but the stored tensors (no dequantized copy lives 
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from .mixed_precision import MixedPrecisionConfig, _compute_dtype
+from .compute import compute_dtype
 from .ops.int8 import int8_scaled_mm, quantize_int8
 from .ops.nf4 import BLOCK_SIZE, Nf4Data, check_nf4_shape, dequantize_nf4, quantize_nf4
 from .swap import LinearFilter, SwapReport, swap_linears
 
-QUANT_FORMATS = ("nf4", "int8")
+if TYPE_CHECKING:  # only the annotations name it: mixed_precision imports this module
+    from .mixed_precision import MixedPrecisionConfig
+
+# How a frozen base stores its weight (the ``lora_base_quant`` argument picks one). "Storage" is the
+# word for this choice everywhere; "format" is a compute number format (hf_lowbit.ops.formats).
+BASE_STORAGES = ("nf4", "int8")
 _INT8_CHUNK_NUMEL = 1 << 22
 
 
@@ -39,22 +48,22 @@ def _frozen(t: Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def _int8_weight(kind: str, tensors: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+def _int8_weight(storage: str, tensors: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
     """(int8 ``[N, K]``, float32 scale ``[N]``) of the stored weight, per output channel."""
-    if kind == "int8":
+    if storage == "int8":
         return tensors[0], tensors[1].float()
     q, s = quantize_int8(dequantize_nf4(Nf4Data(*tensors)), dim=1)
     return q, s.reshape(-1)
 
 
-def _dense_weight(kind: str, tensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
-    if kind == "int8":
+def _dense_weight(storage: str, tensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+    if storage == "int8":
         return (tensors[0].to(torch.float32) * tensors[1].float()[:, None]).to(dtype)
     return dequantize_nf4(Nf4Data(*tensors), dtype)
 
 
 class _FrozenQuantizedLinearFn(torch.autograd.Function):
-    """``x · Wᵀ + b`` for a stored (``kind``) frozen weight; optional INT8 forward / input-gradient.
+    """``x · Wᵀ + b`` for a stored (``storage``) frozen weight; optional INT8 forward / input-gradient.
 
     The stored tensors come as one tuple, not ``*tensors``: when no input needs grad, Dynamo drops
     ``ctx`` from a varargs ``forward`` whose argument count happens to equal its parameter count
@@ -62,48 +71,48 @@ class _FrozenQuantizedLinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, bias: Tensor | None, tensors: tuple[Tensor, ...], kind: str, int8_output: bool,
+    def forward(ctx, x: Tensor, bias: Tensor | None, tensors: tuple[Tensor, ...], storage: str, int8_output: bool,
                 int8_grad_input: bool) -> Tensor:
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         if int8_output:
-            qw, sw = _int8_weight(kind, tensors)
+            qw, sw = _int8_weight(storage, tensors)
             qx, sx = quantize_int8(x2, dim=1)
             y = int8_scaled_mm(qx, qw, sx.reshape(-1), sw, dtype)
         else:
-            y = x2.to(dtype) @ _dense_weight(kind, tensors, dtype).T
+            y = x2.to(dtype) @ _dense_weight(storage, tensors, dtype).T
         if bias is not None:
             y = y + bias.to(dtype)
         ctx.save_for_backward(*tensors)
-        ctx.flags = (kind, int8_grad_input, dtype, x.dtype, x.shape,
+        ctx.flags = (storage, int8_grad_input, dtype, x.dtype, x.shape,
                      None if bias is None else bias.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         tensors = ctx.saved_tensors
-        kind, int8_grad_input, dtype, x_dtype, x_shape, bias_dtype = ctx.flags
+        storage, int8_grad_input, dtype, x_dtype, x_shape, bias_dtype = ctx.flags
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         dx = db = None
         if ctx.needs_input_grad[0]:
             if int8_grad_input:  # dX = dY·diag(s)·Wq: reduce over N with the same int8 weight
-                qw, sw = _int8_weight(kind, tensors)
+                qw, sw = _int8_weight(storage, tensors)
                 qg, sg = quantize_int8(g2.float() * sw, dim=1)
                 # INT8 tensor cores need the reduction dim (N here) contiguous: a transposed view runs
-                # ~3x slower (docs/benchmarks.md), so copy Wqᵀ K-contiguous (1 byte/param read+write,
-                # ~1 ms per step for 8 Llama-8B layers on an H200) rather than keep a second copy resident.
+                # several times slower (docs/benchmarks.md, "One linear layer"), so copy Wqᵀ K-contiguous
+                # (1 byte/param read+write per call) rather than keep a second copy resident.
                 qw_t = qw.T.contiguous()
                 ones = torch.ones(qw.shape[1], dtype=torch.float32, device=qw.device)
                 dx = int8_scaled_mm(qg, qw_t, sg.reshape(-1), ones, x_dtype)
             else:
-                dx = (g2.to(dtype) @ _dense_weight(kind, tensors, dtype)).to(x_dtype)
+                dx = (g2.to(dtype) @ _dense_weight(storage, tensors, dtype)).to(x_dtype)
             dx = dx.reshape(x_shape)
         if bias_dtype is not None and ctx.needs_input_grad[1]:
             db = g2.sum(0, dtype=torch.float32).to(bias_dtype)
         return dx, db, None, None, None, None
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedBaseLinear(nn.Module):
     """Shared behaviour of the frozen quantized bases (see :class:`Nf4Linear`, :class:`Int8Linear`).
 
     ``compute``: ``None`` (matmuls in the compute dtype) or an INT8 ``MixedPrecisionConfig`` whose
@@ -111,8 +120,8 @@ class QuantizedLinear(nn.Module):
     ``compute_dtype`` is the dtype of the weight it was built from (PEFT casts adapters to it).
     """
 
-    kind: str = ""
-    stored: tuple[str, ...] = ()  # names of the storage tensors, in the order the kernels take them
+    storage: str = ""
+    stored: tuple[str, ...] = ()  # names of the stored tensors, in the order the kernels take them
 
     def __init__(self, in_features: int, out_features: int, compute_dtype: torch.dtype):
         super().__init__()
@@ -131,8 +140,8 @@ class QuantizedLinear(nn.Module):
         return tuple(getattr(self, name) for name in self.stored)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs) -> "QuantizedLinear":
-        """Quantize ``linear``'s weight into a new module of this kind (bias shared, frozen); ``kwargs`` go to
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "QuantizedBaseLinear":
+        """Quantize ``linear``'s weight into a new module of this storage (bias shared, frozen); ``kwargs`` go to
         the constructor."""
         new = cls(linear.in_features, linear.out_features, bias=False, device="meta", dtype=linear.weight.dtype,
                   **kwargs)
@@ -145,7 +154,7 @@ class QuantizedLinear(nn.Module):
     @torch.no_grad()
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """The weight this module stores, ``[out_features, in_features]`` in ``dtype`` (default: compute_dtype)."""
-        return _dense_weight(self.kind, self._stored(), dtype or self.compute_dtype)
+        return _dense_weight(self.storage, self._stored(), dtype or self.compute_dtype)
 
     def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
         """A plain ``nn.Linear`` holding the dequantized weight (and this bias)."""
@@ -159,17 +168,17 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         c = self.compute
-        return _FrozenQuantizedLinearFn.apply(x, self.bias, self._stored(), self.kind, bool(c and c.output),
+        return _FrozenQuantizedLinearFn.apply(x, self.bias, self._stored(), self.storage, bool(c and c.output),
                                               bool(c and c.grad_input))
 
     def extra_repr(self) -> str:
         compute = "bf16" if self.compute is None else "+".join(
             n for n, v in (("output", self.compute.output), ("grad_input", self.compute.grad_input)) if v)
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, storage={self.kind}, int8_compute={compute}")
+                f"bias={self.bias is not None}, storage={self.storage}, int8_compute={compute}")
 
 
-class Nf4Linear(QuantizedLinear):
+class Nf4Linear(QuantizedBaseLinear):
     """A frozen linear whose weight is stored as NF4 (64-element blocks, double-quantized scales).
 
     Parameters (``requires_grad=False``; FSDP2 shards them): ``qweight`` uint8 ``[out, in/2]`` (two codes
@@ -178,7 +187,7 @@ class Nf4Linear(QuantizedLinear):
     ``scale_factor`` ``[groups of 256 blocks]``, ``scale_mean`` ``[1]`` (see :mod:`hf_lowbit.ops.nf4`).
     """
 
-    kind = "nf4"
+    storage = "nf4"
     stored = ("qweight", "qscale", "scale_factor", "scale_mean")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
@@ -230,7 +239,7 @@ class Nf4Linear(QuantizedLinear):
         return super().forward(x)
 
 
-class Int8Linear(QuantizedLinear):
+class Int8Linear(QuantizedBaseLinear):
     """A frozen linear whose weight is stored as int8 per output channel: ``W ≈ qweight * scale[:, None]``.
 
     Parameters (``requires_grad=False``; FSDP2 shards them): ``qweight`` int8 ``[out, in]``, ``bias``. Buffer:
@@ -238,7 +247,7 @@ class Int8Linear(QuantizedLinear):
     INT8 compute multiplies ``qweight`` directly in both forward and input-gradient matmuls.
     """
 
-    kind = "int8"
+    storage = "int8"
     stored = ("qweight", "scale")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
@@ -265,25 +274,38 @@ class Int8Linear(QuantizedLinear):
         self.compute_dtype = weight.dtype
 
 
+QuantizedLinear = QuantizedBaseLinear  # the earlier name
 QUANTIZED_LINEARS = (Nf4Linear, Int8Linear)
 
 
 @dataclass(frozen=True)
 class QuantizedBaseConfig:
-    """How :func:`quantize_base` stores the frozen linears and computes with them."""
+    """How :func:`convert_to_quantized_base` stores the frozen linears and computes with them."""
 
-    format: str = "nf4"  # "nf4" or "int8"
+    storage: str = "nf4"  # "nf4" or "int8" (BASE_STORAGES)
     compute: MixedPrecisionConfig | None = None  # INT8 compute on the base (None: compute dtype)
     int8_cache: bool = False  # NF4 + INT8 compute: keep an INT8 copy computed once
 
-    def __post_init__(self):
-        if self.format not in QUANT_FORMATS:
-            raise ValueError(f"QuantizedBaseConfig.format must be one of {QUANT_FORMATS}, got {self.format!r}")
+    recipe = "lora_base_quant"  # the recipe's name in reports (its LowBitTrainingArguments field)
 
-    def make_empty(self, linear: nn.Linear, device=None) -> QuantizedLinear:
+    def __post_init__(self):
+        if self.storage not in BASE_STORAGES:
+            raise ValueError(f"QuantizedBaseConfig.storage must be one of {BASE_STORAGES}, got {self.storage!r}")
+
+    @property
+    def format(self) -> str:
+        """The earlier name of :attr:`storage`."""
+        return self.storage
+
+    @property
+    def target(self) -> str:
+        """What a swapped linear becomes, as the swap report says it."""
+        return f"{self.storage.upper()} frozen base" + (" + INT8 compute" if self.compute else "")
+
+    def make_empty(self, linear: nn.Linear, device=None) -> QuantizedBaseLinear:
         """An unfilled module for ``linear``'s shape (``load_weight`` fills it)."""
         dtype = linear.weight.dtype
-        if self.format == "nf4":
+        if self.storage == "nf4":
             new = Nf4Linear(linear.in_features, linear.out_features, linear.bias is not None, device, dtype,
                             int8_cache=self.int8_cache)
         else:
@@ -291,93 +313,31 @@ class QuantizedBaseConfig:
         new.compute = self.compute
         return new
 
-    def make(self, linear: nn.Linear) -> QuantizedLinear:
-        new = (Nf4Linear.from_linear(linear, int8_cache=self.int8_cache) if self.format == "nf4"
+    def make(self, linear: nn.Linear) -> QuantizedBaseLinear:
+        new = (Nf4Linear.from_linear(linear, int8_cache=self.int8_cache) if self.storage == "nf4"
                else Int8Linear.from_linear(linear))
         new.set_compute(self.compute)
         return new
 
     def filter(self, base: LinearFilter) -> LinearFilter:
-        """``base`` plus the format's shape rule (NF4: in_features a multiple of its 64-element block)."""
-        from dataclasses import replace
-
-        return replace(base, in_features_multiple_of=BLOCK_SIZE) if self.format == "nf4" else base
+        """``base`` plus the storage's shape rule (NF4: in_features a multiple of its 64-element block)."""
+        return replace(base, in_features_multiple_of=BLOCK_SIZE) if self.storage == "nf4" else base
 
 
-def quantize_base(model: nn.Module, config: QuantizedBaseConfig, filter: LinearFilter = LinearFilter(),
-                  recipe: str = "lora_base_quant") -> SwapReport:
+def convert_to_quantized_base(model: nn.Module, config: QuantizedBaseConfig,
+                              filter: LinearFilter = LinearFilter()) -> SwapReport:
     """Replace each eligible ``nn.Linear`` of ``model`` by a frozen quantized base, in place.
 
     Each weight is quantized on its own device as it is visited and the bf16 original is released
     when the swap drops it, so the peak is the model plus one layer's quantization temporaries.
     """
-    target = f"{config.format.upper()} frozen base" + (" + INT8 compute" if config.compute else "")
-    return swap_linears(model, lambda name, linear: config.make(linear), recipe=recipe, target=target,
+    return swap_linears(model, lambda name, linear: config.make(linear), recipe=config.recipe, target=config.target,
                         filter=config.filter(filter), already=QUANTIZED_LINEARS)
 
 
-@torch.no_grad()
-def load_quantized_model(model_cls, checkpoint_dir: str, config: QuantizedBaseConfig, *, device="cpu",
-                         dtype: torch.dtype = torch.bfloat16, filter: LinearFilter = LinearFilter(),
-                         **model_kwargs) -> tuple[nn.Module, SwapReport]:
-    """Build ``model_cls`` (e.g. ``AutoModelForCausalLM``) from the safetensors checkpoint in
-    ``checkpoint_dir`` with its linears quantized *as they load*: tensor by tensor, shard by shard,
-    so the full-precision model never exists on ``device`` (peak ≈ quantized model + the largest
-    tensor and its quantization temporaries).
-
-    The model is built with empty (meta) parameters; buffers (rotary tables …) are computed as usual.
-    """
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    model_config = AutoConfig.from_pretrained(checkpoint_dir)
-    with init_empty_weights(include_buffers=False):
-        model = model_cls.from_config(model_config, dtype=dtype, **model_kwargs)
-    report = swap_linears(model, lambda name, linear: config.make_empty(linear, device="meta"),
-                          recipe="lora_base_quant (on load)",
-                          target=f"{config.format.upper()} frozen base", filter=config.filter(filter),
-                          already=QUANTIZED_LINEARS)
-    index = os.path.join(checkpoint_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(checkpoint_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"load_quantized_model: no model.safetensors(.index.json) in {checkpoint_dir}")
-    expected = set(model.state_dict().keys())
-    loaded = set()
-    for file in files:
-        with safe_open(os.path.join(checkpoint_dir, file), framework="pt", device=str(device)) as f:
-            for key in f.keys():
-                module_name, _, attr = key.rpartition(".")
-                try:
-                    module = model.get_submodule(module_name)
-                except AttributeError:
-                    continue  # a tensor this model class does not have (e.g. an unused head)
-                tensor = f.get_tensor(key)
-                if isinstance(module, QuantizedLinear) and attr == "weight":
-                    module.load_weight(tensor.to(dtype))
-                    loaded.update(k for k in expected if k.startswith(module_name + ".") and not k.endswith(".bias"))
-                elif attr in module._parameters:
-                    module._parameters[attr] = nn.Parameter(tensor.to(dtype) if tensor.is_floating_point() else tensor,
-                                                            requires_grad=False)
-                    loaded.add(key)
-                elif attr in module._buffers:
-                    module._buffers[attr] = tensor
-                    loaded.add(key)
-                del tensor
-    if getattr(model_config, "tie_word_embeddings", False):
-        model.tie_weights()
-        loaded.update(k for k in expected if k.endswith("lm_head.weight"))
-    on_meta = {n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta}
-    missing = sorted(k for k in expected - loaded if k in on_meta)
-    if missing:
-        raise ValueError(f"load_quantized_model: {checkpoint_dir} lacks {len(missing)} tensors the model needs, "
-                         f"e.g. {missing[:5]}")
-    model.to(device)
-    for module in model.modules():
-        if isinstance(module, Nf4Linear):
-            module.set_compute(module.compute)
-    return model, report
+def quantize_base(model: nn.Module, config: QuantizedBaseConfig, filter: LinearFilter = LinearFilter(),
+                  recipe: str = "lora_base_quant") -> SwapReport:
+    """The earlier name of :func:`convert_to_quantized_base` (``recipe`` names the report)."""
+    report = convert_to_quantized_base(model, config, filter)
+    report.recipe = recipe
+    return report

@@ -100,11 +100,12 @@ def _parent_and_attr(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], *, recipe: str,
                  target: str, filter: LinearFilter = LinearFilter(),
-                 already: tuple[type, ...] = ()) -> SwapReport:
+                 already: tuple[type, ...] | Callable[[nn.Module], bool] = ()) -> SwapReport:
     """Replace each eligible ``nn.Linear`` of ``model`` by ``make(name, linear)``, in place.
 
     ``target`` describes what a swapped module becomes (for the report); modules that are already
-    instances of ``already`` are reported as such and left alone, so preparing twice is harmless.
+    instances of ``already`` (or for which ``already(module)`` is true) are reported as such and left
+    alone, so preparing twice is harmless.
     """
     report = SwapReport(recipe=recipe)
     output_embeddings = None
@@ -116,7 +117,7 @@ def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], 
         if not name:
             continue
         mtype = type(module).__name__
-        if already and isinstance(module, already):
+        if already and (already(module) if callable(already) else isinstance(module, already)):
             report.entries.append(SwapEntry(name, mtype, _shape(module), SKIPPED, f"already {target}"))
             continue
         if type(module) is not nn.Linear:

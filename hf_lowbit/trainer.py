@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import re
-import warnings
 
 import torch
 from transformers import Trainer
 
 from .args import LowBitTrainingArguments
+from .distributed import keep_integer_params_unsharded, unsharded_copy
 from .export import merge_lora, save_quantized
 from .mixed_precision import refresh_weight_caches, set_weight_cache
 from .prepare import apply_recipes, log_reports
 from .qat import FakeQuantScheduleCallback, QATConfig
-from .validation import LowBitWarning, check_training_setup, fsdp2_shards_integer_params
+from .validation import check_training_setup
 
 _SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
 
@@ -81,7 +80,7 @@ class LowBitTrainer(Trainer):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         files = []
         if self.is_world_process_zero():
-            files = save_quantized(_unsharded_copy(model, state, self.args), path, config,
+            files = save_quantized(unsharded_copy(model, state, self.args), path, config,
                                    tokenizer=self.processing_class)
         self.accelerator.wait_for_everyone()
         return files
@@ -133,39 +132,6 @@ def _use_cuda_graphs(args: LowBitTrainingArguments) -> bool:
         os.environ.get(v, "false").lower() in ("1", "true") for v in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
     return (low_bit_compute and args.torch_compile and args.torch_compile_mode is None and not sharded
             and args.device.type == "cuda")
-
-
-def keep_integer_params_unsharded(fsdp_plugin, model, device, torch_version: str = torch.__version__) -> list[str]:
-    """Leave the modules that hold integer parameters (quantized bases) out of FSDP2 sharding where this
-    torch cannot shard them (< 2.13): they stay whole on every rank, on ``device``, as accelerate does for
-    bitsandbytes' uint8 weights. Sets ``fsdp_plugin.ignored_modules``; returns the module names."""
-    if fsdp2_shards_integer_params(torch_version):
-        return []
-    names = [n for n, m in model.named_modules()
-             if any(not (p.is_floating_point() or p.is_complex()) for p in m.parameters(recurse=False))]
-    if not names:
-        return []
-    pattern = "|".join(re.escape(n) for n in names)
-    ignored = fsdp_plugin.ignored_modules
-    if ignored is None or isinstance(ignored, str):  # accelerate moves regex-matched modules to the device
-        fsdp_plugin.ignored_modules = pattern if ignored is None else f"(?:{ignored})|{pattern}"
-    else:
-        fsdp_plugin.ignored_modules = [*ignored, *(model.get_submodule(n).to(device) for n in names)]
-    warnings.warn(f"torch {torch_version}'s FSDP2 cannot shard integer parameters (torch >= 2.13 can): the "
-                  f"{len(names)} quantized base linears stay whole on every rank (e.g. {names[0]}); "
-                  "adapters and everything else are sharded.", LowBitWarning, stacklevel=2)
-    return names
-
-
-def _unsharded_copy(model, state: dict, args: LowBitTrainingArguments):
-    """A CPU copy of ``model`` (a transformers model, maybe FSDP2-sharded) holding the full ``state``."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # fully_shard's subclass -> the model's
-    copy = cls._from_config(model.config, torch_dtype=next(iter(state.values())).dtype)
-    apply_recipes(copy, args)  # the same swaps, so module types and state-dict keys match
-    copy.load_state_dict(state)
-    return copy
 
 
 def _inspect_shapes(dataset, batch_size: int) -> tuple[bool | None, int | None]:

@@ -10,6 +10,9 @@ import warnings
 
 import torch
 
+from .args import MIXED_PRECISION_RECIPES
+from .ops.formats import get_format
+
 
 class LowBitWarning(UserWarning):
     """A setup in which a low-bit recipe is correct but likely slow or unstable."""
@@ -19,22 +22,8 @@ class LowBitWarning(UserWarning):
 OPTIMIZER_ALLOWLIST = frozenset({
     "adamw_torch", "adamw_torch_fused", "adamw_hf", "adafactor", "sgd", "adagrad", "rmsprop",
 })
-# Compute capability whose tensor cores a recipe's matmuls use (INT8: Ampere; FP8 e4m3: Ada/Hopper).
-_NEEDS = {"int8_mixed_precision": (8, 0), "fp8_mixed_precision": (8, 9)}
 # Below this many tokens per micro-batch the quantization overhead beat the INT8 speedup (seed, A100).
 MIN_TOKENS_FOR_SPEEDUP = 4 * 2048
-
-
-# torch's FSDP2 before 2.13 creates every sharded parameter with requires_grad=True first, which integer
-# tensors cannot have ("only Tensors of floating point dtype can require gradients"; seen with 2.11)
-FSDP2_INTEGER_PARAMS_SINCE = "2.13"
-
-
-def fsdp2_shards_integer_params(torch_version: str = torch.__version__) -> bool:
-    """Whether ``fully_shard`` of this torch can shard integer parameters (NF4/INT8 base codes)."""
-    from torch.torch_version import TorchVersion
-
-    return TorchVersion(torch_version) >= FSDP2_INTEGER_PARAMS_SINCE
 
 
 def check_training_setup(*, recipes: list[str], device: torch.device | str, compiled: bool,
@@ -50,8 +39,9 @@ def check_training_setup(*, recipes: list[str], device: torch.device | str, comp
     names = "+".join(recipes)
     device = torch.device(device)
     found = []
-    need = max(_NEEDS.get(r, (8, 0)) for r in recipes)
-    cores = "FP8" if need >= (8, 9) else "INT8"
+    # the compute capability whose tensor cores the recipes' formats use (INT8: Ampere; FP8 e4m3: Ada/Hopper)
+    fmt = max((get_format(MIXED_PRECISION_RECIPES.get(r, "int8")) for r in recipes), key=lambda f: f.min_capability)
+    need, cores = fmt.min_capability, fmt.tensor_cores
     if device.type != "cuda":
         found.append(f"{names} on {device.type}: results are correct but not faster than bf16; the speedup "
                      f"needs an NVIDIA GPU with {cores} tensor cores (sm_{need[0]}{need[1]} or newer).")

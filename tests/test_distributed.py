@@ -26,7 +26,7 @@ import pytest
 from safetensors.torch import load_file
 
 from hf_lowbit.sft import main
-from hf_lowbit.validation import fsdp2_shards_integer_params
+from hf_lowbit.distributed import fsdp2_shards_integer_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -293,12 +293,12 @@ def test_sft_cli_qat_writes_quantized_checkpoint(tmp_path, capsys):
 
 
 def test_eval_qat_smoke(tmp_path, monkeypatch):
-    """scripts/eval_qat.py end to end on a tiny model (the corpus cut to pydoc's topic pages to stay fast)."""
+    """benchmarks/eval_qat.py end to end on a tiny model (the corpus cut to pydoc's topic pages to stay fast)."""
     import importlib.util
 
     import pydoc_data.topics
 
-    spec = importlib.util.spec_from_file_location("eval_qat", os.path.join(ROOT, "scripts", "eval_qat.py"))
+    spec = importlib.util.spec_from_file_location("eval_qat", os.path.join(ROOT, "benchmarks", "eval_qat.py"))
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     topics = pydoc_data.topics.topics

@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_benchmark_train_smoke_on_cpu(tmp_path):
     out = tmp_path / "train.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_train.py"), "--device", "cpu", "--no_compile",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu", "--no_compile",
            "--recipes", "bf16,int8,fp8", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv_heads", "2",
            "--vocab", "96", "--layers", "2", "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "2",
            "--json", str(out)]
@@ -25,14 +25,14 @@ def test_benchmark_train_smoke_on_cpu(tmp_path):
 
 
 def test_benchmark_train_rejects_unknown_recipe():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark_train.py"), "--device", "cpu",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu",
                            "--recipes", "int4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode != 0 and "unknown recipe 'int4'" in proc.stderr
 
 
 def test_benchmark_quality_smoke_on_cpu(tmp_path):
     out = tmp_path / "quality.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_quality.py"), "--device", "cpu",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_quality.py"), "--device", "cpu",
            "--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv_heads", "2",
            "--seq", "64", "--batch", "4", "--steps", "4", "--warmup", "2", "--vocab", "400", "--max_docs", "150",
            "--min_features", "16", "--json", str(out)]
@@ -45,7 +45,7 @@ def test_benchmark_quality_smoke_on_cpu(tmp_path):
 
 
 def test_python_docs_corpus_is_real_prose():
-    from hf_lowbit.data import python_docs_corpus
+    from benchmarks.corpus import python_docs_corpus
 
     docs = python_docs_corpus()
     assert len(docs) > 1000 and sum(map(len, docs)) > 1_000_000
@@ -58,7 +58,7 @@ def test_benchmark_refuses_a_recipe_that_is_not_active():
     import pytest
     from conftest import tiny_model
 
-    spec = importlib.util.spec_from_file_location("benchmark_train", os.path.join(ROOT, "scripts", "benchmark_train.py"))
+    spec = importlib.util.spec_from_file_location("benchmark_train", os.path.join(ROOT, "benchmarks", "benchmark_train.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     model = tiny_model().bfloat16()
@@ -70,7 +70,7 @@ def test_benchmark_refuses_a_recipe_that_is_not_active():
 
 def test_benchmark_mm_smoke_on_cpu(tmp_path):
     out = tmp_path / "mm.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_mm.py"), "--device", "cpu", "--tokens", "32",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_mm.py"), "--device", "cpu", "--tokens", "32",
            "--shapes", "32x16", "--reps", "1", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -82,7 +82,7 @@ def test_benchmark_mm_smoke_on_cpu(tmp_path):
 
 def test_benchmark_train_lora_recipes_smoke_on_cpu(tmp_path):
     out = tmp_path / "lora.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_train.py"), "--device", "cpu", "--no_compile",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu", "--no_compile",
            "--recipes", "lora_nf4_int8", "--hidden", "256", "--intermediate", "512",
            "--heads", "4", "--kv_heads", "2", "--vocab", "96", "--layers", "1", "--batch", "1", "--seq", "32",
            "--warmup", "1", "--steps", "1", "--lora_r", "4", "--grad_checkpointing", "--autocast", "--json", str(out)]
@@ -98,7 +98,7 @@ def test_benchmark_train_lora_recipes_smoke_on_cpu(tmp_path):
 def _bench_train():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("benchmark_train", os.path.join(ROOT, "scripts", "benchmark_train.py"))
+    spec = importlib.util.spec_from_file_location("benchmark_train", os.path.join(ROOT, "benchmarks", "benchmark_train.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
@@ -129,7 +129,7 @@ def test_benchmark_nf4_workers_on_cpu():
     import argparse
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("benchmark_nf4", os.path.join(ROOT, "scripts", "benchmark_nf4.py"))
+    spec = importlib.util.spec_from_file_location("benchmark_nf4", os.path.join(ROOT, "benchmarks", "benchmark_nf4.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     a = argparse.Namespace(device="cpu", rows=512, cols=256, reps=1, load_layers=1, hidden=128, intermediate=256,
@@ -149,7 +149,7 @@ def test_benchmark_quality_lora_recipes_in_process():
 
     import torch
 
-    spec = importlib.util.spec_from_file_location("benchmark_quality", os.path.join(ROOT, "scripts", "benchmark_quality.py"))
+    spec = importlib.util.spec_from_file_location("benchmark_quality", os.path.join(ROOT, "benchmarks", "benchmark_quality.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     a = argparse.Namespace(seed=0, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, seq=32, device="cpu",
@@ -165,9 +165,9 @@ def test_benchmark_quality_lora_recipes_in_process():
 
 
 def test_benchmark_fsdp2_smoke_on_cpu(tmp_path):
-    """scripts/benchmark_fsdp2.py: FSDP2 through accelerate in 1 and 2 gloo processes, same data per step."""
+    """benchmarks/benchmark_fsdp2.py: FSDP2 through accelerate in 1 and 2 gloo processes, same data per step."""
     out = tmp_path / "fsdp2.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_fsdp2.py"), "--device", "cpu", "--no_compile",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_fsdp2.py"), "--device", "cpu", "--no_compile",
            "--gpus", "1,2", "--recipes", "int8", "--hidden", "64", "--intermediate", "128", "--heads", "4",
            "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--batch", "2", "--seq", "32", "--warmup", "1",
            "--steps", "2", "--min_features", "16", "--timeout", "300", "--json", str(out)]

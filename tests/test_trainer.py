@@ -123,7 +123,7 @@ def test_fsdp2_keeps_quantized_bases_whole_where_torch_cannot_shard_integer_para
     from types import SimpleNamespace
 
     from hf_lowbit import Nf4Linear
-    from hf_lowbit.trainer import keep_integer_params_unsharded
+    from hf_lowbit.distributed import keep_integer_params_unsharded
 
     model = nn.Sequential(Nf4Linear.from_linear(nn.Linear(128, 64)), nn.Linear(64, 8), Nf4Linear.from_linear(nn.Linear(64, 64)))
     plugin = SimpleNamespace(ignored_modules=None)

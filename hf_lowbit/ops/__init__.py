@@ -1,16 +1,15 @@
-"""Low-bit kernels: one quantize function and one scaled-matmul custom op per number format."""
+"""Low-bit kernels: one quantize function and one scaled-matmul custom op per number format.
+
+The formats themselves are records in :mod:`hf_lowbit.ops.formats` (``FORMATS``, ``get_format``).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .fp8 import fp8_mm, fp8_scaled_mm, quantize_fp8
-from .int8 import int8_scaled_mm, quantize_int8
-from .quantize_t import _FORMATS as _QUANT_PARAMS
+from .formats import FORMATS, Format, get_format
 from .quantize_t import quantize_t
-
-FORMATS = {"int8": (quantize_int8, int8_scaled_mm), "fp8": (quantize_fp8, fp8_mm)}
 
 
 def scaled_matmul(fmt: str, x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dtype: torch.dtype) -> Tensor:
@@ -30,14 +29,14 @@ def quantize_operand(fmt: str, x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """``x`` quantized along ``dim`` with its reduction dim contiguous: ``(q [other, dim], scale [other])``."""
     if dim == 0:
         return quantize_t(x, fmt)
-    q, s = FORMATS[fmt][0](x, dim=1)
+    q, s = FORMATS[fmt].quantize(x, dim=1)
     return q, s.reshape(-1)
 
 
 def scaled_matmul_quantized(fmt: str, x: Tensor, x_dim: int, qw: Tensor, sw: Tensor, out_dtype: torch.dtype) -> Tensor:
     """:func:`scaled_matmul` with the second operand already quantized (``qw [N, K]``, ``sw [N]``)."""
     qx, sx = quantize_operand(fmt, x, x_dim)
-    return FORMATS[fmt][1](qx, qw, sx, sw, out_dtype)
+    return FORMATS[fmt].scaled_mm(qx, qw, sx, sw, out_dtype)
 
 
 @torch.no_grad()
@@ -51,12 +50,12 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None) 
 
         from .triton_quant import quantize_t_triton
 
-        _, qdtype, qmax = _QUANT_PARAMS[fmt]
+        f = FORMATS[fmt]
         # eagerly (this runs outside compiled graphs, after optimizer steps) launch the kernels directly:
         # wrap_triton's dispatch costs ~1 ms a launch, which made a refresh of 8 Llama-8B layers ~70 ms
         with set_wrap_triton_enabled(False):
-            q, s = quantize_t_triton(w.T, qdtype, qmax, out=None if out is None else out[:2])
-            qt, st = quantize_t_triton(w, qdtype, qmax, out=None if out is None else out[2:])
+            q, s = quantize_t_triton(w.T, f.dtype, f.qmax, out=None if out is None else out[:2])
+            qt, st = quantize_t_triton(w, f.dtype, f.qmax, out=None if out is None else out[2:])
         return q, s, qt, st
     got = (*quantize_operand(fmt, w, 1), *quantize_operand(fmt, w, 0))
     if out is None:
@@ -64,3 +63,7 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None) 
     for dst, src in zip(out, got):
         dst.copy_(src)
     return out
+
+
+__all__ = ["FORMATS", "Format", "get_format", "scaled_matmul", "scaled_matmul_quantized", "quantize_operand",
+           "quantize_weight", "quantize_t"]

@@ -5,7 +5,7 @@ and cut into blocks of 64 elements; each block keeps its absmax and every elemen
 of the nearest of 16 NF4 levels to ``x / absmax``, two indices per byte (first element in the high
 nibble). The block absmaxes are double-quantized: their mean is subtracted and groups of 256 are
 stored as int8 with one factor per group. Codes, scales and dequantized values agree bit for bit
-with torchao's ``to_nf4`` (tests/test_nf4.py), with one documented difference: an all-zero block
+with torchao's ``to_nf4`` (tests/test_qlora.py), with one documented difference: an all-zero block
 gets code 7 (exactly 0) where torchao divides 0/0 and stores whichever index ``min`` returns for NaN.
 The last group may hold fewer than 256 blocks here (torchao asserts ``n_blocks % 256 == 0``).
 

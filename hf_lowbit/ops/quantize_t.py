@@ -11,15 +11,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
-from .int8 import INT8_MAX, quantize_int8
-
-_FORMATS = {"int8": (quantize_int8, torch.int8, INT8_MAX), "fp8": (quantize_fp8, FP8_DTYPE, FP8_MAX)}
+from .formats import FORMATS
 
 
 def _check(x: Tensor, fmt: str) -> None:
-    if fmt not in _FORMATS:
-        raise ValueError(f"quantize_t: fmt must be one of {sorted(_FORMATS)}, got {fmt!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"quantize_t: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
     if x.dim() != 2:
         raise ValueError(f"quantize_t: x must be 2-D, got shape {tuple(x.shape)}")
 
@@ -31,10 +28,10 @@ def quantize_t(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     A ``triton_op`` (Inductor launches the two Triton kernels from its generated code); the plain-torch
     path off CUDA is the reference the kernels are tested against, bit for bit."""
     _check(x, fmt)
-    quantize, qdtype, qmax = _FORMATS[fmt]
+    f = FORMATS[fmt]
     if x.device.type == "cuda":
         from .triton_quant import quantize_t_triton
 
-        return quantize_t_triton(x, qdtype, qmax)
-    q, scale = quantize(x, dim=0)
+        return quantize_t_triton(x, f.dtype, f.qmax)
+    q, scale = f.quantize(x, dim=0)
     return q.T.contiguous(), scale.reshape(-1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Scaled low-bit matmuls and quantization kernels against bf16 and the copy bandwidth, one run.
 
-    python scripts/benchmark_mm.py --json docs/results/mm_h200.json --markdown docs/results/mm_h200.md
+    python benchmarks/benchmark_mm.py --json docs/results/mm_h200.json --markdown docs/results/mm_h200.md
 
 For each LLM shape (tokens x in -> out of the Llama-8B-shaped bench) and each layout training needs:
   fwd    Y  = X·Wᵀ   (X reduced over dim 1, W over dim 1)
@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hf_lowbit.bench import median_ms, write_results  # noqa: E402
-from hf_lowbit.ops import FORMATS, quantize_t, scaled_matmul  # noqa: E402
+from benchmarks.common import median_ms, write_results  # noqa: E402
+from hf_lowbit.ops import get_format, quantize_t, scaled_matmul  # noqa: E402
 
 LAYOUTS = {"fwd": (1, 1), "dgrad": (1, 0), "wgrad": (0, 0)}
 
@@ -63,7 +63,7 @@ def main():
             ms = median_ms(lambda: xm @ wm, a.device, a.reps)
             rows.append({"shape": shape, "layout": layout, "recipe": "bf16", "ms": ms, "tflops": flops / ms / 1e9})
             for fmt in a.formats.split(","):
-                quantize, mm = FORMATS[fmt]
+                quantize, mm = get_format(fmt).quantize, get_format(fmt).scaled_mm
                 qx, sx = quantize(x, dim=xd)
                 qw, sw = quantize(w, dim=wd)
                 qx, sx = (qx.T.contiguous(), sx.T) if xd == 0 else (qx, sx)
@@ -83,7 +83,7 @@ def main():
     nbytes = big.numel() * big.element_size()
     quant = [{"kernel": "copy (bf16)", "ms": copy_ms, "gb_s": 2 * nbytes / copy_ms / 1e6}]
     for fmt in a.formats.split(","):
-        quantize = FORMATS[fmt][0]
+        quantize = get_format(fmt).quantize
         for dim in (1, 0):  # what training runs: Inductor-fused plain torch along dim 1, quantize_t along dim 0
             torch._dynamo.reset()
             f = torch.compile(lambda t: quantize_t(t, fmt) if dim == 0 else quantize(t, dim=1))

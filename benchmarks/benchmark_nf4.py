@@ -2,7 +2,7 @@
 """NF4 quantization: time and peak memory of hf_lowbit's quantizer vs torchao ``to_nf4``, and of
 quantize-on-load (a safetensors checkpoint built into an NF4 model shard by shard).
 
-    python scripts/benchmark_nf4.py --json docs/results/nf4_h200.json --markdown docs/results/nf4_h200.md
+    python benchmarks/benchmark_nf4.py --json docs/results/nf4_h200.json --markdown docs/results/nf4_h200.md
 
 Default: one 128256 x 4096 bf16 weight (a Llama-3 embedding-sized matrix) on CUDA. Each quantizer runs
 in its own process; peak memory is ``torch.cuda.max_memory_allocated`` during the call, reported as a
@@ -148,7 +148,7 @@ def main():
         raise SystemExit(f"--stages: unknown stage(s) {bad}; choose from quantize, load")
     methods = (METHODS if "quantize" in stages else ()) + (("load",) if "load" in stages else ())
     args = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool) for x in (f"--{k}", str(v))]
-    from hf_lowbit.bench import run_worker, write_results
+    from benchmarks.common import run_worker, write_results
 
     rows = []
     for method in methods:

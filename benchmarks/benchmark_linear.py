@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time one linear layer's forward + backward: bf16 vs hf_lowbit INT8/FP8 vs torchao INT8, one run.
 
-    python scripts/benchmark_linear.py --json docs/results/linear.json --markdown docs/results/linear.md
+    python benchmarks/benchmark_linear.py --json docs/results/linear.json --markdown docs/results/linear.md
 
 Default shape: 16384 tokens x 4096 -> 14336 (a Llama-8B MLP up-projection with 8x2048 tokens).
 Each recipe is timed eager and under torch.compile, after warm-up (compile and autotune excluded),
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hf_lowbit import MixedPrecisionConfig, mixed_precision_linear  # noqa: E402
-from hf_lowbit.bench import median_ms, write_results  # noqa: E402
+from benchmarks.common import median_ms, write_results  # noqa: E402
 
 
 def recipes():

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """How much of the perplexity that post-training quantization (PTQ) loses does QAT recover?
 
-    python scripts/eval_qat.py --json docs/results/qat_h200.json --markdown docs/results/qat_h200.md
+    python benchmarks/eval_qat.py --json docs/results/qat_h200.json --markdown docs/results/qat_h200.md
 
 1. Pretrain a Llama-style model from scratch on real text (English prose that ships with CPython,
-   `hf_lowbit.data.python_docs_corpus`, BPE trained here, 10% of the documents held out): the base.
+   `benchmarks.corpus.python_docs_corpus`, BPE trained here, 10% of the documents held out): the base.
 2. From the base, fine-tune the same number of steps on the same batches twice: plain (bf16
    autocast) and with QAT fake quantization (`hf_lowbit.qat`), then convert both with torchao.
 3. Held-out perplexity of: the base; the base PTQ'd; the bf16 fine-tune; the bf16 fine-tune PTQ'd
@@ -33,8 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-from hf_lowbit.bench import write_results  # noqa: E402
-from hf_lowbit.data import build_bpe_tokenizer, pack, python_docs_corpus, split_records  # noqa: E402
+from benchmarks.common import write_results  # noqa: E402
+from benchmarks.corpus import build_bpe_tokenizer, python_docs_corpus  # noqa: E402
+from hf_lowbit.data import pack, split_records  # noqa: E402
 from hf_lowbit.qat import QAT_SCHEMES, QATConfig, convert_qat, prepare_qat  # noqa: E402
 
 

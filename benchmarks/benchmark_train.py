@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Training throughput of the low-bit recipes beside bf16 and torchao, in one run.
 
-    python scripts/benchmark_train.py --json docs/results/train_h200.json --markdown docs/results/train_h200.md
+    python benchmarks/benchmark_train.py --json docs/results/train_h200.json --markdown docs/results/train_h200.md
 
 Default bench: a Llama-8B-shaped block (hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 32000),
 8 layers, random init from a config, bf16 weights, fused AdamW, batch 8 x 2048 tokens, each decoder
@@ -12,8 +12,8 @@ loss. The number of compiled graphs and graph breaks is recorded so a silent fal
 LoRA / QLoRA (see LORA_RECIPES; adapters on every decoder linear, only they train; rows compare to the
 first LoRA recipe of the run):
 
-    python scripts/benchmark_train.py --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --lora_r 16
-    python scripts/benchmark_train.py --recipes lora_bf16,lora_nf4 --layers 32 --batch 1 --grad_checkpointing
+    python benchmarks/benchmark_train.py --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --lora_r 16
+    python benchmarks/benchmark_train.py --recipes lora_bf16,lora_nf4 --layers 32 --batch 1 --grad_checkpointing
 
 `--autocast` runs the forward under bf16 autocast, as `Trainer(bf16=True)` does (accelerate wraps the
 forward). It matters for LoRA: without it PEFT computes its float32 adapters in float32, under it in bf16
@@ -345,7 +345,7 @@ def worker(a) -> dict:
     losses += [t.item() for t in timed]
     profile = None
     if a.profile and cuda:
-        from hf_lowbit.bench import kernel_profile
+        from benchmarks.common import kernel_profile
 
         profile = kernel_profile(lambda: step(0))
     return {"recipe": a.recipe, "path": "layers", "tokens_per_s": a.batch * a.seq * a.grad_accum * a.steps / elapsed,
@@ -413,7 +413,7 @@ def main():
         meta["torchao"] = torchao.__version__
     except ImportError:
         meta["torchao"] = None
-    from hf_lowbit.bench import run_worker, write_results
+    from benchmarks.common import run_worker, write_results
 
     rows = []
     # the worker gets --device, every int flag and every switch that is on

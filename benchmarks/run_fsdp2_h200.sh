@@ -2,8 +2,8 @@
 # FSDP2 run of each landed recipe through `accelerate launch` (bf16 FSDP mixed precision, the embedded
 # tiny model) on NPROC GPUs (default 1), then a resume from the sharded half-way checkpoint; writes
 # OUTDIR/fsdp2_h200.json: {recipe: {losses, resumed_losses, distributed_type, ...}}. ~2-3 min on an H200.
-#   bash scripts/run_fsdp2_h200.sh OUTDIR          # STEPS=4 for a quick CPU check of the plumbing
-#   NPROC=2 bash scripts/run_fsdp2_h200.sh OUTDIR  # 2 GPUs
+#   bash benchmarks/run_fsdp2_h200.sh OUTDIR          # STEPS=4 for a quick CPU check of the plumbing
+#   NPROC=2 bash benchmarks/run_fsdp2_h200.sh OUTDIR  # 2 GPUs
 set -euo pipefail
 out=${1:?output directory}
 mkdir -p "$out"

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Training quality of the low-bit recipes against bf16 on real text, from the same init.
 
-    python scripts/benchmark_quality.py --json docs/results/quality_h200.json --plot docs/results/quality_h200.png
+    python benchmarks/benchmark_quality.py --json docs/results/quality_h200.json --plot docs/results/quality_h200.png
 
 The text is English prose that ships with CPython (pydoc topics and standard-library docstrings,
-`hf_lowbit.data.python_docs_corpus`), tokenized by a BPE trained here, packed into fixed blocks, 10%
+`benchmarks.corpus.python_docs_corpus`), tokenized by a BPE trained here, packed into fixed blocks, 10%
 of the documents held out. Each recipe trains the same Llama-style model from the same seed on the
 same batches with a plain PyTorch loop (`hf_lowbit.prepare_model`, bf16 autocast, AdamW); the script
 records every step's loss, the final held-out loss, and each recipe's ratio to bf16.
@@ -14,7 +14,7 @@ then each LoRA recipe trains r=``--lora_r`` adapters on every decoder linear ove
 recipe says (bf16, NF4, INT8; INT8 compute or not), for ``--steps`` steps on batches the pre-training did
 not see in that order. LoRA rows compare to ``lora_bf16``:
 
-    python scripts/benchmark_quality.py --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --steps 200
+    python benchmarks/benchmark_quality.py --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --steps 200
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from hf_lowbit import LowBitTrainingArguments, prepare_model  # noqa: E402
-from hf_lowbit.bench import write_results  # noqa: E402
-from hf_lowbit.data import build_bpe_tokenizer, pack, python_docs_corpus, split_records  # noqa: E402
+from benchmarks.common import write_results  # noqa: E402
+from benchmarks.corpus import build_bpe_tokenizer, python_docs_corpus  # noqa: E402
+from hf_lowbit.data import pack, split_records  # noqa: E402
 
 RECIPES = {"bf16": {}, "int8": {"int8_mixed_precision": True}, "fp8": {"fp8_mixed_precision": True}}
 LORA_RECIPES = {"lora_bf16": {}, "lora_nf4": {"lora_base_quant": "nf4"},

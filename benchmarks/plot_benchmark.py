@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Bar plot (speed vs bf16) of a JSON from scripts/benchmark_linear.py or benchmark_train.py (needs matplotlib).
+"""Bar plot (speed vs bf16) of a JSON from benchmarks/benchmark_linear.py or benchmark_train.py (needs matplotlib).
 
-    python scripts/plot_benchmark.py docs/results/linear_h200.json docs/results/linear_h200.png
+    python benchmarks/plot_benchmark.py docs/results/linear_h200.json docs/results/linear_h200.png
 """
 
 import json

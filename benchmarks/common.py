@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts in ``scripts/``: timing and writing results."""
+"""Helpers shared by the benchmark scripts in ``benchmarks/``: timing, worker processes, writing results,
+kernel profiles, and FSDP2 in CPU processes for the CPU checks."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """FSDP2 training throughput of the low-bit recipes on 1..N GPUs of one host, through accelerate.
 
-    python scripts/benchmark_fsdp2.py --gpus 1,2 --json docs/results/fsdp2_h200x2.json \\
+    python benchmarks/benchmark_fsdp2.py --gpus 1,2 --json docs/results/fsdp2_h200x2.json \\
         --markdown docs/results/fsdp2_h200x2.md --plot docs/results/fsdp2_h200x2.png
 
 Every (GPU count, recipe) is one ``accelerate launch --config_file accelerate_configs/fsdp2.yaml
---num_processes N`` of this script's worker: scripts/benchmark_train.py's model and recipes (default
+--num_processes N`` of this script's worker: benchmarks/benchmark_train.py's model and recipes (default
 here: the whole Llama-8B shape, 32 layers), sharded per decoder layer by accelerate's FSDP2 with the
 config's bf16 mixed precision (fp32 master weights and optimizer state, bf16 compute, fp32 gradient
 reduction), each layer's forward compiled (FSDP2's hooks run around the compiled graphs), fused AdamW.
@@ -54,11 +54,11 @@ def worker(a) -> dict | None:
     from accelerate.utils import DistributedType
     from torch._dynamo.utils import counters
 
-    from hf_lowbit.trainer import keep_integer_params_unsharded
+    from hf_lowbit.distributed import keep_integer_params_unsharded
 
     cuda = a.device == "cuda"
     if not cuda:
-        from hf_lowbit.bench import allow_fsdp_on_cpu
+        from benchmarks.common import allow_fsdp_on_cpu
 
         allow_fsdp_on_cpu()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
@@ -247,7 +247,7 @@ def main():
             meta[mod] = __import__(mod).__version__
         except ImportError:
             meta[mod] = None
-    from hf_lowbit.bench import run_worker, write_results
+    from benchmarks.common import run_worker, write_results
 
     flags = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool) for x in (f"--{k}", str(v))]
     flags += ["--device", a.device] + (["--no_compile"] if a.no_compile else [])

@@ -1,0 +1,50 @@
+"""Real text for the quality benchmarks, shipped with Python: nothing is downloaded.
+
+:func:`python_docs_corpus` (pydoc topics + standard-library docstrings) and :func:`build_bpe_tokenizer`
+(a byte-level BPE trained on the spot), used by ``benchmark_quality.py`` and ``eval_qat.py``.
+"""
+
+from __future__ import annotations
+
+
+def python_docs_corpus(min_chars: int = 200) -> list[str]:
+    """English prose every CPython installation ships: the ``pydoc`` topic pages plus the module,
+    class and function docstrings of the standard library (read with ``ast``; nothing is imported
+    or downloaded). Deterministic for a given Python version; tests and ``idlelib`` are left out.
+    """
+    import ast
+    import sysconfig
+    from pathlib import Path
+
+    import pydoc_data.topics
+
+    docs = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "ensurepip"}
+    for path in sorted(root.rglob("*.py")):
+        if skip & set(path.relative_to(root).parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= min_chars:
+                    docs.append(doc)
+    return docs
+
+
+def build_bpe_tokenizer(texts: list[str], vocab_size: int = 4096):
+    """A byte-level BPE tokenizer trained here on ``texts`` (no download), with ``</s>`` as EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")

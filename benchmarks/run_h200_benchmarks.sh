@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The H200 measurements behind docs/benchmarks.md, in stages that each fit a 10-minute device call.
+#   bash benchmarks/run_h200_benchmarks.sh cuda_tests OUTDIR # every test with "cuda" in its id, fast ones first (~4-5 min: autotune)
+#   bash benchmarks/run_h200_benchmarks.sh train   OUTDIR   # 8-layer bench, 7 recipes + profile (~50-70 s each, ~6 min)
+#   bash benchmarks/run_h200_benchmarks.sh kernels OUTDIR   # linear + per-layout matmuls (~4 min)
+#   bash benchmarks/run_h200_benchmarks.sh quality OUTDIR   # 300-step loss curves bf16/INT8/FP8 (> 170 s: give it ~5 min)
+#   bash benchmarks/run_h200_benchmarks.sh qlora_train OUTDIR   # LoRA r16 over bf16/NF4/INT8 bases beside the torchao NF4
+#                                                            # (+ torchao INT8) peers, 8 layers 8x2048, bf16 autocast as
+#                                                            # Trainer(bf16=True) runs it, one run (~7 min)
+#   bash benchmarks/run_h200_benchmarks.sh qlora_train_noautocast OUTDIR  # the same without autocast: PEFT's float32
+#                                                            # adapters then compute in float32 (~3 min)
+#   bash benchmarks/run_h200_benchmarks.sh qat OUTDIR           # QAT 8da4w beside bf16 and torchao's QAT (8 layers 8x2048),
+#                                                            # then benchmarks/eval_qat.py at group 256 (~6 min)
+#   bash benchmarks/run_h200_benchmarks.sh qlora_memory OUTDIR  # peak memory: 32 layers, 1x2048, checkpointing (eager)
+#   bash benchmarks/run_h200_benchmarks.sh qlora_nf4 OUTDIR     # NF4 quantizer vs torchao to_nf4 (128256x4096), quantize-on-load
+#   bash benchmarks/run_h200_benchmarks.sh qlora_quality OUTDIR # LoRA adapters over a bf16-pretrained base, 200 steps
+#   bash benchmarks/run_h200_benchmarks.sh fsdp2 OUTDIR         # needs 2 GPUs: FSDP2 bench, 32 layers, 1 and 2 GPUs (~7 min + ~3 min LoRA)
+# On the lent H200, carry torchao's wheel (.whl/) and set PYTHONPATH to where it was installed.
+set -euo pipefail
+stage=${1:?stage: cuda_tests, train, kernels, quality, qat, fsdp2 or qlora_*}
+out=${2:?output directory}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+case "$stage" in
+  cuda_tests)  # the quick kernel checks first: the Triton matmul check autotunes ~24 shape/layout keys
+    python3 -m pytest -q -p no:cacheprovider -k cuda tests/ --deselect tests/test_triton_int8.py::test_triton_int8_scaled_mm_cuda \
+        2>&1 | tee "$out/pytest_cuda.txt"
+    python3 -m pytest -q -p no:cacheprovider tests/test_triton_int8.py::test_triton_int8_scaled_mm_cuda \
+        2>&1 | tee -a "$out/pytest_cuda.txt" ;;
+  train)
+    python3 benchmarks/benchmark_train.py --timeout 110 --profile --json "$out/train_h200.json" --markdown "$out/train_h200.md"
+    python3 benchmarks/plot_benchmark.py "$out/train_h200.json" "$out/train_h200.png" ;;
+  kernels)
+    python3 benchmarks/benchmark_linear.py --json "$out/linear_h200.json" --markdown "$out/linear_h200.md"
+    python3 benchmarks/plot_benchmark.py "$out/linear_h200.json" "$out/linear_h200.png"
+    python3 benchmarks/benchmark_mm.py --json "$out/mm_h200.json" --markdown "$out/mm_h200.md" ;;
+  quality)
+    python3 benchmarks/benchmark_quality.py --compile --json "$out/quality_h200.json" \
+        --markdown "$out/quality_h200.md" --plot "$out/quality_h200.png" ;;
+  qlora_train)
+    python3 benchmarks/benchmark_train.py --timeout 110 --autocast --json "$out/qlora_train_h200.json" \
+        --markdown "$out/qlora_train_h200.md" \
+        --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_nf4_int8cache,lora_int8_int8,lora_torchao_nf4,lora_torchao_nf4_int8
+    python3 benchmarks/plot_benchmark.py "$out/qlora_train_h200.json" "$out/qlora_train_h200.png" ;;
+  qlora_train_noautocast)
+    python3 benchmarks/benchmark_train.py --timeout 110 --json "$out/qlora_train_noautocast_h200.json" \
+        --markdown "$out/qlora_train_noautocast_h200.md" --recipes lora_bf16,lora_nf4_int8,lora_int8_int8 ;;
+  qat)
+    python3 benchmarks/benchmark_train.py --timeout 150 --recipes bf16,qat_8da4w,torchao_qat_8da4w \
+        --json "$out/train_qat_h200.json" --markdown "$out/train_qat_h200.md"
+    python3 benchmarks/plot_benchmark.py "$out/train_qat_h200.json" "$out/train_qat_h200.png"
+    python3 benchmarks/eval_qat.py --group_size 256 --json "$out/qat_h200.json" --markdown "$out/qat_h200.md" ;;
+  qlora_memory)
+    python3 benchmarks/benchmark_train.py --timeout 150 --layers 32 --batch 1 --grad_checkpointing --no_compile \
+        --warmup 1 --steps 3 --recipes lora_bf16,lora_nf4,lora_nf4_int8 \
+        --json "$out/qlora_memory_h200.json" --markdown "$out/qlora_memory_h200.md" ;;
+  qlora_nf4)
+    python3 benchmarks/benchmark_nf4.py --json "$out/nf4_h200.json" --markdown "$out/nf4_h200.md" ;;
+  qlora_quality)
+    python3 benchmarks/benchmark_quality.py --compile --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 \
+        --steps 200 --pretrain_steps 300 --json "$out/qlora_quality_h200.json" \
+        --markdown "$out/qlora_quality_h200.md" --plot "$out/qlora_quality_h200.png" ;;
+  fsdp2)
+    python3 benchmarks/benchmark_fsdp2.py --concurrent --gpus 1,2 --timeout 240 \
+        --recipes bf16,int8,fp8,qat_8da4w,torchao_float8 --json "$out/fsdp2_h200x2.json" \
+        --markdown "$out/fsdp2_h200x2.md" --plot "$out/fsdp2_h200x2.png"
+    python3 benchmarks/benchmark_fsdp2.py --concurrent --gpus 1,2 --timeout 150 --recipes lora_bf16,lora_nf4_int8 \
+        --json "$out/fsdp2_lora_h200x2.json" --markdown "$out/fsdp2_lora_h200x2.md" --plot "$out/fsdp2_lora_h200x2.png" ;;
+  *) echo "unknown stage $stage (cuda_tests, train, kernels, quality, fsdp2, qlora_train, qlora_train_noautocast, qat, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,68 @@
+"""Distributed-training plumbing for FSDP2 (docs/distributed.md): what torch's ``fully_shard`` can and
+cannot shard, and rebuilding a full model from a sharded one for the QAT export.
+
+* :func:`fsdp2_shards_integer_params`: whether this torch's FSDP2 shards integer parameters (the
+  NF4/INT8 codes of quantized bases): torch >= 2.13.
+* :func:`keep_integer_params_unsharded`: where it cannot, leave those modules whole on every rank
+  (the FSDP plugin's ``ignored_modules``), with a ``LowBitWarning``; ``LowBitTrainer`` calls it.
+* :func:`unsharded_copy`: a CPU copy of a (sharded) model holding a gathered full state dict, with the
+  same recipe swaps; ``LowBitTrainer.save_quantized`` converts and writes it on rank 0.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+
+from .args import LowBitTrainingArguments
+from .prepare import apply_recipes
+from .validation import LowBitWarning
+
+# torch's FSDP2 before 2.13 creates every sharded parameter with requires_grad=True first, which integer
+# tensors cannot have ("only Tensors of floating point dtype can require gradients"; seen with 2.11)
+FSDP2_INTEGER_PARAMS_SINCE = "2.13"
+
+
+def fsdp2_shards_integer_params(torch_version: str = torch.__version__) -> bool:
+    """Whether ``fully_shard`` of this torch can shard integer parameters (NF4/INT8 base codes)."""
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch_version) >= FSDP2_INTEGER_PARAMS_SINCE
+
+
+def keep_integer_params_unsharded(fsdp_plugin, model, device, torch_version: str = torch.__version__) -> list[str]:
+    """Leave the modules that hold integer parameters (quantized bases) out of FSDP2 sharding where this
+    torch cannot shard them (< 2.13): they stay whole on every rank, on ``device``, as accelerate does for
+    bitsandbytes' uint8 weights. Sets ``fsdp_plugin.ignored_modules``; returns the module names."""
+    if fsdp2_shards_integer_params(torch_version):
+        return []
+    names = [n for n, m in model.named_modules()
+             if any(not (p.is_floating_point() or p.is_complex()) for p in m.parameters(recurse=False))]
+    if not names:
+        return []
+    pattern = "|".join(re.escape(n) for n in names)
+    ignored = fsdp_plugin.ignored_modules
+    if ignored is None or isinstance(ignored, str):  # accelerate moves regex-matched modules to the device
+        fsdp_plugin.ignored_modules = pattern if ignored is None else f"(?:{ignored})|{pattern}"
+    else:
+        fsdp_plugin.ignored_modules = [*ignored, *(model.get_submodule(n).to(device) for n in names)]
+    warnings.warn(f"torch {torch_version}'s FSDP2 cannot shard integer parameters (torch >= 2.13 can): the "
+                  f"{len(names)} quantized base linears stay whole on every rank (e.g. {names[0]}); "
+                  "adapters and everything else are sharded.", LowBitWarning, stacklevel=2)
+    return names
+
+
+def unsharded_copy(model, state: dict, args: LowBitTrainingArguments):
+    """A CPU copy of ``model`` (a transformers model, maybe FSDP2-sharded) holding the full ``state``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # fully_shard's subclass -> the model's
+    copy = cls._from_config(model.config, torch_dtype=next(iter(state.values())).dtype)
+    apply_recipes(copy, args)  # the same swaps, so module types and state-dict keys match
+    copy.load_state_dict(state)
+    return copy
+
+
+__all__ = ["fsdp2_shards_integer_params", "keep_integer_params_unsharded", "unsharded_copy"]

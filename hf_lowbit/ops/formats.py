@@ -1,0 +1,63 @@
+"""The registry of low-bit number formats: one :class:`Format` record per format.
+
+Everything the rest of the package needs to know about a format lives in its record: how to
+quantize an operand, which scaled-matmul custom op multiplies two quantized operands, the storage
+dtype and largest code of a quantized value, the feature alignment its matmul needs (the swap skips
+layers that do not meet it) and the GPU compute capability whose tensor cores run it.
+``hf_lowbit.ops.scaled_matmul``, ``hf_lowbit::quantize_t``, the mixed-precision recipe's filter and
+the setup checks all read it. A new format (e.g. FP8 tensorwise, INT4) is one record here plus its
+kernels in this package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .fp8 import ALIGN as FP8_ALIGN
+from .fp8 import FP8_DTYPE, FP8_MAX, fp8_mm, quantize_fp8
+from .int8 import INT8_MAX, int8_scaled_mm, quantize_int8
+
+
+@dataclass(frozen=True)
+class Format:
+    """One number format of the low-bit matmuls.
+
+    ``quantize(x, dim) -> (q, scale)``: symmetric absmax quantization along ``dim`` (``x ≈ q * scale``,
+    ``scale`` float32 with ``dim`` kept). ``scaled_mm(a [M, K], b [N, K], a_scale [M], b_scale [N],
+    out_dtype)``: the op computing ``(a @ b.T) * a_scale[:, None] * b_scale[None, :]``.
+    ``dtype``: the storage dtype of ``q``; ``qmax``: its largest magnitude. ``alignment``: in and out
+    features must be multiples of it. ``min_capability``: the CUDA compute capability whose tensor
+    cores run the matmul.
+    """
+
+    name: str
+    quantize: Callable[..., tuple[Tensor, Tensor]]
+    scaled_mm: Callable[..., Tensor]
+    dtype: torch.dtype
+    qmax: float
+    alignment: int = 1
+    min_capability: tuple[int, int] = (8, 0)
+    tensor_cores: str = ""  # how the setup checks name the hardware it needs
+
+
+FORMATS: dict[str, Format] = {
+    "int8": Format("int8", quantize_int8, int8_scaled_mm, torch.int8, INT8_MAX, alignment=1,
+                   min_capability=(8, 0), tensor_cores="INT8"),
+    "fp8": Format("fp8", quantize_fp8, fp8_mm, FP8_DTYPE, FP8_MAX, alignment=FP8_ALIGN,
+                  min_capability=(8, 9), tensor_cores="FP8"),
+}
+
+
+def get_format(name: str) -> Format:
+    """The record of format ``name``; a ValueError lists the known ones."""
+    try:
+        return FORMATS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown number format {name!r}; known formats: {', '.join(FORMATS)}") from None
+
+
+__all__ = ["Format", "FORMATS", "get_format"]
