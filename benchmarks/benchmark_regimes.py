@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Throughput in the regimes users train in: one record per (recipe, micro-batch, accumulation, path).
 
-    python scripts/benchmark_regimes.py --blocks all --json docs/results/regimes_h200.json \
+    python benchmarks/benchmark_regimes.py --blocks all --json docs/results/regimes_h200.json \
         --markdown docs/results/regimes_h200.md --plot docs/results/regimes_h200.png
 
-Each block is one ``scripts/benchmark_train.py`` run (every recipe in its own process, bf16 first, so
+Each block is one ``benchmarks/benchmark_train.py`` run (every recipe in its own process, bf16 first, so
 every ratio is to the bf16 record of the same micro-batch, accumulation, path and compile mode, in the
 same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
 
@@ -67,6 +67,8 @@ def run_block(name: str, seq: int, timeout: int, extra: list[str], keep_dir: str
         with open(out) as f:
             data = json.load(f)
     records = []
+    config = data["meta"]["config"]  # what ran (flags passed through may override the block's)
+    batch, seq, ga = config["batch"], config["seq"], config["grad_accum"]
     for r in data["rows"]:
         rec = {"block": name, "recipe": r["recipe"], "micro_batch_tokens": batch * seq, "grad_accum": ga,
                "path": path, "compile_mode": mode, "commit": data["meta"].get("commit")}

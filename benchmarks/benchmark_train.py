@@ -198,7 +198,7 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
             raise RuntimeError(f"recipe {recipe!r} is not active: {type(mod).__name__} computes plain F.linear")
 
 
-def build_model(a, device: str):
+def build_model(a, device: str, weight_cache: bool = False):
     """The bench's model (``a``: the parsed flags) on ``device`` with ``a.recipe`` applied and checked."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -210,12 +210,12 @@ def build_model(a, device: str):
                          use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    if a.path == "trainer" and a.recipe in ("bf16", "int8", "fp8"):
+    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", "int8", "fp8"):
         return model  # the Trainer path: LowBitTrainer swaps (stock Trainer for bf16)
     if a.recipe in LORA_RECIPES:
         model = apply_lora_recipe(model, a.recipe, a.min_features, a.lora_r)
     else:
-        apply_recipe(model, a.recipe, a.min_features, weight_cache=a.grad_accum > 1)
+        apply_recipe(model, a.recipe, a.min_features, weight_cache=weight_cache)
     check_recipe_active(model, a.recipe, device)
     if a.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -251,6 +251,8 @@ def trainer_worker(a) -> dict:
     from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
 
     model = build_model(a, a.device)
+    cuda = a.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch._dynamo.config.cache_size_limit = max(64, 2 * a.layers)
     gen = torch.Generator().manual_seed(0)
     total = a.warmup + a.steps
@@ -261,7 +263,7 @@ def trainer_worker(a) -> dict:
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             if state.global_step in (a.warmup, total):
-                torch.cuda.synchronize()
+                sync()
                 times[state.global_step] = time.perf_counter()
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -273,7 +275,7 @@ def trainer_worker(a) -> dict:
                   gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=1e-5,
                   optim="adamw_torch_fused", bf16=True, torch_compile=not a.no_compile, logging_steps=1,
                   save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True, seed=0,
-                  lr_scheduler_type="constant")
+                  lr_scheduler_type="constant", use_cpu=not cuda)
     if a.compile_mode != "default":
         common["torch_compile_mode"] = a.compile_mode
     if ours:
@@ -287,13 +289,14 @@ def trainer_worker(a) -> dict:
         trainer = Trainer(model, args=TrainingArguments(**common), train_dataset=data)
         chosen = {"torch_compile_mode": trainer.args.torch_compile_mode}
     trainer.add_callback(Clock())
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     trainer.train()
     elapsed = times[total] - times[a.warmup]
     return {"recipe": a.recipe, "path": "trainer", "tokens_per_s": a.batch * a.seq * a.grad_accum * a.steps / elapsed,
             "step_ms": 1000 * elapsed / a.steps, "warmup_s": times[a.warmup] - t0,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
             "first_loss": losses[0] if losses else float("nan"), "last_loss": losses[-1] if losses else float("nan"),
             "compiled_graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values()), "chosen": chosen, "profile": None}
@@ -306,7 +309,7 @@ def worker(a) -> dict:
     if a.path == "trainer":
         return trainer_worker(a)
     cuda = a.device == "cuda"
-    model = build_model(a, a.device)
+    model = build_model(a, a.device, weight_cache=a.grad_accum > 1)  # as LowBitTrainer does by default
     mode = None if a.compile_mode == "default" else a.compile_mode
     if not a.no_compile:
         compile_layers(model, a.layers, mode=mode)

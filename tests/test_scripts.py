@@ -24,6 +24,26 @@ def test_benchmark_train_smoke_on_cpu(tmp_path):
     assert "| int8 |" in proc.stdout
 
 
+def test_benchmark_regimes_trainer_path_smoke_on_cpu(tmp_path):
+    """benchmarks/benchmark_regimes.py over the Trainer path with gradient accumulation: stock Trainer (bf16)
+    beside LowBitTrainer (int8), which turns its weight cache on by itself; records in the documented form."""
+    out = tmp_path / "regimes.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_regimes.py"), "--blocks", "trainer_b1_ga8",
+           "--seq", "32", "--json", str(out), "--device", "cpu", "--no_compile", "--hidden", "64", "--intermediate",
+           "128", "--heads", "4", "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--warmup", "1", "--steps", "2",
+           "--min_features", "16", "--grad_accum", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(out.read_text())["records"]
+    assert [r["recipe"] for r in records] == ["bf16", "int8", "fp8"], records
+    assert all("error" not in r for r in records), records
+    assert all(r["path"] == "trainer" and r["micro_batch_tokens"] == 32 and r["grad_accum"] == 2 and r["tok_s"] > 0
+               for r in records)
+    assert records[0]["vs_bf16"] == 1.0 and records[1]["chosen"]["weight_cache"] is True
+    assert records[1]["chosen"]["cuda_graphs"] is False  # a CPU run: no CUDA graphs
+    assert abs(records[1]["first_loss"] - records[0]["first_loss"]) < 0.05
+
+
 def test_benchmark_train_rejects_unknown_recipe():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu",
                            "--recipes", "int4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
