@@ -123,7 +123,8 @@ def plot(records: list[dict], meta: dict, dst: str) -> None:
     ax.set_xticks([i + width * (len(recipes) - 1) / 2 for i in range(len(blocks))], blocks, rotation=30, ha="right",
                   fontsize=8)
     ax.set_ylabel("tokens/s vs bf16 (same block)")
-    ax.set_title(f"{meta.get('gpu', '')}: 8 Llama-8B-shaped layers, commit {meta.get('commit', '?')}", fontsize=9)
+    commits = ", ".join(sorted({r.get("commit") or meta.get("commit") or "?" for r in records}))
+    ax.set_title(f"{meta.get('gpu', '')}: 8 Llama-8B-shaped layers, commits {commits}", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(dst, dpi=120)
@@ -166,7 +167,9 @@ def main():
             json.dump({"meta": meta, "records": records}, f, indent=1)
     if a.markdown:
         with open(a.markdown, "w") as f:
-            f.write(f"{meta.get('gpu')}, torch {meta.get('torch')}, commit {meta.get('commit')}\n\n" + "\n".join(lines) + "\n")
+            commits = sorted({r.get("commit") or meta.get("commit") or "?" for r in records})
+            f.write(f"{meta.get('gpu')}, torch {meta.get('torch')}, commit(s) measured: {', '.join(commits)} "
+                    "(each record's `commit`)\n\n" + "\n".join(lines) + "\n")
     if a.plot and records:
         plot(records, meta, a.plot)
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The H200 measurements behind docs/benchmarks.md, in stages that each fit a 10-minute device call.
 #   bash benchmarks/run_h200_benchmarks.sh cuda_tests OUTDIR # every test with "cuda" in its id, fast ones first (~4-5 min: autotune)
+#   BLOCKS=... bash benchmarks/run_h200_benchmarks.sh regimes OUTDIR  # 1x2048 / 8x2048, grad accumulation, layers and
+#                                                            # Trainer paths, QLoRA vs bitsandbytes (docs/benchmarks.md "Regimes")
 #   bash benchmarks/run_h200_benchmarks.sh train   OUTDIR   # 8-layer bench, 7 recipes + profile (~50-70 s each, ~6 min)
 #   bash benchmarks/run_h200_benchmarks.sh kernels OUTDIR   # linear + per-layout matmuls (~4 min)
 #   bash benchmarks/run_h200_benchmarks.sh quality OUTDIR   # 300-step loss curves bf16/INT8/FP8 (> 170 s: give it ~5 min)
@@ -17,7 +19,7 @@
 #   bash benchmarks/run_h200_benchmarks.sh fsdp2 OUTDIR         # needs 2 GPUs: FSDP2 bench, 32 layers, 1 and 2 GPUs (~7 min + ~3 min LoRA)
 # On the lent H200, carry torchao's wheel (.whl/) and set PYTHONPATH to where it was installed.
 set -euo pipefail
-stage=${1:?stage: cuda_tests, train, kernels, quality, qat, fsdp2 or qlora_*}
+stage=${1:?stage: cuda_tests, regimes, train, kernels, quality, qat, fsdp2 or qlora_*}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -27,6 +29,10 @@ case "$stage" in
         2>&1 | tee "$out/pytest_cuda.txt"
     python3 -m pytest -q -p no:cacheprovider tests/test_triton_int8.py::test_triton_int8_scaled_mm_cuda \
         2>&1 | tee -a "$out/pytest_cuda.txt" ;;
+  regimes)  # BLOCKS: comma-separated blocks of benchmark_regimes.py (default all: ~25 min, so split them over
+           # calls or GPUs, e.g. BLOCKS=layers_b1,layers_b8 on GPU 0 beside BLOCKS=trainer_b1_ga8 on GPU 1)
+    python3 benchmarks/benchmark_regimes.py --timeout 240 --blocks "${BLOCKS:-all}" --keep_dir "$out" \
+        --json "$out/regimes_h200.json" --markdown "$out/regimes_h200.md" ;;
   train)
     python3 benchmarks/benchmark_train.py --timeout 110 --profile --json "$out/train_h200.json" --markdown "$out/train_h200.md"
     python3 benchmarks/plot_benchmark.py "$out/train_h200.json" "$out/train_h200.png" ;;
