@@ -3,7 +3,7 @@
 from .args import LowBitTrainingArguments
 from .compute import compute_dtype
 from .mixed_precision import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear, convert_to_mixed_precision,
-                              mixed_precision_linear)
+                              mixed_precision_linear, refresh_weight_caches, set_weight_cache)
 from .lora import LoraLinear, register_with_peft
 from .prepare import prepare_model
 from .export import push_quantized_to_hub, save_quantized
@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LowBitTrainer", "LowBitTrainingArguments", "prepare_model", "compute_dtype",
     "MixedPrecisionConfig", "MixedPrecisionLinear", "LowBitLinear", "mixed_precision_linear",
-    "convert_to_mixed_precision",
+    "convert_to_mixed_precision", "set_weight_cache", "refresh_weight_caches",
     "QATConfig", "QATLinear", "convert_to_qat", "prepare_qat", "convert_qat", "set_fake_quant_enabled",
     "save_quantized", "push_quantized_to_hub",
     "LoraLinear", "register_with_peft", "Nf4Linear", "Int8Linear", "QuantizedBaseConfig",

@@ -91,7 +91,8 @@ class LowBitTrainer(Trainer):
         optim = getattr(self.args.optim, "value", self.args.optim)
         return check_training_setup(recipes=self.args.lowbit_recipes, device=self.args.device,
                                     compiled=self.args.torch_compile, packed=packed,
-                                    optimizer=str(optim), tokens_per_step=tokens)
+                                    optimizer=str(optim), tokens_per_step=tokens,
+                                    grad_accum=self.args.gradient_accumulation_steps)
 
     def train(self, *args, **kwargs):
         self.check_setup()

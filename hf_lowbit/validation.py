@@ -22,17 +22,20 @@ class LowBitWarning(UserWarning):
 OPTIMIZER_ALLOWLIST = frozenset({
     "adamw_torch", "adamw_torch_fused", "adamw_hf", "adafactor", "sgd", "adagrad", "rmsprop",
 })
-# Below this many tokens per micro-batch the quantization overhead beat the INT8 speedup (seed, A100).
+# Below this many tokens per micro-batch, without gradient accumulation, quantization costs about what the
+# low-bit matmuls save (H200, 8 Llama-8B layers at 2048 tokens: 0.97x bf16; with accumulation, where the
+# weight cache pays, 1.15x; docs/benchmarks.md "Regimes").
 MIN_TOKENS_FOR_SPEEDUP = 4 * 2048
 
 
 def check_training_setup(*, recipes: list[str], device: torch.device | str, compiled: bool,
                          packed: bool | None, optimizer: str, tokens_per_step: int | None,
-                         emit: bool = True) -> list[str]:
+                         grad_accum: int = 1, emit: bool = True) -> list[str]:
     """Return (and, with ``emit``, ``warnings.warn``) what in this setup works against the recipes.
 
     ``packed``: whether every training sequence has one length (None: unknown);
-    ``tokens_per_step``: tokens in one micro-batch on one device (None: unknown).
+    ``tokens_per_step``: tokens in one micro-batch on one device (None: unknown); ``grad_accum``:
+    micro-batches per optimizer step.
     """
     if not recipes:
         return []
@@ -59,9 +62,11 @@ def check_training_setup(*, recipes: list[str], device: torch.device | str, comp
     if optimizer not in OPTIMIZER_ALLOWLIST:
         found.append(f"optim={optimizer!r} has not been validated with {names} (8-bit optimizers diverged with "
                      f"INT8 mixed precision); validated: {', '.join(sorted(OPTIMIZER_ALLOWLIST))}.")
-    if tokens_per_step is not None and tokens_per_step < MIN_TOKENS_FOR_SPEEDUP:
-        found.append(f"{tokens_per_step} tokens per micro-batch: {names} pays from about {MIN_TOKENS_FOR_SPEEDUP} "
-                     "(per_device_train_batch_size x sequence length); below that expect no speedup.")
+    if tokens_per_step is not None and tokens_per_step < MIN_TOKENS_FOR_SPEEDUP and grad_accum == 1:
+        found.append(f"{tokens_per_step} tokens per micro-batch without gradient accumulation: {names} pays from "
+                     f"about {MIN_TOKENS_FOR_SPEEDUP} (per_device_train_batch_size x sequence length), or with "
+                     "gradient_accumulation_steps > 1 (each weight is then quantized once per optimizer step); "
+                     "below that expect about bf16's speed.")
     if emit:
         for msg in found:
             warnings.warn(msg, LowBitWarning, stacklevel=2)

@@ -141,3 +141,15 @@ def test_trainer_with_gradient_accumulation_caches_and_matches_uncached(tmp_path
             assert all(m.weight_cache for m in trainer.model.modules() if isinstance(m, LowBitLinear))
         losses[cache] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses[None]) == 6 and losses[None] == losses[False]
+
+
+def test_small_micro_batch_warning_only_without_accumulation():
+    from hf_lowbit import check_training_setup
+
+    def found(grad_accum):
+        return [m for m in check_training_setup(recipes=["int8_mixed_precision"], device="cpu", compiled=True,
+                                                packed=True, optimizer="adamw_torch", tokens_per_step=2048,
+                                                grad_accum=grad_accum, emit=False) if "tokens per micro-batch" in m]
+
+    assert len(found(1)) == 1 and "gradient_accumulation_steps" in found(1)[0]
+    assert found(8) == []
