@@ -43,6 +43,10 @@ class LowBitTrainingArguments(TrainingArguments):
         "reuse it for every gradient-accumulation micro-batch, instead of twice per micro-batch. Recomputed "
         "whenever the weight changes. Default (unset): on when gradient_accumulation_steps > 1 and the model "
         "is not sharded (FSDP, DeepSpeed).")})
+    lowbit_stochastic_rounding: bool = field(default=False, metadata={"help": (
+        "INT8 mixed precision: round the backward's operands stochastically (the output gradient in both "
+        "gradient matmuls, the input in the weight gradient) instead of to nearest, so their rounding is "
+        "unbiased; the forward still rounds to nearest. Not yet measured on a GPU (docs/design.md).")})
     lowbit_cuda_graphs: bool | None = field(default=None, metadata={"help": (
         "Compile with CUDA graphs (torch_compile_mode='reduce-overhead'): at 1-2k-token micro-batches the "
         "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 compute with "
@@ -75,6 +79,12 @@ class LowBitTrainingArguments(TrainingArguments):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"LowBitTrainingArguments.{name} must be True or False, got {value!r}")
+        if not isinstance(self.lowbit_stochastic_rounding, bool):
+            raise TypeError("LowBitTrainingArguments.lowbit_stochastic_rounding must be True or False, "
+                            f"got {self.lowbit_stochastic_rounding!r}")
+        if self.lowbit_stochastic_rounding and not self.int8_mixed_precision:
+            raise ValueError("LowBitTrainingArguments.lowbit_stochastic_rounding=True needs int8_mixed_precision=True "
+                             "(it is implemented for INT8 operands only)")
         for name in ("lowbit_weight_cache", "lowbit_cuda_graphs"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

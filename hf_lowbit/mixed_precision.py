@@ -41,10 +41,16 @@ class MixedPrecisionConfig:
     grad_input: bool = True
     grad_weight: bool = True
     weight_cache: bool = False  # quantize each weight once per change, not per call (see MixedPrecisionLinear)
+    # stochastic rounding of the backward's operands: dY in both gradient matmuls and X in the weight gradient
+    # (the quantities whose rounding bias accumulates into the weights); the forward rounds to nearest
+    stochastic_rounding: bool = False
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"MixedPrecisionConfig.format must be one of {sorted(FORMATS)}, got {self.format!r}")
+        if self.stochastic_rounding and self.format != "int8":
+            raise ValueError(f"MixedPrecisionConfig.stochastic_rounding is implemented for format='int8', "
+                             f"not {self.format!r}")
 
     @property
     def recipe(self) -> str:
@@ -62,7 +68,7 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, fmt: str, output: bool,
-                grad_input: bool, grad_weight: bool, cached: tuple[Tensor, ...] | None) -> Tensor:
+                grad_input: bool, grad_weight: bool, cached: tuple[Tensor, ...] | None, sr: bool) -> Tensor:
         dtype = _compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         if output and cached is not None:
@@ -76,32 +82,32 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
         # x is only needed for the weight gradient: a frozen weight (LoRA over this layer) does not keep it alive
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight,
                               *(cached[2:] if cached is not None else (None, None)))
-        ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype, x.shape, x.dtype)
+        ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype, x.shape, x.dtype, sr)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight, qw_t, sw_t = ctx.saved_tensors
-        fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype = ctx.flags
+        fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype, sr = ctx.flags
         g2 = grad_out.reshape(-1, weight.shape[0])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if grad_input and qw_t is not None:  # dX[M, K] = dY[M, N] · W[N, K] with W cached as [K, N]
-                dx = scaled_matmul_quantized(fmt, g2, 1, qw_t, sw_t, x_dtype)
+                dx = scaled_matmul_quantized(fmt, g2, 1, qw_t, sw_t, x_dtype, stochastic=sr)
             elif grad_input:  # reduce over N
-                dx = scaled_matmul(fmt, g2, 1, weight, 0, x_dtype)
+                dx = scaled_matmul(fmt, g2, 1, weight, 0, x_dtype, stochastic=(sr, False))
             else:
                 dx = (g2.to(dtype) @ weight.to(dtype)).to(x_dtype)
             dx = dx.reshape(x_shape)
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
             if grad_weight:  # dW[N, K] = dYᵀ[N, M] · X[M, K]: reduce over tokens
-                dw = scaled_matmul(fmt, g2, 0, x2, 0, weight.dtype)
+                dw = scaled_matmul(fmt, g2, 0, x2, 0, weight.dtype, stochastic=(sr, sr))
             else:
                 dw = (g2.to(dtype).T @ x2.to(dtype)).to(weight.dtype)
         if bias_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(bias_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
@@ -114,7 +120,7 @@ def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None
     if not (config.output or config.grad_input or config.grad_weight):
         return F.linear(x, weight, bias)
     return _MixedPrecisionLinearFn.apply(x, weight, bias, config.format, config.output, config.grad_input,
-                                         config.grad_weight, cached_weight)
+                                         config.grad_weight, cached_weight, config.stochastic_rounding)
 
 
 # Layers whose weight cache is on: refreshed after every optimizer step (see _refresh_after_step).
@@ -223,7 +229,7 @@ class MixedPrecisionLinear(nn.Linear):
         c = self.lowbit_config
         on = [n for n, v in (("output", c.output), ("grad_input", c.grad_input),
                              ("grad_weight", c.grad_weight)) if v]
-        cache = ", weight_cache" if self.weight_cache else ""
+        cache = (", weight_cache" if self.weight_cache else "") + (", stochastic_rounding" if c.stochastic_rounding else "")
         return f"{super().extra_repr()}, {c.format}={'+'.join(on) or 'off'}{cache}"
 
 

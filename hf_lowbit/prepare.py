@@ -48,7 +48,7 @@ def recipes_from_args(args: LowBitTrainingArguments) -> list[tuple[Callable, obj
             format=MIXED_PRECISION_RECIPES[recipe], output=args.lowbit_output, grad_input=args.lowbit_grad_input,
             grad_weight=args.lowbit_grad_weight,
             # None (automatic) is LowBitTrainer's to decide: it knows the gradient accumulation
-            weight_cache=bool(args.lowbit_weight_cache))))
+            weight_cache=bool(args.lowbit_weight_cache), stochastic_rounding=args.lowbit_stochastic_rounding)))
     if args.qat_scheme is not None:
         recipes.append((convert_to_qat, QATConfig(
             scheme=args.qat_scheme, group_size=args.qat_group_size, include_lm_head=args.qat_include_lm_head,

@@ -12,7 +12,8 @@ from .formats import FORMATS, Format, get_format
 from .quantize_t import quantize_t
 
 
-def scaled_matmul(fmt: str, x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dtype: torch.dtype) -> Tensor:
+def scaled_matmul(fmt: str, x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dtype: torch.dtype,
+                  stochastic: tuple[bool, bool] = (False, False)) -> Tensor:
     """Quantize two 2-D operands to ``fmt`` along their reduction dims and multiply them.
 
     ``x`` is reduced over ``x_dim`` and ``w`` over ``w_dim``; the result has ``x``'s other dim as
@@ -21,21 +22,31 @@ def scaled_matmul(fmt: str, x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dt
     ``hf_lowbit::quantize_t``, which writes them transposed (reduction dim contiguous, the layout
     low-bit tensor cores need).
     """
-    qw, sw = quantize_operand(fmt, w, w_dim)
-    return scaled_matmul_quantized(fmt, x, x_dim, qw, sw, out_dtype)
+    qw, sw = quantize_operand(fmt, w, w_dim, stochastic[1])
+    return scaled_matmul_quantized(fmt, x, x_dim, qw, sw, out_dtype, stochastic[0])
 
 
-def quantize_operand(fmt: str, x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
-    """``x`` quantized along ``dim`` with its reduction dim contiguous: ``(q [other, dim], scale [other])``."""
+def quantize_operand(fmt: str, x: Tensor, dim: int, stochastic: bool = False) -> tuple[Tensor, Tensor]:
+    """``x`` quantized along ``dim`` with its reduction dim contiguous: ``(q [other, dim], scale [other])``.
+
+    ``stochastic`` (INT8 only): stochastic rounding, in plain torch for both layouts (Inductor fuses the
+    random draw into the quantization; the column layout then skips the Triton ``quantize_t`` kernels, which
+    round to nearest)."""
+    if stochastic:
+        if fmt != "int8":
+            raise ValueError(f"stochastic rounding is implemented for INT8, not {fmt!r}")
+        q, s = FORMATS[fmt].quantize(x, dim=dim, stochastic=True)
+        return (q.T.contiguous() if dim == 0 else q), s.reshape(-1)
     if dim == 0:
         return quantize_t(x, fmt)
     q, s = FORMATS[fmt].quantize(x, dim=1)
     return q, s.reshape(-1)
 
 
-def scaled_matmul_quantized(fmt: str, x: Tensor, x_dim: int, qw: Tensor, sw: Tensor, out_dtype: torch.dtype) -> Tensor:
+def scaled_matmul_quantized(fmt: str, x: Tensor, x_dim: int, qw: Tensor, sw: Tensor, out_dtype: torch.dtype,
+                            stochastic: bool = False) -> Tensor:
     """:func:`scaled_matmul` with the second operand already quantized (``qw [N, K]``, ``sw [N]``)."""
-    qx, sx = quantize_operand(fmt, x, x_dim)
+    qx, sx = quantize_operand(fmt, x, x_dim, stochastic)
     return FORMATS[fmt].scaled_mm(qx, qw, sx, sw, out_dtype)
 
 

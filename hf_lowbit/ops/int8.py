@@ -22,16 +22,20 @@ _MIN_AMAX = 1e-30
 INT8_MAX = 127.0
 
 
-def quantize_int8(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
+def quantize_int8(x: Tensor, dim: int = -1, stochastic: bool = False) -> tuple[Tensor, Tensor]:
     """Symmetric absmax quantization of ``x`` along ``dim`` (the matmul's reduction dim).
 
     Returns ``(q, scale)`` with ``q`` int8 in [-127, 127], ``scale`` float32 with ``dim`` kept as
     size 1, and ``x ≈ q * scale``. Non-finite rows give non-finite scales (never silently finite).
+    ``stochastic``: round ``x / scale`` down or up with the probability of its distance to each
+    (``floor(y + u)``, ``u ~ U[0, 1)``), so ``E[q] * scale = x`` exactly; under ``torch.compile``
+    Inductor draws ``u`` inside the fused quantization kernel (no tensor of random numbers).
     """
     amax = x.abs().amax(dim=dim, keepdim=True).float()  # exact in x's dtype
     scale = amax.clamp(min=_MIN_AMAX) / INT8_MAX  # clamp keeps NaN, so NaN rows stay NaN
-    q = (x / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # divides in float32 (type promotion)
-    return q, scale
+    y = x / scale  # divides in float32 (type promotion)
+    y = (y + torch.rand_like(y)).floor() if stochastic else y.round()
+    return y.clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def _check_mm_args(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> None:
