@@ -1,6 +1,10 @@
 """hf_lowbit: low-bit training (INT8 / FP8 mixed precision, …) for transformers, peft and accelerate."""
 
-from .args import LowBitTrainingArguments
+from . import _quiet
+
+_quiet.install()  # before transformers imports torchao: drop its known-harmless start-up messages
+
+from .args import LowBitTrainingArguments  # noqa: E402
 from .mixed_precision import LowBitLinear, MixedPrecisionConfig, mixed_precision_linear
 from .lora import LoraLinear
 from .prepare import prepare_model
