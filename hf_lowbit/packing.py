@@ -9,7 +9,7 @@ Three sources, one output (fixed ``block_size`` blocks of token ids; labels are 
   Arrow's write batches, not by the file.
 - :class:`StreamingBlocks`: ``load_dataset(..., streaming=True)`` for corpora larger than disk or
   memory; records are tokenized on the fly and packed into blocks by an iterator that carries the
-  remainder across records (static shapes). Its position (``state_dict``) is the ``datasets`` stream
+  remainder across records (static shapes). Its position (:meth:`StreamingBlocks.position`) is the ``datasets`` stream
   position plus the carried tokens, saved with each checkpoint, so a resumed run continues where the
   checkpoint was without reading and tokenizing the stream from the start (formats whose ``datasets``
   reader can seek; others re-read, but do not re-tokenize, up to the position).
@@ -177,8 +177,10 @@ def tokenize(ds, tokenizer, locate: Callable[[int], str], num_proc: int | None =
         return _LocatedIterable(ds.map(fn, batched=True, batch_size=_MAP_BATCH, with_indices=True,
                                        remove_columns=list(ds.column_names or [])), locate)
     fingerprint = hashlib.sha256(f"{ds._fingerprint}-{tokenizer_fingerprint(tokenizer)}-v1".encode()).hexdigest()[:16]
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})  # half of int64's disk
     try:
         return ds.map(fn, batched=True, batch_size=_MAP_BATCH, with_indices=True, remove_columns=ds.column_names,
+                      features=features,
                       num_proc=num_proc if num_proc and num_proc > 1 and len(ds) >= 2 * _MAP_BATCH else None,
                       new_fingerprint=fingerprint, desc="Tokenizing")
     except RecordError as e:
@@ -196,6 +198,8 @@ class _LocatedIterable:
 
         try:
             yield from self.ds
+        except GeneratorExit:  # closed early (or at exit, when module globals may be gone)
+            raise
         except RecordError as e:
             raise DataFormatError(f"{self.locate(e.index)}: {e.message}") from None
         except pa.ArrowException as e:  # a malformed file, found as the stream reaches it
@@ -262,9 +266,10 @@ class StreamingBlocks(IterableDataset):
     """Packs a stream of tokenized records (``input_ids`` per record, EOS included) into blocks of
     ``block_size``, carrying the remainder across records: every block has the same shape.
 
-    Resumable: :meth:`state_dict` at block ``n`` (blocks handed out so far) is a recent snapshot of
-    the source's position and the carried tokens; :meth:`load_state_dict` makes the next iteration
-    start from there and skip the few blocks between the snapshot and ``n``.
+    Resumable: :meth:`position` at block ``n`` (blocks handed out so far) is a recent snapshot of
+    the source's position and the carried tokens; :meth:`seek` makes the next iteration start from
+    there and skip the few blocks between the snapshot and ``n``. One pass over the stream: a run
+    that needs more blocks than the stream holds starts it again, and resuming it replays.
     """
 
     def __init__(self, tokenized, block_size: int, snapshot_every: int = 64, skip_blocks: int = 0):
@@ -275,17 +280,21 @@ class StreamingBlocks(IterableDataset):
         self._snapshots: list[tuple[int, dict | None, list[int]]] = []
         self._resume: tuple[int, dict | None, list[int], int] | None = None
         self.blocks_yielded = 0
+        # the stream's start: what state_dict() says before any iteration (afterwards it says where the last
+        # iteration stopped, e.g. after head())
+        self._start_state = tokenized.state_dict() if hasattr(tokenized, "state_dict") else None
 
     def _iter_blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
         bs = self.block_size
-        n, buffer = 0, []
+        n, buffer, source_state = 0, [], self._start_state
         if self._resume is not None:
             n, source_state, buffer, _ = self._resume
             buffer = list(buffer)
-            if source_state is not None:
-                self.source.load_state_dict(source_state)
-        stateful = hasattr(self.source, "state_dict")
-        self._snapshots = [(n, self.source.state_dict() if stateful else None, list(buffer))]
+            source_state = source_state if source_state is not None else self._start_state
+        stateful = self._start_state is not None
+        if stateful:
+            self.source.load_state_dict(source_state)
+        self._snapshots = [(n, source_state, list(buffer))]
         start = 0
         while len(buffer) - start >= bs:  # carried tokens that already make blocks
             yield n, torch.tensor(buffer[start:start + bs], dtype=torch.long)
@@ -301,7 +310,7 @@ class StreamingBlocks(IterableDataset):
                 n += 1
                 if stateful and n % self.snapshot_every == 0:  # after this block: source position + carry
                     self._snapshots.append((n, self.source.state_dict(), buffer[start:]))
-                    del self._snapshots[:-4]
+                    del self._snapshots[:-32]  # prefetching DataLoaders run a few batches ahead
                 yield n - 1, block
             buffer = buffer[start:]
 
@@ -323,8 +332,10 @@ class StreamingBlocks(IterableDataset):
             out.append({"input_ids": block, "labels": block.clone()})
         return out
 
-    def state_dict(self, consumed_blocks: int) -> dict:
-        """Where to resume so that the next block is the stream's block ``consumed_blocks``."""
+    def position(self, consumed_blocks: int) -> dict:
+        """Where to resume after ``consumed_blocks`` training blocks (the held-out head not counted), as
+        JSON-able data; ``LowBitTrainer`` saves it with each checkpoint."""
+        consumed_blocks += self.skip_blocks
         usable = [s for s in self._snapshots if s[0] <= consumed_blocks]
         n, source_state, carry = usable[-1] if usable else (0, None, [])
         if not usable:  # older than every snapshot in memory: replay from the start
@@ -333,7 +344,8 @@ class StreamingBlocks(IterableDataset):
         return {"snapshot_block": n, "source": source_state, "carry": carry, "next_block": consumed_blocks,
                 "block_size": self.block_size}
 
-    def load_state_dict(self, state: dict) -> None:
+    def seek(self, state: dict) -> None:
+        """Make the next iteration continue from a :meth:`position`."""
         if state.get("block_size") != self.block_size:
             raise ValueError(f"the checkpoint's data position was saved with block_size={state.get('block_size')}, "
                              f"this run has {self.block_size}")
