@@ -366,6 +366,8 @@ def build_data(data_args: DataArguments, tokenizer, seed: int, embedded: bool):
                                   f"vocabulary size {vocab} (check --token_dtype and the tokenizer)")
         return train, eval_ds, None, data_args.token_files
     locate = packing.Locator(data_args.dataset)
+    if os.path.isfile(data_args.dataset) and os.path.getsize(data_args.dataset) < 64 << 20:
+        hfds.disable_progress_bars()  # a small file reads in a blink: its bars would only be noise
     raw = packing.load_raw(data_args.dataset, data_args.dataset_split, streaming=data_args.streaming)
     if data_args.max_records:
         raw = raw.take(data_args.max_records) if data_args.streaming else raw.select(range(min(len(raw), data_args.max_records)))
@@ -421,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
         dtype = model_args.model_dtype if model_args.model_dtype == "auto" else getattr(torch, model_args.model_dtype)
         try:
             model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # no such repo or directory; a directory without a model's config
             raise UsageError(f"--model_name_or_path {model_args.model_name_or_path!r}: no model could be loaded "
                              f"({str(e).strip().splitlines()[0][:200]})") from None
     model.config.use_cache = False  # training builds no KV cache (generation turns it back on per call)
