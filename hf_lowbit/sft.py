@@ -201,7 +201,7 @@ def _given(argv: list[str]) -> set[str]:
     names = set()
     for a in argv:
         if a.startswith("--"):
-            name = a[2:].split("=")[0]
+            name = a[2:].split("=")[0].replace("-", "_")  # HfArgumentParser also accepts --model-name-or-path
             names.add(name)
             if name.startswith("no_"):
                 names.add(name[3:])
@@ -214,6 +214,8 @@ def _embedded_settings(given: set[str]) -> dict:
         settings["int8_mixed_precision"] = False
     if "qat_scheme" in given:
         settings["qat_group_size"] = 32  # hidden 128: group 32
+    if "eval_strategy" in given:  # the user chose when to evaluate
+        settings.pop("eval_on_start")
     return {k: v for k, v in settings.items() if k not in given}
 
 
