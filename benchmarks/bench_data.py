@@ -3,6 +3,7 @@
 
     python benchmarks/bench_data.py --sizes_mb 64,1024 --arrow_sizes_mb 64,256,1024 --before_sizes_mb 64,256 \
         --json docs/results/bench_data_cpu.json --md docs/results/bench_data_cpu.md
+    python benchmarks/bench_data.py --merge run1.json run2.json --json ... --md ...   # runs split in parts
 
 Paths measured, each in a fresh subprocess (a cold ``datasets`` cache in a temporary directory):
 
@@ -148,11 +149,15 @@ def main():
     p.add_argument("--workdir", default=None, help="where the generated files go (default: a temporary directory)")
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier runs' --json files into --json/--md")
     p.add_argument("--worker", nargs=2, metavar=("METHOD", "FILE"), help=argparse.SUPPRESS)
     p.add_argument("--tokenizer", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker[0], a.worker[1], a.tokenizer, a.block_size, a.num_proc)))
+        return
+    if a.merge:
+        merge(a.merge, a.json, a.md)
         return
     work = a.workdir or tempfile.mkdtemp(prefix="bench_data-")
     os.makedirs(work, exist_ok=True)
@@ -184,6 +189,10 @@ def main():
                        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM",
             "python": platform.python_version(), "block_size": a.block_size, "num_proc": a.num_proc,
             "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    write_results(rows, meta, a.json, a.md)
+
+
+def write_results(rows: list[dict], meta: dict, json_path: str | None, md_path: str | None) -> None:
     table = ["| path | file MiB | tokens | tokens/s | peak RSS anon MiB | peak RSS MiB (incl. mapped files) | largest worker MiB |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -193,13 +202,27 @@ def main():
             table.append(f"| {r['method']} | {r['file_mib']} | {r['tokens']:,} | {r['tokens_per_s']:,} | "
                          f"{r['peak_rss_anon_mib']} | {r['peak_rss_mib']} | {r['children_peak_rss_mib']} |")
     print("\n".join(table))
-    if a.json:
-        with open(a.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    if a.md:
-        with open(a.md, "w") as f:
+    if md_path:
+        with open(md_path, "w") as f:
             f.write(f"Packing throughput and peak memory ({meta['machine']}, Python {meta['python']}, "
-                    f"block_size {a.block_size}, {meta['date']}; `benchmarks/bench_data.py`)\n\n" + "\n".join(table) + "\n")
+                    f"block_size {meta['block_size']}, {meta['date']}; `benchmarks/bench_data.py`)\n\n"
+                    + "\n".join(table) + "\n")
+
+
+def merge(paths: list[str], json_path: str | None, md_path: str | None) -> None:
+    """One table from several runs' JSON (runs split to fit a time budget), rows by method, then size."""
+    rows, meta = [], None
+    for p in paths:
+        with open(p) as f:
+            data = json.load(f)
+        rows += data["rows"]
+        meta = meta or data["meta"]
+    order = {"before": 0, "arrow": 1, "streaming": 2}
+    rows.sort(key=lambda r: (order.get(r["method"], 9), r["file_mib"]))
+    write_results(rows, meta, json_path, md_path)
 
 
 if __name__ == "__main__":
