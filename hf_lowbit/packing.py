@@ -315,6 +315,10 @@ class StreamingBlocks(IterableDataset):
             buffer = buffer[start:]
 
     def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.num_workers > 1:
+            raise ValueError("StreamingBlocks is one stream: with several DataLoader workers each would yield "
+                             "every block; use num_workers=0 or 1")
         target = self._resume[3] if self._resume is not None else self.skip_blocks
         for n, block in self._iter_blocks():
             if n < target:

@@ -317,6 +317,9 @@ def check_training_values(args: LowBitTrainingArguments, data_args: DataArgument
             raise UsageError(f"--{name} must be > 0, got {value}")
     if data_args.streaming and args.max_steps < 1:
         raise UsageError("--streaming needs --max_steps: a stream has no length to count epochs in")
+    if data_args.streaming and args.dataloader_num_workers > 1:
+        raise UsageError("--streaming with --dataloader_num_workers > 1: each worker would read the whole stream; "
+                         "use 0 or 1 (--dataset_num_proc does not apply to a stream)")
 
 
 # ------------------------------------------------------------------------------------------- data
