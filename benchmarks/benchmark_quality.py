@@ -37,7 +37,8 @@ from benchmarks.common import write_results  # noqa: E402
 from benchmarks.corpus import build_bpe_tokenizer, python_docs_corpus  # noqa: E402
 from hf_lowbit.data import pack, split_records  # noqa: E402
 
-RECIPES = {"bf16": {}, "int8": {"int8_mixed_precision": True}, "fp8": {"fp8_mixed_precision": True}}
+RECIPES = {"bf16": {}, "int8": {"int8_mixed_precision": True}, "fp8": {"fp8_mixed_precision": True},
+           "int8_sr": {"int8_mixed_precision": True, "lowbit_stochastic_rounding": True}}
 LORA_RECIPES = {"lora_bf16": {}, "lora_nf4": {"lora_base_quant": "nf4"},
                 "lora_nf4_int8": {"lora_base_quant": "nf4", "int8_mixed_precision": True},
                 "lora_int8_int8": {"lora_base_quant": "int8", "int8_mixed_precision": True}}

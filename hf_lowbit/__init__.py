@@ -1,11 +1,16 @@
 """hf_lowbit: low-bit training (INT8 / FP8 mixed precision, …) for transformers, peft and accelerate."""
 
-from .args import LowBitTrainingArguments
-from .compute import compute_dtype
-from .mixed_precision import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear, convert_to_mixed_precision,
-                              mixed_precision_linear, refresh_weight_caches, set_weight_cache)
-from .lora import LoraLinear, register_with_peft
-from .prepare import prepare_model
+from . import _quiet
+
+_quiet.install()  # before transformers imports torchao: drop its known-harmless start-up messages
+
+from .args import LowBitTrainingArguments  # noqa: E402
+from .compute import compute_dtype  # noqa: E402
+from .mixed_precision import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear,  # noqa: E402
+                              convert_to_mixed_precision, mixed_precision_linear, refresh_weight_caches,
+                              set_weight_cache)
+from .lora import LoraLinear, register_with_peft  # noqa: E402
+from .prepare import prepare_model  # noqa: E402
 from .export import push_quantized_to_hub, save_quantized
 from .loading import load_quantized_model
 from .qat import QATConfig, QATLinear, convert_qat, convert_to_qat, prepare_qat, set_fake_quant_enabled

@@ -21,7 +21,11 @@ RECORD_FORMATS = ("'text'", "'messages' (list of {role, content})", "'prompt' + 
 
 
 class DataFormatError(ValueError):
-    """A data file or record that cannot be used; the message names the file and the record."""
+    """A data file or record that cannot be used; the message names the file and the line or record."""
+
+
+class DataNotFoundError(DataFormatError, FileNotFoundError):
+    """``--dataset`` names no file and no loadable dataset."""
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -29,7 +33,7 @@ def load_records(dataset: str, split: str = "train") -> list[dict]:
     """Records from a local .json/.jsonl/.parquet file, or a dataset on the Hub (through ``datasets``)."""
     if dataset.endswith(LOCAL_FORMATS) or os.path.exists(dataset):
         if not os.path.isfile(dataset):
-            raise FileNotFoundError(f"--dataset {dataset!r}: no such file")
+            raise DataNotFoundError(f"--dataset {dataset!r}: no such file")
         if dataset.endswith(".jsonl"):
             return _read_jsonl(dataset)
         if dataset.endswith(".json"):
@@ -56,7 +60,8 @@ def _read_jsonl(path: str) -> list[dict]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataFormatError(f"{path}, line {lineno}: invalid JSON ({e.msg})") from e
+                raise DataFormatError(f"{path}, line {lineno}: invalid JSON ({e.msg} at column {e.colno}); "
+                                      "each line must be one JSON object") from None
             if not isinstance(record, dict):
                 raise DataFormatError(f"{path}, line {lineno}: expected a JSON object, got {type(record).__name__}")
             records.append(record)
@@ -68,7 +73,7 @@ def _read_json(path: str) -> list[dict]:
         try:
             data = json.load(f)
         except json.JSONDecodeError as e:
-            raise DataFormatError(f"{path}: invalid JSON at line {e.lineno} ({e.msg})") from e
+            raise DataFormatError(f"{path}, line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):

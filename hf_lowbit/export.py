@@ -92,11 +92,14 @@ def save_quantized(model: nn.Module, path: str, config: QATConfig, tokenizer=Non
                                       group_size=config.group_size, base_config=type(config.base_config()).__name__,
                                       n_converted=len(converted), dtype=dtype,
                                       kept=", ".join(f"`{k}`" for k in kept) or "none"))
-        if os.path.exists(path):  # replace an earlier export: move it aside, then swap in the new one
-            old = path + ".old-" + os.path.basename(tmp)
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old)
+        if os.path.exists(path):  # replace an earlier export: one atomic exchange where the OS has it
+            if _exchange(tmp, path):
+                shutil.rmtree(tmp)  # now the earlier export
+            else:
+                old = path + ".old-" + os.path.basename(tmp)
+                os.rename(path, old)
+                os.rename(tmp, path)
+                shutil.rmtree(old)
         else:
             os.rename(tmp, path)
     except BaseException:
@@ -105,6 +108,25 @@ def save_quantized(model: nn.Module, path: str, config: QATConfig, tokenizer=Non
     model.push_to_hub = types.MethodType(
         lambda self, repo_id, **kw: push_quantized_to_hub(path, repo_id, **kw), model)
     return sorted(os.listdir(path))
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``), so that a process killed
+    at any moment leaves either the old or the new export at ``b``, never neither. False where the OS or
+    file system does not offer it (the caller then renames twice)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0
 
 
 def push_quantized_to_hub(path: str, repo_id: str, *, token=None, private: bool | None = None,

@@ -1,53 +1,78 @@
-"""Supervised fine-tuning entry point behind ``scripts/sft.py``.
+"""Supervised fine-tuning and pre-training entry point behind ``scripts/sft.py`` / ``hf-lowbit-sft``.
 
-With no ``--model_name_or_path`` and no ``--dataset`` it runs the embedded default: a tiny
-Llama-style model built from a config learns 2-digit addition (generated data, character tokenizer)
-with INT8 mixed precision, in a few minutes on a laptop CPU.
+With no ``--model_name_or_path`` and no data flag it runs the embedded default: a tiny Llama-style
+model built from a config learns 2-digit addition (generated data, character tokenizer) with INT8
+mixed precision, in a few minutes on a laptop CPU. With a model, the data comes from ``--dataset``
+(a local file or Hub dataset; ``--streaming`` for corpora larger than memory) or ``--token_files``
+(pre-tokenized, memory-mapped). Data is read and checked before the model is loaded.
+
+``main(argv)`` raises on errors (for tests and callers); :func:`cli` is the command line: a user
+mistake ends in one line naming the ``--flag`` or the file and line, with exit status 2.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, LlamaConfig, TrainerCallback
+from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 
 from .args import LowBitTrainingArguments
-from .data import (ARITHMETIC_CHARS, arithmetic_records, build_char_tokenizer, completion_accuracy,
-                   format_records, load_records, pack, split_records)
-from .trainer import LowBitTrainer
+from .data import ARITHMETIC_CHARS, DataFormatError, arithmetic_records, build_char_tokenizer, completion_accuracy
+
+
+class UsageError(ValueError):
+    """A mistake in the command line (a flag, a value, a combination); the message names the flag."""
 
 
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={"help": (
-        "Hub model id or local directory of a causal LM. Default: a tiny Llama built from a config "
-        "(the embedded default run).")})
+        "Hub model id or local directory of a causal LM. Without it (and without --dataset/--token_files) the "
+        "embedded default runs: a tiny Llama built from a config.")})
     model_dtype: str = field(default="auto", metadata={"help": (
         "dtype to load the weights in: auto, bfloat16, float16 or float32.")})
 
     def __post_init__(self):
         if self.model_dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"--model_dtype must be auto, bfloat16, float16 or float32, got {self.model_dtype!r}")
+            raise UsageError(f"--model_dtype must be auto, bfloat16, float16 or float32, got {self.model_dtype!r}")
 
 
 @dataclass
 class DataArguments:
     dataset: str | None = field(default=None, metadata={"help": (
         "Hub dataset name, or a local .json/.jsonl/.parquet file. Records hold 'text', 'messages', "
-        "'prompt'+'completion' or 'instruction'(+'input')+'output'. Default: generated addition problems.")})
+        "'prompt'+'completion' or 'instruction'(+'input')+'output'. Read with `datasets` (Arrow, memory-mapped, "
+        "cached); tokenized once and cached.")})
     dataset_split: str = field(default="train", metadata={"help": "Split to load from a Hub dataset."})
+    streaming: bool = field(default=False, metadata={"help": (
+        "Read --dataset as a stream (datasets' streaming=True): tokenized on the fly and packed into blocks as "
+        "it is read, memory bounded whatever the corpus size; needs --max_steps. Checkpoints record the stream "
+        "position, so --resume_from_checkpoint continues from there.")})
+    token_files: str | None = field(default=None, metadata={"help": (
+        "Pre-training from pre-tokenized data: a directory (or one file) of .npy or raw .bin token files, "
+        "memory-mapped and cut into --block_size blocks (the last --eval_fraction of blocks held out).")})
+    token_dtype: str = field(default="uint16", metadata={"help": (
+        "Token type of raw .bin --token_files: uint16, uint32 or int32 (.npy files carry their own).")})
     block_size: int = field(default=128, metadata={"help": (
         "Tokens per packed training block; every step sees the same shape (what compiled low-bit "
         "training needs).")})
-    eval_fraction: float = field(default=0.05, metadata={"help": "Share of records held out for evaluation."})
+    eval_fraction: float = field(default=0.05, metadata={"help": (
+        "Share of records (blocks with --token_files) held out for evaluation.")})
+    eval_blocks: int = field(default=0, metadata={"help": (
+        "With --streaming: hold out the stream's first N blocks for evaluation (never trained on).")})
     max_records: int | None = field(default=None, metadata={"help": "Use at most this many records."})
+    dataset_num_proc: int | None = field(default=None, metadata={"help": (
+        "Processes that tokenize a --dataset (datasets' map num_proc). Default: one.")})
     arithmetic_train_records: int = field(default=40000, metadata={"help": (
         "Embedded default only: addition problems to train on.")})
     arithmetic_eval_records: int = field(default=200, metadata={"help": (
@@ -55,11 +80,21 @@ class DataArguments:
 
     def __post_init__(self):
         if self.block_size < 2:
-            raise ValueError(f"--block_size must be >= 2, got {self.block_size}")
+            raise UsageError(f"--block_size must be >= 2, got {self.block_size}")
         if not 0 <= self.eval_fraction < 1:
-            raise ValueError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
+            raise UsageError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.max_records is not None and self.max_records < 1:
-            raise ValueError(f"--max_records must be >= 1, got {self.max_records}")
+            raise UsageError(f"--max_records must be >= 1, got {self.max_records}")
+        if self.eval_blocks < 0:
+            raise UsageError(f"--eval_blocks must be >= 0, got {self.eval_blocks}")
+        if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
+            raise UsageError(f"--dataset_num_proc must be >= 1, got {self.dataset_num_proc}")
+        if self.arithmetic_train_records < 1 or self.arithmetic_eval_records < 0:
+            raise UsageError("--arithmetic_train_records must be >= 1 and --arithmetic_eval_records >= 0")
+        if self.dataset and self.token_files:
+            raise UsageError("--dataset and --token_files: give one source of training data")
+        if self.streaming and not self.dataset:
+            raise UsageError("--streaming streams a --dataset; --token_files are memory-mapped already")
 
 
 @dataclass
@@ -74,9 +109,9 @@ class LoraArguments:
 
     def __post_init__(self):
         if self.lora_r < 1:
-            raise ValueError(f"--lora_r must be >= 1, got {self.lora_r}")
+            raise UsageError(f"--lora_r must be >= 1, got {self.lora_r}")
         if not 0 <= self.lora_dropout < 1:
-            raise ValueError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+            raise UsageError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
 
     def peft_config(self, args: LowBitTrainingArguments):
         """A ``LoraConfig`` when LoRA is asked for (or a quantized base needs it), else None."""
@@ -90,12 +125,22 @@ class LoraArguments:
                           target_modules=targets, task_type="CAUSAL_LM")
 
 
-# Training defaults of the embedded run; any flag given on the command line wins.
+# Training settings of the embedded run; any flag given on the command line wins. They are not the
+# flags' defaults: with --model_name_or_path the defaults --help shows apply.
 EMBEDDED_DEFAULTS = dict(
     output_dir="runs/sft-default", int8_mixed_precision=True, max_steps=1000, per_device_train_batch_size=16,
     per_device_eval_batch_size=16, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=20,
-    weight_decay=0.0, logging_steps=50, eval_strategy="steps", eval_steps=250, save_strategy="no",
-    report_to="none", seed=0, optim="adamw_torch", dataloader_num_workers=0,
+    weight_decay=0.0, logging_steps=50, eval_strategy="steps", eval_steps=250, eval_on_start=True,
+    save_strategy="no", report_to="none", seed=0, optim="adamw_torch", dataloader_num_workers=0,
+)
+DATA_FLAGS = ("--dataset", "--token_files")
+# The TrainingArguments flags --help shows; --help_all shows all of them.
+COMMON_TRAINER_FLAGS = (
+    "output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "optim",
+    "bf16", "torch_compile", "torch_compile_mode", "gradient_checkpointing", "logging_steps", "eval_strategy",
+    "eval_steps", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "seed",
+    "report_to", "disable_tqdm", "dataloader_num_workers",
 )
 
 
@@ -116,8 +161,10 @@ class StepTimeCallback(TrainerCallback):
         return 1000 * (t1 - t0) / (s1 - s0)
 
 
-def tiny_llama_config(vocab_size: int, block_size: int, **overrides) -> LlamaConfig:
+def tiny_llama_config(vocab_size: int, block_size: int, **overrides):
     """The embedded default model: 2 layers, hidden 128, about 0.4M parameters."""
+    from transformers import LlamaConfig
+
     kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(block_size, 64),
               tie_word_embeddings=False, pad_token_id=0, bos_token_id=2, eos_token_id=3)
@@ -125,55 +172,266 @@ def tiny_llama_config(vocab_size: int, block_size: int, **overrides) -> LlamaCon
     return LlamaConfig(**kw)
 
 
+# ------------------------------------------------------------------------------------- the parser
+DESCRIPTION = """\
+Fine-tune or pre-train a causal LM with hf_lowbit's low-bit recipes (INT8/FP8 mixed precision, QLoRA, QAT).
+
+  hf-lowbit-sft                                    embedded default (tiny Llama learns addition, INT8, CPU ok)
+  hf-lowbit-sft --model_name_or_path M --dataset data.jsonl --int8_mixed_precision --output_dir out
+  hf-lowbit-sft --model_name_or_path M --dataset big.jsonl --streaming --max_steps 10000 --block_size 2048
+  hf-lowbit-sft --model_name_or_path M --token_files tokens/ --token_dtype uint16 --max_steps 10000
+  accelerate launch --config_file accelerate_configs/fsdp2.yaml scripts/sft.py ...   (same flags)
+
+Defaults below are those of a run with --model_name_or_path (transformers' TrainingArguments defaults:
+output to trainer_output/, a checkpoint with optimizer state every --save_steps and at the end; give
+--save_strategy no for none). The embedded default (no --model_name_or_path) instead uses:
+  {embedded}
+each overridable by its flag."""
+
+
+def _flag_args(settings: dict) -> list[str]:
+    out = []
+    for k, v in settings.items():
+        out += [f"--{k}", str(v)]
+    return out
+
+
+def _given(argv: list[str]) -> set[str]:
+    """Field names given on the command line (``--x``, ``--x=v``, ``--no_x``)."""
+    names = set()
+    for a in argv:
+        if a.startswith("--"):
+            name = a[2:].split("=")[0].replace("-", "_")  # HfArgumentParser also accepts --model-name-or-path
+            names.add(name)
+            if name.startswith("no_"):
+                names.add(name[3:])
+    return names
+
+
+def _embedded_settings(given: set[str]) -> dict:
+    settings = dict(EMBEDDED_DEFAULTS)
+    if given & {"qat_scheme", "fp8_mixed_precision"}:  # each replaces INT8 compute
+        settings["int8_mixed_precision"] = False
+    if "qat_scheme" in given:
+        settings["qat_group_size"] = 32  # hidden 128: group 32
+    if "eval_strategy" in given:  # the user chose when to evaluate
+        settings.pop("eval_on_start")
+    return {k: v for k, v in settings.items() if k not in given}
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def build_parser(show_all: bool = False) -> HfArgumentParser:
+    embedded = " ".join(_flag_args(EMBEDDED_DEFAULTS)).replace(" True", "")
+    import textwrap
+
+    parser = HfArgumentParser((ModelArguments, DataArguments, LoraArguments, LowBitTrainingArguments),
+                              prog="hf-lowbit-sft", formatter_class=_HelpFormatter,
+                              usage="hf-lowbit-sft [--model_name_or_path M (--dataset D | --token_files DIR)] [flags]",
+                              description=DESCRIPTION.format(embedded="\n  ".join(textwrap.wrap(embedded, 100))),
+                              epilog=None if show_all else "--help_all lists every TrainingArguments flag (~100 more).")
+    parser.add_argument("--help_all", action="store_true", help="Show every flag, the Trainer's included, and exit.")
+    lowbit = {f.name for f in dataclasses.fields(LowBitTrainingArguments)} - \
+        {f.name for f in dataclasses.fields(TrainingArguments)}
+    groups = [
+        ("low-bit recipes (hf_lowbit)", lowbit),
+        ("model", {f.name for f in dataclasses.fields(ModelArguments)}),
+        ("data", {f.name for f in dataclasses.fields(DataArguments)}),
+        ("LoRA", {f.name for f in dataclasses.fields(LoraArguments)}),
+        ("training (the most used TrainingArguments)", set(COMMON_TRAINER_FLAGS)),
+    ]
+    default_group = parser._optionals  # HfArgumentParser puts every dataclass field there
+    moved = set()
+    for title, dests in groups:
+        group = parser.add_argument_group(title)
+        for action in list(default_group._group_actions):
+            if action.dest in dests:
+                default_group._group_actions.remove(action)
+                group._group_actions.append(action)
+                moved.add(id(action))
+    for action in parser._actions:
+        if action.dest == "output_dir":  # TrainingArguments' None becomes trainer_output/ in its __post_init__
+            action.help = "Where the final model, sft_metrics.json and checkpoints are written."
+            action.default = "trainer_output"
+    other = parser.add_argument_group("all other TrainingArguments (transformers)")
+    for action in list(default_group._group_actions):
+        if action.dest in ("help", "help_all"):
+            continue
+        default_group._group_actions.remove(action)
+        other._group_actions.append(action)
+        if not show_all:
+            action.help = argparse.SUPPRESS
+    return parser
+
+
+_FIELD_RE = re.compile(r"\b(?:LowBitTrainingArguments|TrainingArguments)\.(\w+)")
+
+
+def _flag_message(message: str, dests: set[str]) -> str:
+    """Name the ``--flag`` a CLI user typed, not the dataclass field, in a validation error."""
+    message = _FIELD_RE.sub(lambda m: f"--{m.group(1)}", message)
+    return re.sub(r"(?<![-\w])([a-z0-9]+(?:_[a-z0-9]+)+)(?![\w(])",
+                  lambda m: f"--{m.group(1)}" if m.group(1) in dests else m.group(1), message)
+
+
 def parse_args(argv: list[str] | None = None):
-    argv = sys.argv[1:] if argv is None else argv
-    parser = HfArgumentParser((ModelArguments, DataArguments, LoraArguments, LowBitTrainingArguments))
-    embedded = not any(a.split("=")[0] in ("--model_name_or_path", "--dataset") for a in argv)
-    if embedded:
-        defaults = dict(EMBEDDED_DEFAULTS)
-        if any(a.split("=")[0] == "--qat_scheme" for a in argv):  # QAT replaces INT8 compute; hidden 128: group 32
-            defaults.update(int8_mixed_precision=False, qat_group_size=32)
-        parser.set_defaults(**defaults)
-    model_args, data_args, lora_args, train_args = parser.parse_args_into_dataclasses(args=argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help_all" in argv:
+        build_parser(show_all=True).print_help()
+        raise SystemExit(0)
+    parser = build_parser()
+    given = _given(argv)
+    embedded = not ({"model_name_or_path"} | {f[2:] for f in DATA_FLAGS}) & given
+    full = _flag_args(_embedded_settings(given)) + argv if embedded else argv
+    try:
+        model_args, data_args, lora_args, train_args, _ = parser.parse_args_into_dataclasses(args=full)
+    except UsageError:
+        raise
+    except (ValueError, TypeError) as e:  # a dataclass's __post_init__ rejected a value
+        dests = {a.dest for a in parser._actions}
+        raise UsageError(_flag_message(str(e).strip().splitlines()[0], dests)) from None
+    check_training_values(train_args, data_args, embedded)
+    if not ({"dataloader_pin_memory", "no_dataloader_pin_memory"} & given) and not torch.cuda.is_available():
+        train_args.dataloader_pin_memory = False  # nothing to pin to: spare the DataLoader's warning
     return model_args, data_args, lora_args, train_args, embedded
 
 
+def check_training_values(args: LowBitTrainingArguments, data_args: DataArguments, embedded: bool) -> None:
+    """Reject values the Trainer would take silently and do something odd with."""
+    if args.max_steps == 0 or args.max_steps < -1:
+        raise UsageError(f"--max_steps must be > 0, or -1 to train for --num_train_epochs; got {args.max_steps}")
+    if args.max_steps == -1 and not args.num_train_epochs > 0:
+        raise UsageError(f"--num_train_epochs must be > 0, got {args.num_train_epochs}")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.learning_rate < 0:
+        raise UsageError(f"--learning_rate must be >= 0, got {args.learning_rate}")
+    if args.warmup_steps < 0:
+        raise UsageError(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
+    for name in ("logging_steps", "save_steps", "eval_steps"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name} must be > 0, got {value}")
+    if data_args.streaming and args.max_steps < 1:
+        raise UsageError("--streaming needs --max_steps: a stream has no length to count epochs in")
+    if data_args.streaming and args.dataloader_num_workers > 1:
+        raise UsageError("--streaming with --dataloader_num_workers > 1: each worker would read the whole stream; "
+                         "use 0 or 1 (--dataset_num_proc does not apply to a stream)")
+
+
+# ------------------------------------------------------------------------------------------- data
+def _load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model_name_or_path {name!r}: no tokenizer could be loaded "
+                         f"({str(e).strip().splitlines()[0][:200]})") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"--model_name_or_path {name!r}: the tokenizer has no EOS token, which packing needs "
+                         "between documents")
+    return tokenizer
+
+
+def build_data(data_args: DataArguments, tokenizer, seed: int, embedded: bool):
+    """(train dataset, eval dataset or None, eval records for the accuracy or None, description)."""
+    import datasets as hfds
+
+    from . import packing
+
+    bs = data_args.block_size
+    if embedded:
+        hfds.disable_progress_bars()  # 40000 short records: bars for each step would be noise
+        train_records, eval_records = arithmetic_records(data_args.arithmetic_train_records,
+                                                         data_args.arithmetic_eval_records, seed=seed)
+        locate = lambda i: f"embedded arithmetic, record {i}"  # noqa: E731
+        train = packing.packed_dataset(packing.tokenize(hfds.Dataset.from_list(train_records), tokenizer, locate), bs)
+        eval_ds = None
+        if eval_records:
+            try:
+                eval_ds = packing.packed_dataset(
+                    packing.tokenize(hfds.Dataset.from_list(eval_records), tokenizer, locate), bs)
+            except ValueError as e:  # a held-out set shorter than one block: no eval loss, training goes on
+                warnings.warn(f"no held-out loss: {e} (raise --eval_fraction or lower --block_size)")
+        return train, eval_ds, eval_records, "embedded arithmetic"
+    if data_args.token_files:
+        blocks = packing.TokenFileBlocks(data_args.token_files, bs, data_args.token_dtype)
+        vocab = len(tokenizer)
+        n_eval = round(len(blocks) * data_args.eval_fraction)
+        train, eval_ds = blocks.split(n_eval) if n_eval and n_eval < len(blocks) else (blocks, None)
+        top = max(int(a[: 1 << 20].max()) for a in blocks.arrays if len(a))
+        if top >= vocab:
+            raise DataFormatError(f"--token_files {data_args.token_files}: token id {top} >= the tokenizer's "
+                                  f"vocabulary size {vocab} (check --token_dtype and the tokenizer)")
+        return train, eval_ds, None, data_args.token_files
+    locate = packing.Locator(data_args.dataset)
+    if os.path.isfile(data_args.dataset) and os.path.getsize(data_args.dataset) < 64 << 20:
+        hfds.disable_progress_bars()  # a small file reads in a blink: its bars would only be noise
+    raw = packing.load_raw(data_args.dataset, data_args.dataset_split, streaming=data_args.streaming)
+    if data_args.max_records:
+        raw = raw.take(data_args.max_records) if data_args.streaming else raw.select(range(min(len(raw), data_args.max_records)))
+    if data_args.streaming:
+        stream = packing.StreamingBlocks(packing.tokenize(raw, tokenizer, locate), bs)
+        eval_ds = stream.head(data_args.eval_blocks) if data_args.eval_blocks else None
+        stream.skip_blocks = len(eval_ds or [])
+        if eval_ds is None:
+            stream.head(1)  # the first records are read and checked before the model loads
+        return stream, eval_ds, None, data_args.dataset
+    tokenized = packing.tokenize(raw, tokenizer, locate, num_proc=data_args.dataset_num_proc)
+    eval_ds = None
+    if data_args.eval_fraction > 0 and len(tokenized) > 1:
+        n_eval = max(1, round(len(tokenized) * data_args.eval_fraction))
+        parts = tokenized.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
+        tokenized = parts["train"]
+        try:
+            eval_ds = packing.packed_dataset(parts["test"], bs)
+        except ValueError as e:
+            warnings.warn(f"no held-out loss: {e} (raise --eval_fraction or lower --block_size)")
+    try:
+        train = packing.packed_dataset(tokenized, bs)
+    except ValueError as e:
+        raise DataFormatError(f"{data_args.dataset}: {e}; lower --block_size or give more data") from None
+    return train, eval_ds, None, data_args.dataset
+
+
+# ------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, lora_args, args, embedded = parse_args(argv)
-    if (model_args.model_name_or_path is None) != (data_args.dataset is None):
-        raise SystemExit("give both --model_name_or_path and --dataset, or neither (the embedded default)")
+    if embedded and (data_args.streaming or data_args.token_files):
+        raise UsageError("--streaming/--token_files need --model_name_or_path")
+    if not embedded and model_args.model_name_or_path is None:
+        raise UsageError("--dataset/--token_files need --model_name_or_path (or give neither: the embedded default)")
+    if not embedded and not (data_args.dataset or data_args.token_files):
+        raise UsageError("--model_name_or_path needs --dataset or --token_files (or give neither: the embedded default)")
 
-    eval_records = None
-    if embedded:
-        tokenizer = build_char_tokenizer(ARITHMETIC_CHARS)
-        train_records, eval_records = arithmetic_records(data_args.arithmetic_train_records,
-                                                         data_args.arithmetic_eval_records, seed=args.seed)
-        torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(tiny_llama_config(len(tokenizer), data_args.block_size))
-        source = "embedded arithmetic"
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        dtype = model_args.model_dtype if model_args.model_dtype == "auto" else getattr(torch, model_args.model_dtype)
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype)
-        records = load_records(data_args.dataset, data_args.dataset_split)
-        if data_args.max_records:
-            records = records[: data_args.max_records]
-        train_records, eval_records = split_records(records, data_args.eval_fraction, args.seed)
-        source = data_args.dataset
-
-    model.config.use_cache = False  # training builds no KV cache (generation turns it back on per call)
-    train_ds = pack(format_records(train_records, tokenizer, source), tokenizer, data_args.block_size)
-    eval_ds = None
-    if eval_records:
-        eval_texts = format_records(eval_records, tokenizer, source + " (eval)")
-        try:
-            eval_ds = pack(eval_texts, tokenizer, data_args.block_size)
-        except ValueError as e:  # a held-out set shorter than one block: no eval loss, training goes on
-            warnings.warn(f"no held-out loss: {e} (raise --eval_fraction or lower --block_size)")
+    # data first: a mistake in it shows before minutes of model loading
+    tokenizer = build_char_tokenizer(ARITHMETIC_CHARS) if embedded else _load_tokenizer(model_args.model_name_or_path)
+    train_ds, eval_ds, eval_records, source = build_data(data_args, tokenizer, args.seed, embedded)
     if eval_ds is None:
         args.eval_strategy = "no"
+        args.eval_on_start = False
+
+    from transformers import AutoModelForCausalLM
+
+    from .trainer import LowBitTrainer
+
+    if embedded:
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(tiny_llama_config(len(tokenizer), data_args.block_size))
+    else:
+        dtype = model_args.model_dtype if model_args.model_dtype == "auto" else getattr(torch, model_args.model_dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype)
+        except (OSError, ValueError) as e:  # no such repo or directory; a directory without a model's config
+            raise UsageError(f"--model_name_or_path {model_args.model_name_or_path!r}: no model could be loaded "
+                             f"({str(e).strip().splitlines()[0][:200]})") from None
+    model.config.use_cache = False  # training builds no KV cache (generation turns it back on per call)
 
     trainer = LowBitTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                             processing_class=tokenizer, callbacks=[timer := StepTimeCallback()],
@@ -182,9 +440,17 @@ def main(argv: list[str] | None = None) -> dict:
     model.config.use_cache = True  # the saved config serves inference
 
     acc = trainer.accelerator
-    metrics = {"train_blocks": len(train_ds), "block_size": data_args.block_size,
+    history = trainer.state.log_history
+    metrics = {"train_blocks": len(train_ds) if hasattr(train_ds, "__len__") else None,
+               "block_size": data_args.block_size, "data": source,
                "distributed_type": str(acc.distributed_type).split(".")[-1], "num_processes": acc.num_processes,
-               "train_losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+               "train_losses": [h["loss"] for h in history if "loss" in h]}
+    if metrics["train_blocks"] is None:  # streaming: blocks seen
+        metrics["train_blocks"] = trainer.state.global_step * args.per_device_train_batch_size * \
+            args.gradient_accumulation_steps * args.world_size
+    first_eval = next((h for h in history if "eval_loss" in h), None)
+    if first_eval is not None and first_eval.get("step") == 0:
+        metrics["initial_eval_loss"] = first_eval["eval_loss"]
     if timer.step_ms() is not None:
         metrics["train_step_ms"] = timer.step_ms()
     if eval_ds is not None:
@@ -209,3 +475,20 @@ def main(argv: list[str] | None = None) -> dict:
         if quantized_dir:
             print(f"[hf_lowbit] {args.qat_scheme} quantized checkpoint saved to {quantized_dir}")
     return metrics
+
+
+USER_ERRORS = (UsageError, DataFormatError)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """The ``hf-lowbit-sft`` command: user mistakes end in one line on stderr and exit status 2;
+    anything else is our bug and keeps its traceback."""
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        print(f"[hf_lowbit] {category.__name__}: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = one_line  # the CLI's warnings are messages to read, not code locations
+    try:
+        main(argv)
+    except USER_ERRORS as e:
+        print(f"hf-lowbit-sft: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -49,6 +49,11 @@ class SwapReport:
 
     def summary(self) -> str:
         """Compact text: one line per (name pattern, shape, outcome), layer indices folded to ``*``."""
+        already = [e for e in self.skipped if e.reason.startswith("already ")]
+        if already and not self.swapped:  # e.g. INT8 compute over QLoRA bases set up by the report before
+            rest = len(self.skipped) - len(already)
+            return (f"[hf_lowbit] {self.recipe}: nothing further to swap; {len(already)} modules are "
+                    f"{already[0].reason} from the recipe above" + (f", {rest} left as they were" if rest else ""))
         groups: Counter = Counter()
         for e in self.entries:
             pattern = re.sub(r"\.\d+\.", ".*.", e.name)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import torch
 from transformers import Trainer
@@ -15,6 +17,7 @@ from .prepare import apply_recipes, log_reports
 from .qat import FakeQuantScheduleCallback, QATConfig
 from .validation import check_training_setup
 
+DATA_STATE_NAME = "hf_lowbit_data_state.json"
 _SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
 
 
@@ -94,9 +97,65 @@ class LowBitTrainer(Trainer):
                                     optimizer=str(optim), tokens_per_step=tokens,
                                     grad_accum=self.args.gradient_accumulation_steps)
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self.check_setup()
-        return super().train(*args, **kwargs)
+        self._seek_data(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints that survive a kill
+    def _save_checkpoint(self, model, trial):
+        """Write ``checkpoint-N`` under ``.tmp-checkpoint-N/`` and rename it into place once complete: a
+        process killed mid-save leaves the previous checkpoint the last one (``get_last_checkpoint`` and
+        ``resume_from_checkpoint=True`` see only complete ones). A streaming train dataset's position is
+        saved with it (``hf_lowbit_data_state.json``) so resuming continues the stream where it was."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = os.path.join(run_dir, f".tmp-{name}")
+        main = self.args.should_save
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a killed run
+        self.accelerator.wait_for_everyone()
+        self._get_output_dir = lambda trial=None: staging  # every rank writes its part into the staging dir
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+        staged, final = os.path.join(staging, name), os.path.join(run_dir, name)
+        if main and hasattr(self.train_dataset, "position"):
+            consumed = (self.state.global_step * self.args.per_device_train_batch_size
+                        * self.args.gradient_accumulation_steps * self.args.world_size)
+            with open(os.path.join(staged, DATA_STATE_NAME), "w") as f:
+                json.dump(self.train_dataset.position(consumed), f)
+        self.accelerator.wait_for_everyone()
+        if main:
+            if os.path.exists(final):  # the same step saved again (a resumed run)
+                shutil.rmtree(final)
+            os.rename(staged, final)
+            shutil.rmtree(staging, ignore_errors=True)
+            best = self.state.best_model_checkpoint
+            if best and best.startswith(staging):
+                self.state.best_model_checkpoint = run_dir + best[len(staging):]
+                self.state.save_to_json(os.path.join(final, "trainer_state.json"))
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
+
+    def _seek_data(self, resume_from_checkpoint) -> None:
+        """Put a streaming train dataset where the checkpoint left it; the Trainer then skips no batches."""
+        if not resume_from_checkpoint or not hasattr(self.train_dataset, "seek"):
+            return
+        path = resume_from_checkpoint
+        if isinstance(path, bool) or path == "True":
+            from transformers.trainer_utils import get_last_checkpoint
+
+            path = get_last_checkpoint(self.args.output_dir)
+        state_file = os.path.join(path, DATA_STATE_NAME) if path else None
+        if state_file and os.path.exists(state_file):
+            with open(state_file) as f:
+                self.train_dataset.seek(json.load(f))
+            self.args.ignore_data_skip = True
 
     def _lowbit_before_forward(self, model, training: bool) -> None:
         """Keep the cached low-bit weights current (a host-side version check per layer; a weight changed

@@ -72,7 +72,7 @@ def test_local_dataset_run_reports_bad_record(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) for i in range(50))
                     + '\n{"question": "?"}\n')
-    with pytest.raises(DataFormatError, match=r"d.jsonl, record \d+: unrecognised record"):
+    with pytest.raises(DataFormatError, match=r"d.jsonl, line 51: unrecognised record"):  # its line in the file
         main(["--model_name_or_path", str(model_dir), "--dataset", str(data), "--output_dir", str(tmp_path / "o"),
               "--report_to", "none", "--max_steps", "1"])
 

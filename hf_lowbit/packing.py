@@ -1,0 +1,438 @@
+"""Data at pre-training scale: ``datasets``-backed loading, tokenizing and packing into fixed blocks.
+
+Three sources, one output (fixed ``block_size`` blocks of token ids; labels are the inputs):
+
+- :func:`packed_dataset`: a map-style :class:`BlockDataset` over Arrow. Records are read by
+  ``datasets`` (memory-mapped, cached), tokenized with ``Dataset.map`` (``num_proc`` workers, cached
+  by fingerprint), and the token stream is cut into blocks *without copying*: block ``i`` is the
+  ``i``-th ``block_size`` slice of the flattened, memory-mapped token column. Memory stays bounded by
+  Arrow's write batches, not by the file.
+- :class:`StreamingBlocks`: ``load_dataset(..., streaming=True)`` for corpora larger than disk or
+  memory; records are tokenized on the fly and packed into blocks by an iterator that carries the
+  remainder across records (static shapes). Its position (:meth:`StreamingBlocks.position`) is the ``datasets`` stream
+  position plus the carried tokens, saved with each checkpoint, so a resumed run continues where the
+  checkpoint was without reading and tokenizing the stream from the start (formats whose ``datasets``
+  reader can seek; others re-read, but do not re-tokenize, up to the position).
+- :class:`TokenFileBlocks`: a directory of pre-tokenized files (``.npy``, or raw ``.bin`` of
+  ``uint16``/``uint32``/``int32``) read with memory mapping; random access, so resuming is free.
+
+Every record error names the file and the line (JSON lines), the record (JSON arrays) or the row
+(parquet, Hub datasets), counted in file order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from .data import LOCAL_FORMATS, DataFormatError, DataNotFoundError, format_record
+
+TOKEN_FILE_DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32}
+_MAP_BATCH = 1000  # records per tokenizer call / Arrow write batch
+
+
+class RecordError(DataFormatError):
+    """A record that cannot be used, by its index in file order (the caller turns it into a location)."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index, self.message = index, message
+
+    def __reduce__(self):  # crosses ``num_proc`` worker processes intact
+        return RecordError, (self.index, self.message)
+
+
+# ----------------------------------------------------------------------------------- locations
+class Locator:
+    """Turns a record's index (file order) into ``file, line N`` / ``file, record N`` / ``name, row N``."""
+
+    def __init__(self, dataset: str):
+        self.dataset = dataset
+        self.kind = ("jsonl" if dataset.endswith(".jsonl") else "json" if dataset.endswith(".json")
+                     else "row")
+
+    def __call__(self, index: int) -> str:
+        if self.kind == "jsonl":
+            return f"{self.dataset}, line {_jsonl_line_of(self.dataset, index)}"
+        if self.kind == "json":
+            return f"{self.dataset}, record {index}"
+        return f"{self.dataset}, row {index}"
+
+
+def _jsonl_line_of(path: str, index: int) -> int:
+    """1-based line number of the ``index``-th non-blank line (blank lines hold no record)."""
+    seen = -1
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                seen += 1
+                if seen == index:
+                    return lineno
+    return lineno + 1 if seen >= 0 else 1
+
+
+def _scan_jsonl(path: str) -> None:
+    """Raise a ``DataFormatError`` naming the first line that is not a JSON object (the error path of a
+    fast Arrow read that failed: Arrow's own messages name neither the line nor the file)."""
+    with open(path, encoding="utf-8", errors="strict") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(f"{path}, line {lineno}: invalid JSON ({e.msg} at column {e.colno}); "
+                                      "each line must be one JSON object") from None
+            if not isinstance(record, dict):
+                raise DataFormatError(f"{path}, line {lineno}: expected a JSON object, got {type(record).__name__}")
+
+
+# ------------------------------------------------------------------------------------- loading
+def load_raw(dataset: str, split: str = "train", streaming: bool = False):
+    """A ``datasets.Dataset`` (or ``IterableDataset`` when streaming) of the raw records of a local
+    .json/.jsonl/.parquet file or a Hub dataset. Errors name the file and line (or the dataset)."""
+    import datasets
+
+    local = dataset.endswith(LOCAL_FORMATS) or os.path.exists(dataset)
+    if local:
+        if not os.path.isfile(dataset):
+            raise DataNotFoundError(f"--dataset {dataset!r}: no such file")
+        if not dataset.endswith(LOCAL_FORMATS):
+            raise DataFormatError(f"--dataset {dataset!r}: local files must end in {', '.join(LOCAL_FORMATS)} "
+                                  "(or use --token_files for a directory of pre-tokenized files)")
+        builder = "parquet" if dataset.endswith(".parquet") else "json"
+        if dataset.endswith(".json"):
+            _check_json_array(dataset)  # a .json is read whole anyway; its errors deserve a location
+        import logging
+
+        # it logs Arrow's message about a malformed file (also while streaming); ours names the line instead
+        logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+        try:
+            return datasets.load_dataset(builder, data_files=dataset, split="train", streaming=streaming)
+        except Exception as e:  # Arrow's messages name neither file nor line: find it ourselves
+            if dataset.endswith(".jsonl"):
+                _scan_jsonl(dataset)
+            raise DataFormatError(f"{dataset}: not readable as {builder} ({str(e).splitlines()[0][:200]})") from None
+    try:
+        return datasets.load_dataset(dataset, split=split, streaming=streaming)
+    except Exception as e:
+        raise DataNotFoundError(f"--dataset {dataset!r}: not a local file, and the Hub dataset could not be loaded "
+                                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+
+
+def _check_json_array(path: str) -> None:
+    from .data import _read_json
+
+    _read_json(path)
+
+
+# ----------------------------------------------------------------------------------- tokenizing
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A stable hash of what tokenizing depends on (for ``datasets``' cache)."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else repr(tokenizer).encode())
+    h.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    h.update(str(tokenizer.eos_token_id).encode())
+    return h.hexdigest()[:16]
+
+
+def _tokenize_fn(tokenizer) -> Callable:
+    eos = tokenizer.eos_token_id
+
+    def fn(batch: dict, indices: list[int]) -> dict:
+        keys = list(batch)
+        texts = []
+        for j, index in enumerate(indices):
+            record = {k: batch[k][j] for k in keys if batch[k][j] is not None}  # Arrow fills absent keys with None
+            try:
+                texts.append(format_record(record, tokenizer, where=""))
+            except DataFormatError as e:
+                raise RecordError(index, str(e).removeprefix(": ")) from None
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return {"input_ids": [x + [eos] for x in ids]}
+
+    return fn
+
+
+def tokenize(ds, tokenizer, locate: Callable[[int], str], num_proc: int | None = None):
+    """Each record's formatted text as token ids followed by EOS (column ``input_ids``), in file order.
+
+    ``ds`` a ``Dataset`` (tokenized once with ``num_proc`` workers and cached) or an ``IterableDataset``
+    (tokenized lazily as it is read). A bad record raises ``DataFormatError`` with ``locate(index)``.
+    """
+    import datasets
+
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos_token: packing needs one to separate documents")
+    fn = _tokenize_fn(tokenizer)
+    if isinstance(ds, datasets.IterableDataset):
+        return _LocatedIterable(ds.map(fn, batched=True, batch_size=_MAP_BATCH, with_indices=True,
+                                       remove_columns=list(ds.column_names or [])), locate)
+    fingerprint = hashlib.sha256(f"{ds._fingerprint}-{tokenizer_fingerprint(tokenizer)}-v1".encode()).hexdigest()[:16]
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})  # half of int64's disk
+    try:
+        return ds.map(fn, batched=True, batch_size=_MAP_BATCH, with_indices=True, remove_columns=ds.column_names,
+                      features=features,
+                      num_proc=num_proc if num_proc and num_proc > 1 and len(ds) >= 2 * _MAP_BATCH else None,
+                      new_fingerprint=fingerprint, desc="Tokenizing")
+    except RecordError as e:
+        raise DataFormatError(f"{locate(e.index)}: {e.message}") from None
+
+
+class _LocatedIterable:
+    """A tokenized ``IterableDataset`` whose record errors carry the file location."""
+
+    def __init__(self, ds, locate):
+        self.ds, self.locate = ds, locate
+
+    def __iter__(self):
+        import pyarrow as pa
+
+        try:
+            yield from self.ds
+        except GeneratorExit:  # closed early (or at exit, when module globals may be gone)
+            raise
+        except RecordError as e:
+            raise DataFormatError(f"{self.locate(e.index)}: {e.message}") from None
+        except pa.ArrowException as e:  # a malformed file, found as the stream reaches it
+            path = getattr(self.locate, "dataset", "")
+            if path.endswith(".jsonl"):
+                _scan_jsonl(path)
+            raise DataFormatError(f"{path}: not readable ({str(e).splitlines()[0][:200]})") from None
+
+    def state_dict(self) -> dict:
+        return self.ds.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ds.load_state_dict(state)
+
+
+# -------------------------------------------------------------------------------------- packing
+class BlockDataset(Dataset):
+    """Fixed-length blocks over one flat token array (Arrow, memory-mapped when cached, or numpy):
+    block ``i`` is tokens ``[i * block_size, (i + 1) * block_size)``; nothing is copied up front."""
+
+    def __init__(self, tokens, block_size: int):
+        self.tokens, self.block_size = tokens, block_size
+        self.n_tokens = len(tokens)
+        self._n = self.n_tokens // block_size
+
+    def __len__(self) -> int:
+        return self._n
+
+    def block(self, i: int) -> np.ndarray:
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        i %= self._n
+        piece = self.tokens.slice(i * self.block_size, self.block_size) if hasattr(self.tokens, "slice") \
+            else self.tokens[i * self.block_size:(i + 1) * self.block_size]
+        return np.asarray(piece.to_numpy() if hasattr(piece, "to_numpy") else piece)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.from_numpy(self.block(i).astype(np.int64))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def packed_dataset(tokenized, block_size: int) -> BlockDataset:
+    """Blocks of ``block_size`` over the concatenation of a tokenized ``Dataset``'s ``input_ids`` (in its
+    row order; a shuffled/split dataset is materialized first). The remainder is dropped."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if getattr(tokenized, "_indices", None) is not None:
+        tokenized = tokenized.flatten_indices()
+    column = tokenized.data.column("input_ids")  # ChunkedArray of lists, memory-mapped
+    flat = column.combine_chunks().flatten() if column.num_chunks <= 1 else _flatten_chunked(column)
+    ds = BlockDataset(flat, block_size)
+    if len(ds) == 0:
+        raise ValueError(f"the data holds {ds.n_tokens} tokens, fewer than one block of block_size={block_size}")
+    return ds
+
+
+def _flatten_chunked(column):
+    import pyarrow as pa
+
+    return pa.chunked_array([c.flatten() for c in column.chunks if len(c)], type=column.type.value_type)
+
+
+class StreamingBlocks(IterableDataset):
+    """Packs a stream of tokenized records (``input_ids`` per record, EOS included) into blocks of
+    ``block_size``, carrying the remainder across records: every block has the same shape.
+
+    Resumable: :meth:`position` at block ``n`` (blocks handed out so far) is a recent snapshot of
+    the source's position and the carried tokens; :meth:`seek` makes the next iteration start from
+    there and skip the few blocks between the snapshot and ``n``. One pass over the stream: a run
+    that needs more blocks than the stream holds starts it again, and resuming it replays.
+    """
+
+    def __init__(self, tokenized, block_size: int, snapshot_every: int = 64, skip_blocks: int = 0):
+        if block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {block_size}")
+        self.source, self.block_size, self.snapshot_every = tokenized, block_size, snapshot_every
+        self.skip_blocks = skip_blocks  # blocks of the stream's head kept for evaluation, never trained on
+        self._snapshots: list[tuple[int, dict | None, list[int]]] = []
+        self._resume: tuple[int, dict | None, list[int], int] | None = None
+        self.blocks_yielded = 0
+        # the stream's start: what state_dict() says before any iteration (afterwards it says where the last
+        # iteration stopped, e.g. after head())
+        self._start_state = tokenized.state_dict() if hasattr(tokenized, "state_dict") else None
+
+    def _iter_blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        bs = self.block_size
+        n, buffer, source_state = 0, [], self._start_state
+        if self._resume is not None:
+            n, source_state, buffer, _ = self._resume
+            buffer = list(buffer)
+            source_state = source_state if source_state is not None else self._start_state
+        stateful = self._start_state is not None
+        if stateful:
+            self.source.load_state_dict(source_state)
+        self._snapshots = [(n, source_state, list(buffer))]
+        start = 0
+        while len(buffer) - start >= bs:  # carried tokens that already make blocks
+            yield n, torch.tensor(buffer[start:start + bs], dtype=torch.long)
+            start += bs
+            n += 1
+        buffer = buffer[start:]
+        for example in self.source:
+            buffer.extend(example["input_ids"])
+            start = 0
+            while len(buffer) - start >= bs:
+                block = torch.tensor(buffer[start:start + bs], dtype=torch.long)
+                start += bs
+                n += 1
+                if stateful and n % self.snapshot_every == 0:  # after this block: source position + carry
+                    self._snapshots.append((n, self.source.state_dict(), buffer[start:]))
+                    del self._snapshots[:-32]  # prefetching DataLoaders run a few batches ahead
+                yield n - 1, block
+            buffer = buffer[start:]
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.num_workers > 1:
+            raise ValueError("StreamingBlocks is one stream: with several DataLoader workers each would yield "
+                             "every block; use num_workers=0 or 1")
+        target = self._resume[3] if self._resume is not None else self.skip_blocks
+        for n, block in self._iter_blocks():
+            if n < target:
+                continue
+            self.blocks_yielded = n + 1
+            yield {"input_ids": block, "labels": block.clone()}
+        self._resume = None
+
+    def head(self, n: int) -> list[dict]:
+        """The first ``n`` blocks of the stream (materialized; an evaluation set)."""
+        out = []
+        for _, block in self._iter_blocks():
+            if len(out) == n:
+                break
+            out.append({"input_ids": block, "labels": block.clone()})
+        return out
+
+    def position(self, consumed_blocks: int) -> dict:
+        """Where to resume after ``consumed_blocks`` training blocks (the held-out head not counted), as
+        JSON-able data; ``LowBitTrainer`` saves it with each checkpoint."""
+        consumed_blocks += self.skip_blocks
+        usable = [s for s in self._snapshots if s[0] <= consumed_blocks]
+        n, source_state, carry = usable[-1] if usable else (0, None, [])
+        if not usable:  # older than every snapshot in memory: replay from the start
+            return {"snapshot_block": 0, "source": None, "carry": [], "next_block": consumed_blocks,
+                    "block_size": self.block_size}
+        return {"snapshot_block": n, "source": source_state, "carry": carry, "next_block": consumed_blocks,
+                "block_size": self.block_size}
+
+    def seek(self, state: dict) -> None:
+        """Make the next iteration continue from a :meth:`position`."""
+        if state.get("block_size") != self.block_size:
+            raise ValueError(f"the checkpoint's data position was saved with block_size={state.get('block_size')}, "
+                             f"this run has {self.block_size}")
+        self._resume = (state["snapshot_block"], state["source"], state["carry"], state["next_block"])
+
+
+class TokenFileBlocks(Dataset):
+    """Blocks of ``block_size`` tokens from a directory (or one file) of pre-tokenized ``.npy`` or raw
+    ``.bin`` files, memory-mapped. Files are concatenated in name order; a block never spans two files
+    (each file's remainder is dropped), so block ``i`` is found by a binary search over file offsets."""
+
+    def __init__(self, path: str, block_size: int, dtype: str = "uint16", blocks: range | None = None):
+        if block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {block_size}")
+        if dtype not in TOKEN_FILE_DTYPES:
+            raise DataFormatError(f"--token_dtype must be one of {', '.join(TOKEN_FILE_DTYPES)}, got {dtype!r}")
+        if os.path.isdir(path):
+            files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith((".bin", ".npy")))
+            if not files:
+                raise DataFormatError(f"--token_files {path}: no .bin or .npy files in the directory")
+        elif os.path.isfile(path):
+            files = [path]
+        else:
+            raise DataNotFoundError(f"--token_files {path!r}: no such file or directory")
+        self.path, self.block_size, self.files, self.arrays = path, block_size, files, []
+        for f in files:
+            if f.endswith(".npy"):
+                try:
+                    a = np.load(f, mmap_mode="r")
+                except ValueError as e:
+                    raise DataFormatError(f"{f}: not a readable .npy file ({e})") from None
+                if a.ndim != 1 or a.dtype.kind not in "iu":
+                    raise DataFormatError(f"{f}: expected a 1-D integer array of token ids, got {a.dtype} {a.shape}")
+            elif f.endswith(".bin"):
+                item = np.dtype(TOKEN_FILE_DTYPES[dtype]).itemsize
+                if os.path.getsize(f) % item:
+                    raise DataFormatError(f"{f}: {os.path.getsize(f)} bytes is not a whole number of {dtype} tokens "
+                                          "(check --token_dtype)")
+                a = np.memmap(f, dtype=TOKEN_FILE_DTYPES[dtype], mode="r")
+            else:
+                raise DataFormatError(f"--token_files {f!r}: token files must end in .bin or .npy")
+            self.arrays.append(a)
+        counts = [len(a) // block_size for a in self.arrays]
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        total = self.starts[-1]
+        if total == 0:
+            raise DataFormatError(f"--token_files {path}: {sum(map(len, self.arrays))} tokens, fewer than one "
+                                  f"block of block_size={block_size} per file")
+        self.blocks = blocks if blocks is not None else range(total)
+        self.n_tokens = sum(len(a) for a in self.arrays)
+
+    def split(self, n_eval: int) -> tuple["TokenFileBlocks", "TokenFileBlocks"]:
+        """(train, eval): the last ``n_eval`` blocks are held out."""
+        if not 0 <= n_eval < len(self.blocks):
+            raise DataFormatError(f"--token_files {self.path}: cannot hold out {n_eval} of {len(self.blocks)} blocks")
+        cut = len(self.blocks) - n_eval
+        a, b = (TokenFileBlocks.__new__(TokenFileBlocks) for _ in range(2))
+        a.__dict__.update(self.__dict__, blocks=self.blocks[:cut])
+        b.__dict__.update(self.__dict__, blocks=self.blocks[cut:])
+        return a, b
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict:
+        g = self.blocks[i]
+        f = bisect.bisect_right(self.starts, g) - 1
+        off = (g - self.starts[f]) * self.block_size
+        ids = torch.from_numpy(np.asarray(self.arrays[f][off:off + self.block_size]).astype(np.int64))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def write_token_file(path: str, ids, dtype: str = "uint16") -> None:
+    """Write token ids as a raw ``.bin`` (or ``.npy``) file that :class:`TokenFileBlocks` reads; written to a
+    temporary name and renamed, so a crash never leaves a truncated file."""
+    arr = np.asarray(ids)
+    np_dtype = TOKEN_FILE_DTYPES[dtype]
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np_dtype).max):
+        raise ValueError(f"token ids {arr.min()}..{arr.max()} do not fit {dtype}")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        if path.endswith(".npy"):
+            np.save(f, arr.astype(np_dtype))
+        else:
+            arr.astype(np_dtype).tofile(f)
+    os.replace(tmp, path)
