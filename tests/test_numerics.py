@@ -207,3 +207,42 @@ def test_qat_linear_on_heterogeneous_operands():
         check_against_contract(f"qat {name}", contract[name], got, CONTRACT_FLOOR[dtype])
     # and fake quant does something: int4 weights are far from the float ones
     assert snr_db(w.double(), fw) < 25
+
+
+# ---- tiny magnitudes ----------------------------------------------------------------------------
+# Gradients of a real model are often 1e-4..1e-8 in magnitude and the result must not depend on that:
+# absmax scaling is scale-equivariant, so an operand multiplied by a power of two (exact in float32 and
+# bf16, far above their smallest normal here) gives the same result times that power. An absolute floor
+# on the absmax (meant for all-zero rows) set too high, or an epsilon added to it, breaks this.
+TINY = 2.0 ** -50  # ~9e-16
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_precision_linear_is_scale_equivariant(fmt, dtype):
+    x, w, _, gy = _operands(dtype, seed=40)
+    b = torch.zeros(N, dtype=dtype)
+    fn = lambda x, w, b: mixed_precision_linear(x, w, b, MixedPrecisionConfig(fmt))  # noqa: E731
+    y, dx, dw = _grads(fn, x, w, b, gy)
+    y_s, _, dw_s = _grads(fn, x * TINY, w, b, gy)  # tiny activations: y and dW scale, dX does not
+    _, dx_g, dw_g = _grads(fn, x, w, b, gy * TINY)  # tiny incoming gradient: dX and dW scale
+    for name, ref, got in (("y", y, y_s), ("dw (tiny x)", dw, dw_s), ("dx (tiny dy)", dx, dx_g),
+                           ("dw (tiny dy)", dw, dw_g)):
+        torch.testing.assert_close(got, ref * TINY, rtol=1e-6, atol=0, msg=lambda m: f"{fmt} {name}: {m}")
+
+
+@pytest.mark.parametrize("cls", [Nf4Linear, Int8Linear])
+def test_qlora_int8_compute_is_scale_equivariant(cls):
+    base = _base_weight(cls, seed=41)
+    base.bias = None
+    base.set_compute(MixedPrecisionConfig("int8", grad_weight=False))
+    x = heterogeneous(M, K, 42).bfloat16()
+    gy = heterogeneous(M, N, 43).bfloat16()
+    outs = {}
+    for s in (1.0, TINY):
+        xi = (x * s).requires_grad_()
+        y = base(xi)
+        y.backward(gy * s)
+        outs[s] = (y.detach(), xi.grad)
+    torch.testing.assert_close(outs[TINY][0], outs[1.0][0] * TINY, rtol=1e-6, atol=0)
+    torch.testing.assert_close(outs[TINY][1], outs[1.0][1] * TINY, rtol=1e-6, atol=0)
