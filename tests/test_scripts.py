@@ -183,3 +183,16 @@ def test_benchmark_fsdp2_smoke_on_cpu(tmp_path):
     assert two["scaling_efficiency"] > 0 and "vs_ref" not in two  # no bf16 row in this run to compare with
     assert one["max_loss_diff_vs_fewest_gpus"] is None and two["max_loss_diff_vs_fewest_gpus"] < 0.1
     assert "| int8 | 2 |" in proc.stdout
+
+
+def test_results_name_the_commit_measured(tmp_path, monkeypatch):
+    """Every benchmark JSON (bench.write_results) and its markdown header record the commit of the code measured."""
+    from hf_lowbit.bench import git_commit, write_results
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode == 0:  # a git checkout (CI clones one)
+        assert git_commit().split("+")[0] == head.stdout.strip()
+    monkeypatch.setenv("HF_LOWBIT_COMMIT", "abc1234")  # a copy without .git (a lent GPU machine) is told it
+    write_results({"meta": {"device": "cpu"}, "rows": []}, ["| x |"], "cpu", str(tmp_path / "r.json"), str(tmp_path / "r.md"))
+    assert json.loads((tmp_path / "r.json").read_text())["meta"] == {"device": "cpu", "commit": "abc1234"}
+    assert (tmp_path / "r.md").read_text().startswith("cpu, commit abc1234\n")
