@@ -83,8 +83,14 @@ def mutants(path: str):
         for pat, rep in OPERATORS:
             for m in re.finditer(pat, code):
                 new = line[:m.start()] + m.expand(rep) + line[m.end():]
-                if new != line:
-                    yield i + 1, line.strip(), new.strip(), "".join(lines[:i] + [new] + lines[i + 1:])
+                if new == line:
+                    continue
+                text = "".join(lines[:i] + [new] + lines[i + 1:])
+                try:
+                    compile(text, path, "exec")
+                except SyntaxError:
+                    continue  # not a program: no test needed to reject it
+                yield i + 1, line.strip(), new.strip(), text
 
 
 def existing(root: str, tests: str) -> str:
@@ -111,6 +117,7 @@ def main() -> None:
     p.add_argument("--tests", help="pytest arguments (default: the file's entry in TARGETS)")
     p.add_argument("--limit", type=int, default=0, help="at most this many mutants per file (evenly spread)")
     p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--only", help="a JSON written by --json: re-run just the mutants that survived there")
     p.add_argument("--json")
     a = p.parse_args()
     results = {}
@@ -123,6 +130,9 @@ def main() -> None:
             ms = list(mutants(f))
             if a.limit and len(ms) > a.limit:
                 ms = [ms[round(k * (len(ms) - 1) / (a.limit - 1))] for k in range(a.limit)]
+            if a.only:
+                keep = {(m["line"], m["to"]) for m in json.load(open(a.only)).get(f, {}).get("survived", [])}
+                ms = [m for m in ms if (m[0], m[2]) in keep]
             survived = []
             for line_no, old, new, text in ms:
                 with open(os.path.join(root, f), "w") as fh:
