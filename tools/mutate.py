@@ -128,11 +128,11 @@ def main() -> None:
             tests = a.tests or TARGETS[f]
             original = open(f).read()
             ms = list(mutants(f))
-            if a.limit and len(ms) > a.limit:
-                ms = [ms[round(k * (len(ms) - 1) / (a.limit - 1))] for k in range(a.limit)]
-            if a.only:
+            if a.only:  # the limit is not applied: the earlier run chose these
                 keep = {(m["line"], m["to"]) for m in json.load(open(a.only)).get(f, {}).get("survived", [])}
                 ms = [m for m in ms if (m[0], m[2]) in keep]
+            elif a.limit and len(ms) > a.limit:
+                ms = [ms[round(k * (len(ms) - 1) / (a.limit - 1))] for k in range(a.limit)]
             survived = []
             for line_no, old, new, text in ms:
                 with open(os.path.join(root, f), "w") as fh:
