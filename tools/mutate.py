@@ -8,6 +8,7 @@ root (CPU; about 10-20 s per mutant on 2 cores):
 
     python tools/mutate.py                      # every target below
     python tools/mutate.py hf_lowbit/ops/int8.py --limit 20 --tests "tests/test_ops_int8.py"
+    python tools/mutate.py --only before.json --which all --json after.json   # the same sample again
 
 It prints one line per mutant and the survival rate per file and overall; ``--json`` writes them too.
 Equivalent mutants (a change that cannot alter any result, e.g. a bound that is never reached) survive
@@ -38,7 +39,7 @@ TARGETS = {
     "hf_lowbit/ops/fake_quant.py": f"{NUMERICS} tests/test_qat.py -k 'qat_linear_on or fake_quant or straight'",
     "hf_lowbit/ops/nf4.py": f"{NUMERICS} tests/test_qlora.py -k 'qlora_base or nf4 and not peak_memory'",
     "hf_lowbit/quantized_base.py": f"{NUMERICS} tests/test_qlora.py -k 'qlora_base or quantized_linear or int8_compute "
-                                   "or lora_grads'",
+                                   "or lora_grads or quantize_on_load'",
 }
 
 # (pattern, replacement) pairs; each match on a code line is one mutant
@@ -118,6 +119,8 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=0, help="at most this many mutants per file (evenly spread)")
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--only", help="a JSON written by --json: re-run just the mutants that survived there")
+    p.add_argument("--which", choices=("survived", "all"), default="survived",
+                   help="with --only: the survivors, or every mutant that run tried (the same sample, new tests)")
     p.add_argument("--json")
     a = p.parse_args()
     results = {}
@@ -129,7 +132,7 @@ def main() -> None:
             original = open(f).read()
             ms = list(mutants(f))
             if a.only:  # the limit is not applied: the earlier run chose these
-                keep = {(m["line"], m["to"]) for m in json.load(open(a.only)).get(f, {}).get("survived", [])}
+                keep = {(m["line"], m["to"]) for m in json.load(open(a.only)).get(f, {}).get(a.which, [])}
                 ms = [m for m in ms if (m[0], m[2]) in keep]
             elif a.limit and len(ms) > a.limit:
                 ms = [ms[round(k * (len(ms) - 1) / (a.limit - 1))] for k in range(a.limit)]
@@ -145,7 +148,8 @@ def main() -> None:
                     survived.append({"line": line_no, "from": old, "to": new})
             with open(os.path.join(root, f), "w") as fh:
                 fh.write(original)
-            results[f] = {"mutants": len(ms), "survived": survived}
+            results[f] = {"mutants": len(ms), "survived": survived,
+                          "all": [{"line": m[0], "from": m[1], "to": m[2]} for m in ms]}
             print(f"== {f}: {len(survived)}/{len(ms)} survived", flush=True)
     total = sum(r["mutants"] for r in results.values())
     alive = sum(len(r["survived"]) for r in results.values())
