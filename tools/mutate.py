@@ -121,6 +121,7 @@ def main() -> None:
     p.add_argument("--only", help="a JSON written by --json: re-run just the mutants that survived there")
     p.add_argument("--which", choices=("survived", "all"), default="survived",
                    help="with --only: the survivors, or every mutant that run tried (the same sample, new tests)")
+    p.add_argument("--match", help="only mutants whose line (before or after) matches this regex; no --limit")
     p.add_argument("--json")
     a = p.parse_args()
     results = {}
@@ -134,6 +135,10 @@ def main() -> None:
             if a.only:  # the limit is not applied: the earlier run chose these
                 keep = {(m["line"], m["to"]) for m in json.load(open(a.only)).get(f, {}).get(a.which, [])}
                 ms = [m for m in ms if (m[0], m[2]) in keep]
+            if a.match:  # e.g. only scale / clamp / rounding changes
+                ms = [m for m in ms if re.search(a.match, m[1]) or re.search(a.match, m[2])]
+            if a.only or a.match:
+                pass
             elif a.limit and len(ms) > a.limit:
                 ms = [ms[round(k * (len(ms) - 1) / (a.limit - 1))] for k in range(a.limit)]
             survived = []
