@@ -237,7 +237,9 @@ def main():
     if a.device == "cpu":
         env["ACCELERATE_USE_CPU"] = "1"
     os.environ.update(env)
-    meta = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
+    from benchmarks.common import git_commit
+
+    meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
             "gpu_count": torch.cuda.device_count() if a.device == "cuda" else 0, "torch": torch.__version__,
             "python": platform.python_version(), "command": " ".join(sys.argv), "accelerate_config": "accelerate_configs/fsdp2.yaml",
             "env": env, "concurrent": a.concurrent, "config": {k: getattr(a, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab",

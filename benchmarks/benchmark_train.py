@@ -359,20 +359,6 @@ def worker(a) -> dict:
             "graph_breaks": sum(counters["graph_break"].values()), "profile": profile}
 
 
-def _git_commit() -> str:
-    """The commit measured (``+dirty`` when the tree had uncommitted changes), or ``unknown``."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, from {RECIPES + LORA_RECIPES}")
@@ -406,8 +392,8 @@ def main():
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmark_train.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
-    meta = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
-            "command": " ".join(sys.argv), "commit": _git_commit(), "config": {k: getattr(a, k) for k in (
+    meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
+            "command": " ".join(sys.argv), "config": {k: getattr(a, k) for k in (
                 "hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "batch", "seq", "warmup", "steps",
                 "lora_r", "grad_checkpointing", "autocast", "grad_accum", "path", "compile_mode")}}
     try:

@@ -11,6 +11,24 @@ from typing import Callable
 
 import torch
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit() -> str:
+    """The commit the measured code is at: ``HF_LOWBIT_COMMIT`` if set (a copy without ``.git``, e.g. on a lent
+    GPU machine: export it before the run), else ``git rev-parse --short HEAD`` plus ``+dirty`` when tracked
+    files differ from it, else ``"unknown"``."""
+    if os.environ.get("HF_LOWBIT_COMMIT"):
+        return os.environ["HF_LOWBIT_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO, capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO,
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
 
 def median_ms(fn: Callable[[], object], device: str = "cuda", reps: int = 20, warmup: int = 3) -> float:
     """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs (CUDA events on a GPU)."""
@@ -78,7 +96,13 @@ def allow_fsdp_on_cpu() -> None:
 
 def write_results(data: dict, table: list[str], header: str, json_path: str | None = None,
                   markdown_path: str | None = None) -> None:
-    """Print the markdown ``table``; write ``data`` as JSON and ``header`` + table as markdown if asked."""
+    """Print the markdown ``table``; write ``data`` as JSON and ``header`` + table as markdown if asked.
+
+    ``data["meta"]["commit"]`` records the commit measured (:func:`git_commit`, unless the script set it); the
+    markdown header names it too."""
+    meta = data.setdefault("meta", {})
+    meta.setdefault("commit", git_commit())
+    header = f"{header}, commit {meta['commit']}"
     print("\n".join(table))
     if json_path:
         os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)

@@ -17,7 +17,8 @@
 #   bash benchmarks/run_h200_benchmarks.sh qlora_nf4 OUTDIR     # NF4 quantizer vs torchao to_nf4 (128256x4096), quantize-on-load
 #   bash benchmarks/run_h200_benchmarks.sh qlora_quality OUTDIR # LoRA adapters over a bf16-pretrained base, 200 steps
 #   bash benchmarks/run_h200_benchmarks.sh fsdp2 OUTDIR         # needs 2 GPUs: FSDP2 bench, 32 layers, 1 and 2 GPUs (~7 min + ~3 min LoRA)
-# On the lent H200, carry torchao's wheel (.whl/) and set PYTHONPATH to where it was installed.
+# Export HF_LOWBIT_COMMIT (the commit you measure) in the device command: the copied tree's git metadata there
+# is the session's starting commit. On the lent H200, carry torchao's wheel (.whl/) and set PYTHONPATH to where it was installed.
 set -euo pipefail
 stage=${1:?stage: cuda_tests, regimes, train, kernels, quality, qat, fsdp2 or qlora_*}
 out=${2:?output directory}

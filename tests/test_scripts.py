@@ -182,6 +182,31 @@ def test_benchmark_quality_lora_recipes_in_process():
     # LoRA starts from the pre-trained base (B = 0): its first loss is the base's loss on that batch, near pre's last
     assert abs(rows[0]["losses"][0] - pre["losses"][-1]) < 0.2
     assert abs(rows[1]["eval_loss"] / rows[0]["eval_loss"] - 1) < 0.02
+    # the untrained-adapter row (the bar's reference): no steps, B = 0, so exactly the base's held-out loss
+    untrained = bench.train_one("lora_bf16", a, train, held_out, 64, init_state=pre["state"], steps=0)
+    assert untrained["losses"] == [] and untrained["final_train_loss"] is None
+    assert abs(untrained["eval_loss"] - pre["eval_loss"]) < 1e-6
+
+
+def test_benchmark_quality_arithmetic_task_holds_out_operand_pairs():
+    """The LoRA fine-tuning task: additions in the corpus tokenizer; held-out problems never occur in training."""
+    import argparse
+    import importlib.util
+
+    from hf_lowbit.data import build_bpe_tokenizer
+
+    spec = importlib.util.spec_from_file_location("benchmark_quality", os.path.join(ROOT, "scripts", "benchmark_quality.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tok = build_bpe_tokenizer(["def f(x):\n    return x + 1  # 12 = 3 * 4, 7 + 5 = 12"] * 20, 300)
+    a = argparse.Namespace(steps=10, batch=4, seq=32, seed=0)
+    task = bench.arithmetic_task(tok, a, n_eval=200)
+    assert task["train"].shape[1] == task["eval"].shape[1] == 32 and task["eval"].shape[0] >= 10
+    text = tok.decode(task["eval"][0])
+    assert "+" in text and "=" in text
+    train_text = tok.decode(task["train"].reshape(-1))
+    held_out = [p for p in tok.decode(task["eval"].reshape(-1)).split("</s>")[1:-1]]
+    assert held_out and not any(p + "</s>" in train_text for p in held_out)
 
 
 def test_benchmark_fsdp2_smoke_on_cpu(tmp_path):
@@ -203,3 +228,16 @@ def test_benchmark_fsdp2_smoke_on_cpu(tmp_path):
     assert two["scaling_efficiency"] > 0 and "vs_ref" not in two  # no bf16 row in this run to compare with
     assert one["max_loss_diff_vs_fewest_gpus"] is None and two["max_loss_diff_vs_fewest_gpus"] < 0.1
     assert "| int8 | 2 |" in proc.stdout
+
+
+def test_results_name_the_commit_measured(tmp_path, monkeypatch):
+    """Every benchmark JSON (bench.write_results) and its markdown header record the commit of the code measured."""
+    from benchmarks.common import git_commit, write_results
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode == 0:  # a git checkout (CI clones one)
+        assert git_commit().split("+")[0] == head.stdout.strip()
+    monkeypatch.setenv("HF_LOWBIT_COMMIT", "abc1234")  # a copy without .git (a lent GPU machine) is told it
+    write_results({"meta": {"device": "cpu"}, "rows": []}, ["| x |"], "cpu", str(tmp_path / "r.json"), str(tmp_path / "r.md"))
+    assert json.loads((tmp_path / "r.json").read_text())["meta"] == {"device": "cpu", "commit": "abc1234"}
+    assert (tmp_path / "r.md").read_text().startswith("cpu, commit abc1234\n")

@@ -82,16 +82,26 @@ def test_resume_from_checkpoint_continues_identically(tmp_path):
 
 
 def test_peft_lora_over_int8_base(tmp_path):
-    trainer = LowBitTrainer(_model("llama"), _args(tmp_path, max_steps=15, int8_mixed_precision=True),
-                            train_dataset=_data(32), peft_config=LoraConfig(r=4, target_modules="all-linear"))
-    assert isinstance(trainer.model, PeftModel)
-    q = trainer.model.base_model.model.model.layers[0].self_attn.q_proj
-    assert isinstance(q.base_layer, LowBitLinear) and not q.base_layer.weight.requires_grad
-    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable)
-    trainer.train()
-    losses = _losses(trainer)
-    assert losses[-1] < losses[0]
+    """LoRA over an INT8-compute base learns as LoRA over the same base in fp32 does (the reference run)."""
+    runs = {}
+    for int8 in (False, True):
+        trainer = LowBitTrainer(_model("llama"), _args(tmp_path / str(int8), max_steps=15, int8_mixed_precision=int8),
+                                train_dataset=_data(32), peft_config=LoraConfig(r=4, target_modules="all-linear"))
+        assert isinstance(trainer.model, PeftModel)
+        q = trainer.model.base_model.model.model.layers[0].self_attn.q_proj
+        assert isinstance(q.base_layer, LowBitLinear if int8 else nn.Linear) and not q.base_layer.weight.requires_grad
+        trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+        assert trainable and all("lora_" in n for n in trainable)
+        trainer.train()
+        runs[int8] = torch.tensor(_losses(trainer))
+    ref, int8 = runs[False], runs[True]
+    # measured: the last 3 steps' mean is 0.959x the first 3's in both runs (LoRA r4 at lr 3e-3 moves slowly;
+    # with learning rate 0 the same batches give 0.998x), and INT8 is within 0.01% of the
+    # reference at every step: bars at 0.975x and 0.5%
+    assert int8[-3:].mean() < 0.975 * int8[:3].mean(), f"LoRA over INT8 did not learn: {int8.tolist()}"
+    assert ref[-3:].mean() < 0.975 * ref[:3].mean()
+    rel = ((int8 - ref).abs() / ref).mean().item()
+    assert rel < 0.005, f"LoRA over INT8 differs from LoRA over fp32 by {rel:.2%} on average"
 
 
 def test_setup_warnings(tmp_path):
