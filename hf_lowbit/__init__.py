@@ -1,6 +1,6 @@
 """hf_lowbit: low-bit training (INT8 / FP8 mixed precision, …) for transformers, peft and accelerate."""
 
-from .args import LowBitTrainingArguments
+from .args import LowBitArgumentsMixin, LowBitTrainingArguments
 from .compute import compute_dtype
 from .mixed_precision import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear, convert_to_mixed_precision,
                               mixed_precision_linear, refresh_weight_caches, set_weight_cache)
@@ -11,7 +11,7 @@ from .loading import load_quantized_model
 from .qat import QATConfig, QATLinear, convert_qat, convert_to_qat, prepare_qat, set_fake_quant_enabled
 from .quantized_base import Int8Linear, Nf4Linear, QuantizedBaseConfig, convert_to_quantized_base, quantize_base
 from .swap import LinearFilter, SwapReport, swap_linears
-from .trainer import LowBitTrainer
+from .trainer import LowBitTrainer, LowBitTrainerMixin
 from .validation import LowBitWarning, check_training_setup
 
 # PEFT picks hf_lowbit.LoraLinear for the quantized bases (get_peft_model, PeftModel.from_pretrained, …)
@@ -21,7 +21,7 @@ register_with_peft()
 __version__ = "0.1.0"
 
 __all__ = [
-    "LowBitTrainer", "LowBitTrainingArguments", "prepare_model", "compute_dtype",
+    "LowBitTrainer", "LowBitTrainerMixin", "LowBitTrainingArguments", "LowBitArgumentsMixin", "prepare_model", "compute_dtype",
     "MixedPrecisionConfig", "MixedPrecisionLinear", "LowBitLinear", "mixed_precision_linear",
     "convert_to_mixed_precision", "set_weight_cache", "refresh_weight_caches",
     "QATConfig", "QATLinear", "convert_to_qat", "prepare_qat", "convert_qat", "set_fake_quant_enabled",
