@@ -20,6 +20,20 @@ register_with_peft()
 
 __version__ = "0.1.0"
 
+_TRL_NAMES = ("LowBitSFTTrainer", "LowBitSFTConfig")
+
+
+def __getattr__(name):
+    """``LowBitSFTTrainer`` / ``LowBitSFTConfig`` on first use: importing trl is slow and it is optional."""
+    if name in _TRL_NAMES:
+        try:
+            from . import trl_trainer
+        except ImportError as e:
+            raise ImportError(f"hf_lowbit.{name} needs trl: pip install 'hf_lowbit[trl]' ({e})") from e
+        return getattr(trl_trainer, name)
+    raise AttributeError(f"module 'hf_lowbit' has no attribute {name!r}")
+
+
 __all__ = [
     "LowBitTrainer", "LowBitTrainerMixin", "LowBitTrainingArguments", "LowBitArgumentsMixin", "prepare_model", "compute_dtype",
     "MixedPrecisionConfig", "MixedPrecisionLinear", "LowBitLinear", "mixed_precision_linear",
