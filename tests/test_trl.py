@@ -153,3 +153,15 @@ def test_rejects_arguments_without_the_low_bit_fields(tmp_path):
                          train_dataset=_chat(), processing_class=TOKENIZER)
     with pytest.raises(ValueError, match="qat_include_lm_head"):
         _cfg(tmp_path, qat_scheme="8da4w", qat_include_lm_head=True)
+
+
+def test_without_trl_the_error_says_what_to_install(monkeypatch):
+    import sys
+
+    import hf_lowbit
+
+    monkeypatch.setitem(sys.modules, "trl", None)  # import trl -> ImportError
+    monkeypatch.delitem(sys.modules, "hf_lowbit.trl_trainer")
+    monkeypatch.delattr(hf_lowbit, "trl_trainer")
+    with pytest.raises(ImportError, match=r"hf_lowbit\[trl\]"):
+        hf_lowbit.LowBitSFTTrainer
