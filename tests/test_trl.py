@@ -153,6 +153,18 @@ def test_rejects_arguments_without_the_low_bit_fields(tmp_path):
                          train_dataset=_chat(), processing_class=TOKENIZER)
     with pytest.raises(ValueError, match="qat_include_lm_head"):
         _cfg(tmp_path, qat_scheme="8da4w", qat_include_lm_head=True)
+    with pytest.raises(ValueError, match="LowBitSFTConfig.lowbit_peak_tflops"):
+        _cfg(tmp_path, lowbit_peak_tflops=0)
+
+
+def test_sft_config_fields_are_cli_flags():
+    from transformers import HfArgumentParser
+
+    (cfg,) = HfArgumentParser(LowBitSFTConfig).parse_args_into_dataclasses(args=[
+        "--output_dir", "o", "--use_cpu", "--report_to", "none", "--int8_mixed_precision", "--no_lowbit_grad_weight",
+        "--lowbit_peak_tflops", "989", "--packing", "--max_length", "64"])
+    assert cfg.lowbit_recipes == ["int8_mixed_precision"] and not cfg.lowbit_grad_weight
+    assert cfg.lowbit_peak_tflops == 989.0 and cfg.packing and cfg.max_length == 64
 
 
 def test_without_trl_the_error_says_what_to_install(monkeypatch):
