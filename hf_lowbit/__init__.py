@@ -35,7 +35,8 @@ def __getattr__(name):
 
 
 __all__ = [
-    "LowBitTrainer", "LowBitTrainerMixin", "LowBitTrainingArguments", "LowBitArgumentsMixin", "prepare_model", "compute_dtype",
+    "LowBitTrainer", "LowBitTrainerMixin", "LowBitTrainingArguments", "LowBitArgumentsMixin", "prepare_model",
+    "compute_dtype",
     "MixedPrecisionConfig", "MixedPrecisionLinear", "LowBitLinear", "mixed_precision_linear",
     "convert_to_mixed_precision", "set_weight_cache", "refresh_weight_caches",
     "QATConfig", "QATLinear", "convert_to_qat", "prepare_qat", "convert_qat", "set_fake_quant_enabled",

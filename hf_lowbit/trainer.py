@@ -75,8 +75,8 @@ class LowBitTrainerMixin:
         weights), whose ``push_to_hub(repo)`` then uploads exactly the files written here.
         """
         if self.args.qat_scheme is None:
-            raise ValueError(f"{type(self).__name__}.save_quantized needs {self.lowbit_args_class.__name__}(qat_scheme=...): "
-                             "the model was not trained with fake quantization")
+            raise ValueError(f"{type(self).__name__}.save_quantized needs {self.lowbit_args_class.__name__}"
+                             "(qat_scheme=...): the model was not trained with fake quantization")
         config = QATConfig(scheme=self.args.qat_scheme, group_size=self.args.qat_group_size)
         if self.args.world_size > 1 or self.is_fsdp_enabled:
             return self._save_quantized_gathered(path, config)
@@ -91,8 +91,8 @@ class LowBitTrainerMixin:
 
         model = self.accelerator.unwrap_model(self.model)
         if isinstance(model, PeftModel):
-            raise NotImplementedError(f"{type(self).__name__}.save_quantized of a LoRA model in a distributed run: save the "
-                                      "adapter (trainer.save_model), then merge and export from one process")
+            raise NotImplementedError(f"{type(self).__name__}.save_quantized of a LoRA model in a distributed run: "
+                                      "save the adapter (trainer.save_model), then merge and export from one process")
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         files = []
         if self.is_world_process_zero():
