@@ -4,7 +4,7 @@ from . import _quiet
 
 _quiet.install()  # before transformers imports torchao: drop its known-harmless start-up messages
 
-from .args import LowBitTrainingArguments  # noqa: E402
+from .args import LowBitArgumentsMixin, LowBitTrainingArguments  # noqa: E402
 from .compute import compute_dtype  # noqa: E402
 from .mixed_precision import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear,  # noqa: E402
                               convert_to_mixed_precision, mixed_precision_linear, refresh_weight_caches,
@@ -16,7 +16,7 @@ from .loading import load_quantized_model
 from .qat import QATConfig, QATLinear, convert_qat, convert_to_qat, prepare_qat, set_fake_quant_enabled
 from .quantized_base import Int8Linear, Nf4Linear, QuantizedBaseConfig, convert_to_quantized_base, quantize_base
 from .swap import LinearFilter, SwapReport, swap_linears
-from .trainer import LowBitTrainer
+from .trainer import LowBitTrainer, LowBitTrainerMixin
 from .validation import LowBitWarning, check_training_setup
 
 # PEFT picks hf_lowbit.LoraLinear for the quantized bases (get_peft_model, PeftModel.from_pretrained, …)
@@ -25,8 +25,23 @@ register_with_peft()
 
 __version__ = "0.1.0"
 
+_TRL_NAMES = ("LowBitSFTTrainer", "LowBitSFTConfig")
+
+
+def __getattr__(name):
+    """``LowBitSFTTrainer`` / ``LowBitSFTConfig`` on first use: importing trl is slow and it is optional."""
+    if name in _TRL_NAMES:
+        try:
+            from . import trl_trainer
+        except ImportError as e:
+            raise ImportError(f"hf_lowbit.{name} needs trl: pip install 'hf_lowbit[trl]' ({e})") from e
+        return getattr(trl_trainer, name)
+    raise AttributeError(f"module 'hf_lowbit' has no attribute {name!r}")
+
+
 __all__ = [
-    "LowBitTrainer", "LowBitTrainingArguments", "prepare_model", "compute_dtype",
+    "LowBitTrainer", "LowBitTrainerMixin", "LowBitTrainingArguments", "LowBitArgumentsMixin", "prepare_model",
+    "compute_dtype",
     "MixedPrecisionConfig", "MixedPrecisionLinear", "LowBitLinear", "mixed_precision_linear",
     "convert_to_mixed_precision", "set_weight_cache", "refresh_weight_caches",
     "QATConfig", "QATLinear", "convert_to_qat", "prepare_qat", "convert_qat", "set_fake_quant_enabled",

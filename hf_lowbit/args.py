@@ -1,7 +1,9 @@
 """``LowBitTrainingArguments``: ``TrainingArguments`` plus the low-bit recipe switches.
 
-Every field carries ``help`` metadata, so ``HfArgumentParser`` turns it into a CLI flag, and is
-validated in ``__post_init__`` with an error that names it.
+The switches live in one dataclass mixin, ``LowBitArgumentsMixin``, shared by every arguments class
+that carries them (``LowBitTrainingArguments`` here, ``hf_lowbit.trl_trainer.LowBitSFTConfig`` over
+``trl.SFTConfig``). Every field carries ``help`` metadata, so ``HfArgumentParser`` turns it into a CLI
+flag, and is validated in ``__post_init__`` with an error that names it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ MIXED_PRECISION_RECIPES = {"int8_mixed_precision": "int8", "fp8_mixed_precision"
 
 
 @dataclass
-class LowBitTrainingArguments(TrainingArguments):
+class LowBitArgumentsMixin:
+    """The low-bit fields and their validation, mixed in before a ``TrainingArguments`` subclass.
+
+    Every field has a default, so dataclass ordering holds whatever the other base declares; the combined
+    class must itself be a ``@dataclass`` (its generated ``__init__`` takes both sets of fields).
+    """
+
     int8_mixed_precision: bool = field(default=False, metadata={"help": (
         "Run the forward and backward matmuls of the model's nn.Linear layers in INT8 with dynamic "
         "row-wise scaling; weights, optimizer state and everything else keep their precision.")})
@@ -71,78 +79,94 @@ class LowBitTrainingArguments(TrainingArguments):
     lora_base_int8_cache: bool = field(default=False, metadata={"help": (
         "With lora_base_quant='nf4' and int8_mixed_precision: keep an INT8 copy of each NF4 base, computed once "
         "(+1 byte per base parameter; saves a dequantize+quantize of every base weight per matmul).")})
+    lowbit_peak_tflops: float | None = field(default=None, metadata={"help": (
+        "The accelerator's dense bf16 peak in TFLOP/s, for the train_mfu log entry. Default (unset): looked up "
+        "from the GPU's name (H100/H200 989, A100 312, ...); unknown GPUs and CPUs log no MFU.")})
 
     def __post_init__(self):
         super().__post_init__()
+        self._validate_lowbit()
+
+    def _validate_lowbit(self) -> None:
+        """Check the low-bit fields on their own and against each other; each error names its field."""
+        cls = type(self).__name__
         for name in ("int8_mixed_precision", "fp8_mixed_precision", "lowbit_output", "lowbit_grad_input",
                      "lowbit_grad_weight", "lora_base_int8_cache"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise TypeError(f"LowBitTrainingArguments.{name} must be True or False, got {value!r}")
+                raise TypeError(f"{cls}.{name} must be True or False, got {value!r}")
         if not isinstance(self.lowbit_stochastic_rounding, bool):
-            raise TypeError("LowBitTrainingArguments.lowbit_stochastic_rounding must be True or False, "
+            raise TypeError(f"{cls}.lowbit_stochastic_rounding must be True or False, "
                             f"got {self.lowbit_stochastic_rounding!r}")
         if self.lowbit_stochastic_rounding and not self.int8_mixed_precision:
-            raise ValueError("LowBitTrainingArguments.lowbit_stochastic_rounding=True needs int8_mixed_precision=True "
+            raise ValueError(f"{cls}.lowbit_stochastic_rounding=True needs int8_mixed_precision=True "
                              "(it is implemented for INT8 operands only)")
         for name in ("lowbit_weight_cache", "lowbit_cuda_graphs"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                raise TypeError(f"LowBitTrainingArguments.{name} must be True, False or None (automatic), got {value!r}")
+                raise TypeError(f"{cls}.{name} must be True, False or None (automatic), got {value!r}")
         if self.lowbit_weight_cache and not self.lowbit_recipes:
-            raise ValueError("LowBitTrainingArguments.lowbit_weight_cache=True caches the INT8/FP8 form of trainable "
+            raise ValueError(f"{cls}.lowbit_weight_cache=True caches the INT8/FP8 form of trainable "
                              "weights: it needs int8_mixed_precision or fp8_mixed_precision")
         if self.lowbit_cuda_graphs and self.torch_compile_mode not in (None, "reduce-overhead"):
-            raise ValueError(f"LowBitTrainingArguments.lowbit_cuda_graphs=True with torch_compile_mode="
+            raise ValueError(f"{cls}.lowbit_cuda_graphs=True with torch_compile_mode="
                              f"{self.torch_compile_mode!r}: CUDA graphs are torch_compile_mode='reduce-overhead'; "
                              "leave one of them unset")
         if isinstance(self.lowbit_exclude_modules, str):
             self.lowbit_exclude_modules = [self.lowbit_exclude_modules]
         bad = [p for p in self.lowbit_exclude_modules if not isinstance(p, str) or not p.strip()]
         if bad:
-            raise ValueError("LowBitTrainingArguments.lowbit_exclude_modules must be non-empty module names "
+            raise ValueError(f"{cls}.lowbit_exclude_modules must be non-empty module names "
                              f"or glob patterns, got {bad!r}")
         if isinstance(self.lowbit_min_features, bool) or not isinstance(self.lowbit_min_features, int) \
                 or self.lowbit_min_features < 1:
-            raise ValueError("LowBitTrainingArguments.lowbit_min_features must be an integer >= 1, "
+            raise ValueError(f"{cls}.lowbit_min_features must be an integer >= 1, "
                              f"got {self.lowbit_min_features!r}")
         if self.qat_scheme is not None and self.qat_scheme not in QAT_SCHEMES:
-            raise ValueError(f"LowBitTrainingArguments.qat_scheme={self.qat_scheme!r} is not a QAT scheme; "
+            raise ValueError(f"{cls}.qat_scheme={self.qat_scheme!r} is not a QAT scheme; "
                              f"valid schemes: {', '.join(QAT_SCHEMES)} (or None for no QAT)")
         for name, low in (("qat_group_size", 2), ("qat_fake_quant_after_n_steps", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"LowBitTrainingArguments.{name} must be an integer >= {low}, got {value!r}")
+                raise ValueError(f"{cls}.{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(self.qat_include_lm_head, bool):
-            raise TypeError(f"LowBitTrainingArguments.qat_include_lm_head must be True or False, "
+            raise TypeError(f"{cls}.qat_include_lm_head must be True or False, "
                             f"got {self.qat_include_lm_head!r}")
         if self.qat_scheme is not None and self.lowbit_recipes:
-            raise ValueError(f"LowBitTrainingArguments.qat_scheme={self.qat_scheme!r} with "
+            raise ValueError(f"{cls}.qat_scheme={self.qat_scheme!r} with "
                              f"{self.lowbit_recipes[0]}=True: a linear is either fake-quantized for QAT or "
                              "computed in low precision; switch one off")
         if self.int8_mixed_precision and self.fp8_mixed_precision:
-            raise ValueError("LowBitTrainingArguments.int8_mixed_precision and fp8_mixed_precision are both True: "
+            raise ValueError(f"{cls}.int8_mixed_precision and fp8_mixed_precision are both True: "
                              "each linear computes in one format; choose one")
         if self.lora_base_quant is not None and self.lora_base_quant not in ("nf4", "int8"):
-            raise ValueError("LowBitTrainingArguments.lora_base_quant must be None, 'nf4' or 'int8', "
+            raise ValueError(f"{cls}.lora_base_quant must be None, 'nf4' or 'int8', "
                              f"got {self.lora_base_quant!r}")
         if self.lora_base_quant and self.qat_scheme is not None:
-            raise ValueError(f"LowBitTrainingArguments.qat_scheme={self.qat_scheme!r} with lora_base_quant="
+            raise ValueError(f"{cls}.qat_scheme={self.qat_scheme!r} with lora_base_quant="
                              f"{self.lora_base_quant!r}: QAT fake-quantizes a high-precision base for a later "
                              "export, a QLoRA base is stored quantized already; use one (QAT + LoRA needs no "
                              "lora_base_quant)")
         if self.lora_base_quant and self.fp8_mixed_precision:
-            raise ValueError("LowBitTrainingArguments.lora_base_quant with fp8_mixed_precision is not supported: "
+            raise ValueError(f"{cls}.lora_base_quant with fp8_mixed_precision is not supported: "
                              "a quantized base computes in INT8 (int8_mixed_precision) or in the compute dtype")
         if self.lora_base_int8_cache and not (self.lora_base_quant == "nf4" and self.int8_mixed_precision):
-            raise ValueError("LowBitTrainingArguments.lora_base_int8_cache=True needs lora_base_quant='nf4' and "
+            raise ValueError(f"{cls}.lora_base_int8_cache=True needs lora_base_quant='nf4' and "
                              "int8_mixed_precision=True (it caches the INT8 form of NF4 bases for INT8 compute)")
         if self.lowbit_recipes and not (self.lowbit_output or self.lowbit_grad_input or self.lowbit_grad_weight):
-            raise ValueError(f"LowBitTrainingArguments.{self.lowbit_recipes[0]}=True with lowbit_output, "
+            raise ValueError(f"{cls}.{self.lowbit_recipes[0]}=True with lowbit_output, "
                              "lowbit_grad_input and lowbit_grad_weight all False quantizes nothing: "
                              "enable at least one matmul or switch the recipe off")
+        peak = self.lowbit_peak_tflops
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0):
+            raise ValueError(f"{cls}.lowbit_peak_tflops must be a positive number of TFLOP/s or None, got {peak!r}")
 
     @property
     def lowbit_recipes(self) -> list[str]:
         """The low-bit recipes these arguments switch on, in the order they are applied."""
         return [name for name in MIXED_PRECISION_RECIPES if getattr(self, name)]
+
+
+@dataclass
+class LowBitTrainingArguments(LowBitArgumentsMixin, TrainingArguments):
+    """``TrainingArguments`` with the low-bit switches of ``LowBitArgumentsMixin`` (for ``LowBitTrainer``)."""

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from .args import LowBitTrainingArguments
+from .args import LowBitArgumentsMixin
 from .prepare import apply_recipes
 from .validation import LowBitWarning
 
@@ -54,7 +54,7 @@ def keep_integer_params_unsharded(fsdp_plugin, model, device, torch_version: str
     return names
 
 
-def unsharded_copy(model, state: dict, args: LowBitTrainingArguments):
+def unsharded_copy(model, state: dict, args: LowBitArgumentsMixin):
     """A CPU copy of ``model`` (a transformers model, maybe FSDP2-sharded) holding the full ``state``."""
     from torch.distributed.fsdp import FSDPModule
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 from torch import nn
 
-from .args import MIXED_PRECISION_RECIPES, LowBitTrainingArguments
+from .args import MIXED_PRECISION_RECIPES, LowBitArgumentsMixin
 from .mixed_precision import MixedPrecisionConfig, convert_to_mixed_precision
 from .qat import QATConfig, convert_to_qat
 from .quantized_base import QuantizedBaseConfig, convert_to_quantized_base
@@ -26,12 +26,12 @@ from .swap import LinearFilter, SwapReport
 logger = logging.getLogger("hf_lowbit")
 
 
-def base_filter(args: LowBitTrainingArguments) -> LinearFilter:
+def base_filter(args: LowBitArgumentsMixin) -> LinearFilter:
     """The one filter the arguments describe; each recipe's config adds its own shape rules to it."""
     return LinearFilter(exclude=tuple(args.lowbit_exclude_modules), min_features=args.lowbit_min_features)
 
 
-def recipes_from_args(args: LowBitTrainingArguments) -> list[tuple[Callable, object]]:
+def recipes_from_args(args: LowBitArgumentsMixin) -> list[tuple[Callable, object]]:
     """``(convert, config)`` of every recipe ``args`` switch on, in the order they are applied.
 
     The QLoRA base goes first: it is stored quantized and computes as the mixed-precision switches ask
@@ -56,10 +56,16 @@ def recipes_from_args(args: LowBitTrainingArguments) -> list[tuple[Callable, obj
     return recipes
 
 
-def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=None) -> tuple[nn.Module, list[SwapReport]]:
-    """Swap modules as ``args`` asks and attach ``peft_config`` (if any); return the model and reports."""
-    if not isinstance(args, LowBitTrainingArguments):
-        raise TypeError(f"args must be LowBitTrainingArguments, got {type(args).__name__}")
+def apply_recipes(model: nn.Module, args: LowBitArgumentsMixin, peft_config=None,
+                  attach_peft: bool = True) -> tuple[nn.Module, list[SwapReport]]:
+    """Swap modules as ``args`` asks and attach ``peft_config`` (if any); return the model and reports.
+
+    ``attach_peft=False`` leaves ``get_peft_model`` to the caller (trl's trainers call it themselves, with
+    their own handling around it) and only resolves ``"all-linear"`` against the swapped model.
+    """
+    if not isinstance(args, LowBitArgumentsMixin):
+        raise TypeError(f"args must be LowBitTrainingArguments (or another LowBitArgumentsMixin class), "
+                        f"got {type(args).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if args.lora_base_quant and peft_config is None:
@@ -80,7 +86,8 @@ def apply_recipes(model: nn.Module, args: LowBitTrainingArguments, peft_config=N
         from .lora import resolve_all_linear
 
         resolve_all_linear(model, peft_config)  # PEFT's "all-linear" does not know quantized bases
-        model = get_peft_model(model, peft_config)
+        if attach_peft:
+            model = get_peft_model(model, peft_config)
     return model, reports
 
 
@@ -94,7 +101,7 @@ def log_reports(reports: list[SwapReport]) -> None:
             logger.info("%s %s %s %s: %s", report.recipe, e.action, e.name, e.shape, e.reason)
 
 
-def prepare_model(model: nn.Module, args: LowBitTrainingArguments, peft_config=None) -> nn.Module:
+def prepare_model(model: nn.Module, args: LowBitArgumentsMixin, peft_config=None) -> nn.Module:
     """Return ``model`` prepared for low-bit training as ``args`` describe (maybe a ``PeftModel``).
 
     Modules are swapped in place; parameters are shared, not copied, and ``state_dict`` keys do not

@@ -1,7 +1,10 @@
-"""``LowBitTrainer``: the transformers ``Trainer`` with the low-bit recipes applied at construction."""
+"""``LowBitTrainerMixin``: the low-bit behaviour for any transformers ``Trainer`` subclass, and
+``LowBitTrainer`` = the mixin + ``Trainer``. (``hf_lowbit.trl_trainer`` puts the same mixin on trl's
+``SFTTrainer``.)"""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -9,40 +12,53 @@ import shutil
 import torch
 from transformers import Trainer
 
-from .args import LowBitTrainingArguments
+from .args import LowBitArgumentsMixin, LowBitTrainingArguments
 from .distributed import keep_integer_params_unsharded, unsharded_copy
 from .export import merge_lora, save_quantized
 from .mixed_precision import refresh_weight_caches, set_weight_cache
 from .prepare import apply_recipes, log_reports
 from .qat import FakeQuantScheduleCallback, QATConfig
+from .throughput import ThroughputMeter, peak_tflops
 from .validation import check_training_setup
 
 DATA_STATE_NAME = "hf_lowbit_data_state.json"
 _SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
 
 
-class LowBitTrainer(Trainer):
-    """A ``Trainer`` whose model is prepared by ``hf_lowbit.prepare_model`` when it is constructed.
+class LowBitTrainerMixin:
+    """The low-bit behaviour, mixed in before a ``Trainer`` subclass: ``class T(LowBitTrainerMixin, Trainer)``.
 
-    ``trainer.model`` already shows the swapped modules; ``trainer.lowbit_reports`` holds what each
-    recipe swapped and skipped. ``peft_config`` (a ``peft.LoraConfig`` …) wraps the prepared model
-    in a ``PeftModel``.
+    The model is prepared (``hf_lowbit.prepare_model``'s swaps) when the trainer is constructed, before
+    the base class sees it, so ``trainer.model`` already shows the swapped modules;
+    ``trainer.lowbit_reports`` holds what each recipe swapped and skipped. ``peft_config`` (a
+    ``peft.LoraConfig`` …) wraps the prepared model in a ``PeftModel``: here, unless the base class takes
+    ``peft_config`` itself (trl's trainers), in which case it gets the swapped model and the config with
+    ``"all-linear"`` resolved against the quantized bases, and wraps it once, its own way. ``args`` must
+    be a ``LowBitArgumentsMixin`` dataclass (``lowbit_args_class`` is the default and the name errors use).
+    Training logs gain ``train_tokens_per_second`` and ``train_mfu`` (see ``hf_lowbit.throughput``).
     """
 
-    def __init__(self, model=None, args: LowBitTrainingArguments | None = None, *pargs, peft_config=None, **kwargs):
+    lowbit_args_class: type = LowBitTrainingArguments
+
+    def __init__(self, model=None, args=None, *pargs, peft_config=None, **kwargs):
+        name, args_name = type(self).__name__, self.lowbit_args_class.__name__
         if args is None:
-            args = LowBitTrainingArguments(output_dir="trainer_output")
-        if not isinstance(args, LowBitTrainingArguments):
-            raise TypeError("LowBitTrainer needs args=LowBitTrainingArguments(...) (a subclass of "
-                            f"TrainingArguments with the low-bit switches), got {type(args).__name__}")
-        if model is None:
-            raise ValueError("LowBitTrainer prepares the model when it is constructed: pass model=...; "
-                             "model_init is not supported")
-        model, self.lowbit_reports = apply_recipes(model, args, peft_config)
+            args = self.lowbit_args_class(output_dir="trainer_output")
+        if not isinstance(args, LowBitArgumentsMixin):
+            raise TypeError(f"{name} needs args={args_name}(...) (the low-bit switches of LowBitArgumentsMixin "
+                            f"on top of the base class's arguments), got {type(args).__name__}")
+        if model is None or isinstance(model, str):
+            raise ValueError(f"{name} prepares the model when it is constructed: pass model=<a loaded model>; "
+                             "model names and model_init are not supported")
+        base_takes_peft = "peft_config" in inspect.signature(super().__init__).parameters
+        model, self.lowbit_reports = apply_recipes(model, args, peft_config, attach_peft=not base_takes_peft)
         log_reports(self.lowbit_reports)
+        if base_takes_peft:
+            kwargs["peft_config"] = peft_config
         self.lowbit_cuda_graphs = _use_cuda_graphs(args)
         if self.lowbit_cuda_graphs and args.torch_compile_mode is None:
             args.torch_compile_mode = "reduce-overhead"  # read by Trainer.__init__ (accelerate's dynamo plugin)
+        self.lowbit_throughput = ThroughputMeter()
         super().__init__(model, args, *pargs, **kwargs)
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         cache = args.lowbit_weight_cache
@@ -62,8 +78,8 @@ class LowBitTrainer(Trainer):
         weights), whose ``push_to_hub(repo)`` then uploads exactly the files written here.
         """
         if self.args.qat_scheme is None:
-            raise ValueError("LowBitTrainer.save_quantized needs LowBitTrainingArguments(qat_scheme=...): "
-                             "the model was not trained with fake quantization")
+            raise ValueError(f"{type(self).__name__}.save_quantized needs {self.lowbit_args_class.__name__}"
+                             "(qat_scheme=...): the model was not trained with fake quantization")
         config = QATConfig(scheme=self.args.qat_scheme, group_size=self.args.qat_group_size)
         if self.args.world_size > 1 or self.is_fsdp_enabled:
             return self._save_quantized_gathered(path, config)
@@ -78,8 +94,8 @@ class LowBitTrainer(Trainer):
 
         model = self.accelerator.unwrap_model(self.model)
         if isinstance(model, PeftModel):
-            raise NotImplementedError("LowBitTrainer.save_quantized of a LoRA model in a distributed run: save the "
-                                      "adapter (trainer.save_model), then merge and export from one process")
+            raise NotImplementedError(f"{type(self).__name__}.save_quantized of a LoRA model in a distributed run: "
+                                      "save the adapter (trainer.save_model), then merge and export from one process")
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         files = []
         if self.is_world_process_zero():
@@ -100,6 +116,7 @@ class LowBitTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self.check_setup()
         self._seek_data(resume_from_checkpoint)
+        self.lowbit_throughput.reset()
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints that survive a kill
@@ -174,15 +191,36 @@ class LowBitTrainer(Trainer):
 
     def training_step(self, model, inputs, *args, **kwargs):
         self._lowbit_before_forward(model, training=True)
+        if "input_ids" in inputs:
+            self.lowbit_throughput.count(inputs["input_ids"])
         return super().training_step(model, inputs, *args, **kwargs)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         self._lowbit_before_forward(model, training=False)
         return super().prediction_step(model, inputs, *args, **kwargs)
 
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """Add ``train_tokens_per_second`` (all processes) and ``train_mfu`` (with a known peak: the GPU's
+        name in ``hf_lowbit.throughput.PEAK_BF16_TFLOPS`` or ``lowbit_peak_tflops``) to training-step logs.
+        Per-process token counts are summed by one all-reduce here, at log time, never per step.
+        (With ``include_num_input_tokens_seen``, ``Trainer.log`` overwrites the first with its session average.)"""
+        if "loss" in logs:
+            peak = self.args.lowbit_peak_tflops or peak_tflops(self.args.device)
+            logs.update(self.lowbit_throughput.read(self.model, peak, self.accelerator.num_processes, self._sum_counts))
+        return super().log(logs, *args, **kwargs)
 
-def _use_cuda_graphs(args: LowBitTrainingArguments) -> bool:
-    """Whether this run compiles with CUDA graphs (see ``LowBitTrainingArguments.lowbit_cuda_graphs``)."""
+    def _sum_counts(self, counts: list[int]) -> list[int]:
+        total = self.accelerator.reduce(torch.tensor(counts, device=self.args.device), reduction="sum")
+        return [int(v) for v in total.tolist()]
+
+
+class LowBitTrainer(LowBitTrainerMixin, Trainer):
+    """A ``Trainer`` whose model is prepared by ``hf_lowbit.prepare_model`` when it is constructed
+    (everything is ``LowBitTrainerMixin``'s; ``args`` are ``LowBitTrainingArguments``)."""
+
+
+def _use_cuda_graphs(args: LowBitArgumentsMixin) -> bool:
+    """Whether this run compiles with CUDA graphs (see ``LowBitArgumentsMixin.lowbit_cuda_graphs``)."""
     if args.lowbit_cuda_graphs is not None:
         return args.lowbit_cuda_graphs
     low_bit_compute = bool(args.lowbit_recipes)
@@ -210,4 +248,4 @@ def _inspect_shapes(dataset, batch_size: int) -> tuple[bool | None, int | None]:
     return True, lengths.pop() * batch_size
 
 
-__all__ = ["LowBitTrainer"]
+__all__ = ["LowBitTrainer", "LowBitTrainerMixin"]

@@ -1,0 +1,36 @@
+"""``LowBitSFTTrainer`` / ``LowBitSFTConfig``: trl's ``SFTTrainer`` with the low-bit behaviour.
+
+Needs trl (``pip install hf_lowbit[trl]``). The module is not named ``trl`` so that ``import trl`` here
+is the package. ``SFTTrainer`` wraps the model in PEFT in its own ``__init__``: the mixin swaps the
+modules first and hands it the swapped model with ``peft_config`` (its ``"all-linear"`` resolved to
+include the quantized bases), so ``get_peft_model`` runs once, over our bases (``hf_lowbit.LoraLinear``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trl import SFTConfig, SFTTrainer
+
+from .args import LowBitArgumentsMixin
+from .trainer import LowBitTrainerMixin
+
+
+@dataclass
+class LowBitSFTConfig(LowBitArgumentsMixin, SFTConfig):
+    """``trl.SFTConfig`` with the low-bit switches of ``LowBitArgumentsMixin``."""
+
+    def _validate_lowbit(self) -> None:
+        super()._validate_lowbit()
+        if self.qat_include_lm_head:
+            raise ValueError("LowBitSFTConfig.qat_include_lm_head=True is not supported: SFTTrainer's fused LM head "
+                             "multiplies by lm_head.weight directly, bypassing the fake quantization")
+
+
+class LowBitSFTTrainer(LowBitTrainerMixin, SFTTrainer):
+    """``trl.SFTTrainer`` whose model is prepared when it is constructed (see ``LowBitTrainerMixin``)."""
+
+    lowbit_args_class = LowBitSFTConfig
+
+
+__all__ = ["LowBitSFTConfig", "LowBitSFTTrainer"]
