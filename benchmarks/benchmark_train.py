@@ -392,6 +392,8 @@ def main():
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmark_train.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
+    from benchmarks.common import git_commit
+
     meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(sys.argv), "config": {k: getattr(a, k) for k in (
                 "hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "batch", "seq", "warmup", "steps",

@@ -193,9 +193,9 @@ def test_benchmark_quality_arithmetic_task_holds_out_operand_pairs():
     import argparse
     import importlib.util
 
-    from hf_lowbit.data import build_bpe_tokenizer
+    from benchmarks.corpus import build_bpe_tokenizer
 
-    spec = importlib.util.spec_from_file_location("benchmark_quality", os.path.join(ROOT, "scripts", "benchmark_quality.py"))
+    spec = importlib.util.spec_from_file_location("benchmark_quality", os.path.join(ROOT, "benchmarks", "benchmark_quality.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     tok = build_bpe_tokenizer(["def f(x):\n    return x + 1  # 12 = 3 * 4, 7 + 5 = 12"] * 20, 300)
