@@ -57,8 +57,9 @@ class LowBitArgumentsMixin:
         "unbiased; the forward still rounds to nearest. Not yet measured on a GPU (docs/design.md).")})
     lowbit_cuda_graphs: bool | None = field(default=None, metadata={"help": (
         "Compile with CUDA graphs (torch_compile_mode='reduce-overhead'): at 1-2k-token micro-batches the "
-        "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 compute with "
-        "torch_compile=True, no torch_compile_mode given, on a CUDA device, without FSDP or DeepSpeed.")})
+        "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 full fine-tuning "
+        "(no LoRA) with torch_compile=True, no torch_compile_mode given, on a CUDA device, without FSDP or "
+        "DeepSpeed.")})
     qat_scheme: str | None = field(default=None, metadata={"help": (
         "Quantization-aware training: fake-quantize the linears during training, then convert with "
         f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)} ('8da4w': int8 per-token dynamic "

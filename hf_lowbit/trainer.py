@@ -55,7 +55,7 @@ class LowBitTrainerMixin:
         log_reports(self.lowbit_reports)
         if base_takes_peft:
             kwargs["peft_config"] = peft_config
-        self.lowbit_cuda_graphs = _use_cuda_graphs(args)
+        self.lowbit_cuda_graphs = _use_cuda_graphs(args, adapters=peft_config is not None)
         if self.lowbit_cuda_graphs and args.torch_compile_mode is None:
             args.torch_compile_mode = "reduce-overhead"  # read by Trainer.__init__ (accelerate's dynamo plugin)
         self.lowbit_throughput = ThroughputMeter()
@@ -219,11 +219,15 @@ class LowBitTrainer(LowBitTrainerMixin, Trainer):
     (everything is ``LowBitTrainerMixin``'s; ``args`` are ``LowBitTrainingArguments``)."""
 
 
-def _use_cuda_graphs(args: LowBitArgumentsMixin) -> bool:
-    """Whether this run compiles with CUDA graphs (see ``LowBitArgumentsMixin.lowbit_cuda_graphs``)."""
+def _use_cuda_graphs(args: LowBitArgumentsMixin, adapters: bool = False) -> bool:
+    """Whether this run compiles with CUDA graphs (see ``LowBitArgumentsMixin.lowbit_cuda_graphs``).
+
+    Automatically only for full fine-tuning with INT8/FP8 compute: the setup measured on the H200
+    (docs/benchmarks.md "Regimes"); LoRA / QLoRA under CUDA graphs has not been, so ``adapters`` keeps it off
+    unless asked for."""
     if args.lowbit_cuda_graphs is not None:
         return args.lowbit_cuda_graphs
-    low_bit_compute = bool(args.lowbit_recipes)
+    low_bit_compute = bool(args.lowbit_recipes) and not adapters and not args.lora_base_quant
     # FSDP / DeepSpeed (from the arguments or an accelerate launch config): their hooks and collectives
     # run between the graphs, and the graphs would capture parameters that the wrappers swap
     sharded = bool(args.fsdp) or bool(args.deepspeed) or any(

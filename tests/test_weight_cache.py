@@ -153,3 +153,28 @@ def test_small_micro_batch_warning_only_without_accumulation():
 
     assert len(found(1)) == 1 and "gradient_accumulation_steps" in found(1)[0]
     assert found(8) == []
+
+
+def test_cuda_graphs_chosen_only_where_measured():
+    """LowBitTrainer's automatic CUDA graphs: INT8/FP8 full fine-tuning, compiled without a mode, one CUDA
+    device, nothing sharded; never for LoRA/QLoRA (not measured), never over an explicit choice."""
+    from types import SimpleNamespace
+
+    from hf_lowbit.trainer import _use_cuda_graphs
+
+    def args(**kw):
+        base = dict(lowbit_cuda_graphs=None, lowbit_recipes=["int8_mixed_precision"], lora_base_quant=None,
+                    torch_compile=True, torch_compile_mode=None, fsdp=[], deepspeed=None, device=torch.device("cuda"))
+        base.update(kw)
+        return SimpleNamespace(**base)
+
+    assert _use_cuda_graphs(args())
+    assert not _use_cuda_graphs(args(), adapters=True)
+    assert not _use_cuda_graphs(args(lora_base_quant="nf4"))
+    assert not _use_cuda_graphs(args(lowbit_recipes=[]))
+    assert not _use_cuda_graphs(args(torch_compile=False))
+    assert not _use_cuda_graphs(args(torch_compile_mode="max-autotune"))
+    assert not _use_cuda_graphs(args(fsdp=["full_shard"]))
+    assert not _use_cuda_graphs(args(device=torch.device("cpu")))
+    assert _use_cuda_graphs(args(lowbit_cuda_graphs=True, device=torch.device("cpu")))
+    assert not _use_cuda_graphs(args(lowbit_cuda_graphs=False))
