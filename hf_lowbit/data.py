@@ -161,15 +161,23 @@ def _chat_segments(messages: list[dict], tokenizer, where: str, first_trainable:
 
 def _render_turn(messages: list[dict], i: int, tokenizer) -> tuple[str, str]:
     """(the rendered conversation before assistant message ``i``, generation prompt included; that message)."""
+    render = lambda m, **kw: tokenizer.apply_chat_template(m, tokenize=False, **kw)  # noqa: E731
     if i > 0 and messages[i - 1]["role"] in ("user", "tool", "assistant"):
-        from trl.data_utils import apply_chat_template
-
-        # TRL: the prompt with the generation prompt (or the final message continued), cut to the common
-        # prefix with the rendered prompt+completion (templates such as DeepSeek-R1 differ there)
-        out = apply_chat_template({"prompt": messages[:i], "completion": [messages[i]]}, tokenizer)
-        return out["prompt"], out["completion"]
-    prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False) if i else ""
-    return prompt, tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)[len(prompt):]
+        try:
+            from trl.data_utils import apply_chat_template
+        except ImportError:  # trl is optional: the same split, for a prompt that ends with a user turn
+            apply_chat_template = None
+        if apply_chat_template is not None:
+            # TRL: the prompt with the generation prompt (or the final message continued), cut to the common
+            # prefix with the rendered prompt+completion (templates such as DeepSeek-R1 differ there)
+            out = apply_chat_template({"prompt": messages[:i], "completion": [messages[i]]}, tokenizer)
+            return out["prompt"], out["completion"]
+        if messages[i - 1]["role"] != "assistant":
+            prompt, whole = render(messages[:i], add_generation_prompt=True), render(messages[: i + 1])
+            prompt = os.path.commonprefix([prompt, whole])
+            return prompt, whole[len(prompt):]
+    prompt = render(messages[:i]) if i else ""
+    return prompt, render(messages[: i + 1])[len(prompt):]
 
 
 def format_records(records: list[dict], tokenizer, source: str) -> list[str]:
