@@ -141,6 +141,14 @@ def test_sft_run_computes_the_loss_on_completions_only(tmp_path):
                      "--per_device_train_batch_size", "4", "--save_strategy", "no", "--disable_tqdm", "True",
                      "--seed", "0", *extra])
 
+    from hf_lowbit.sft import build_data
+
+    data_args = parse_args(["--model_name_or_path", str(model_dir), "--dataset", str(data), "--block_size", "32"])[1]
+    train = build_data(data_args, tok, 0, embedded=False)[0]  # what the Trainer gets: no '+' or '=' in the loss
+    labels = torch.stack([train[i]["labels"] for i in range(len(train))])
+    kept = set(labels[labels != -100].tolist())
+    assert (labels == -100).any() and not kept & set(tok.convert_tokens_to_ids(["+", "="]))
+    assert tok.eos_token_id in kept and tok.convert_tokens_to_ids("4") in kept
     masked, everything = run("masked"), run("all", "--completion_only_loss", "False")
     assert len(masked["train_losses"]) == 2 and all(x == x for x in masked["train_losses"])  # trains, no NaN
     # the same model, blocks and order: only the labels differ, so the first loss does
