@@ -85,8 +85,15 @@ def _read_json(path: str) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------ formatting
-def format_record(record: dict, tokenizer, where: str = "record") -> str:
-    """One training text from a record in any of the supported formats."""
+Segment = tuple[str, bool]  # (text, trainable): the loss covers the tokens of trainable segments only
+
+
+def format_segments(record: dict, tokenizer, where: str = "record") -> list[Segment]:
+    """A record in any of the supported formats as consecutive ``(text, trainable)`` segments whose texts
+    join to the training text: ``text`` is all trainable; a ``prompt`` and an instruction (with its
+    ``### Response:`` header) are not, their ``completion``/``output``/``response`` is; in a chat
+    (``messages``, or ``prompt``+``completion`` given as lists of messages) the assistant turns are, the
+    rest is not."""
 
     def text(key):
         value = record.get(key)
@@ -95,24 +102,82 @@ def format_record(record: dict, tokenizer, where: str = "record") -> str:
         return value
 
     if "text" in record:
-        return text("text")
+        return [(text("text"), True)]
     if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise DataFormatError(f"{where}: 'messages' must be a non-empty list of {{'role': str, 'content': str}}")
-        if getattr(tokenizer, "chat_template", None):
-            return tokenizer.apply_chat_template(messages, tokenize=False)
-        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return _chat_segments(_messages(record["messages"], "messages", where), tokenizer, where)
     if "prompt" in record and "completion" in record:
-        return text("prompt") + text("completion")
+        if isinstance(record["prompt"], list) and isinstance(record["completion"], list):  # TRL's conversational form
+            prompt = _messages(record["prompt"], "prompt", where)
+            return _chat_segments(prompt + _messages(record["completion"], "completion", where), tokenizer, where,
+                                  first_trainable=len(prompt))
+        return [(text("prompt"), False), (text("completion"), True)]
     if "instruction" in record and ("output" in record or "response" in record):
         answer = text("output" if "output" in record else "response")
         context = f"\n\n### Input:\n{text('input')}" if record.get("input") else ""
-        return f"### Instruction:\n{text('instruction')}{context}\n\n### Response:\n{answer}"
+        return [(f"### Instruction:\n{text('instruction')}{context}\n\n### Response:\n", False), (answer, True)]
     raise DataFormatError(f"{where}: unrecognised record with keys {sorted(record)}; expected one of "
                           + "; ".join(RECORD_FORMATS))
+
+
+def format_record(record: dict, tokenizer, where: str = "record") -> str:
+    """One training text from a record in any of the supported formats."""
+    return "".join(t for t, _ in format_segments(record, tokenizer, where))
+
+
+def _messages(messages, key: str, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise DataFormatError(f"{where}: {key!r} must be a non-empty list of {{'role': str, 'content': str}}")
+    return messages
+
+
+def _chat_segments(messages: list[dict], tokenizer, where: str, first_trainable: int = 0) -> list[Segment]:
+    """The conversation rendered with the tokenizer's chat template (or ``<|role|>`` headers without one),
+    assistant turns from ``first_trainable`` on trainable. Works with any template, ``{% generation %}``
+    markers or not: each assistant turn's span is found by rendering the conversation up to it."""
+    trainable = lambda i: messages[i]["role"] == "assistant" and i >= first_trainable  # noqa: E731
+    if not getattr(tokenizer, "chat_template", None):
+        out = []
+        for i, m in enumerate(messages):
+            out += [(f"<|{m['role']}|>\n", False), (f"{m['content']}\n", trainable(i))]
+        return out
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    out, pos = [], 0
+    for i in range(len(messages)):
+        if not trainable(i):
+            continue
+        prompt, completion = _render_turn(messages, i, tokenizer)
+        start, end = len(prompt), len(prompt) + len(completion)
+        if start < pos or full[:end] != prompt + completion:
+            raise DataFormatError(f"{where}: the chat template does not render the conversation up to message {i} "
+                                  "as a prefix of the whole, so its assistant tokens cannot be told apart; "
+                                  "train on every token with --completion_only_loss False")
+        out += [(full[pos:start], False), (full[start:end], True)]
+        pos = end
+    out.append((full[pos:], False))
+    return [s for s in out if s[0]]
+
+
+def _render_turn(messages: list[dict], i: int, tokenizer) -> tuple[str, str]:
+    """(the rendered conversation before assistant message ``i``, generation prompt included; that message)."""
+    render = lambda m, **kw: tokenizer.apply_chat_template(m, tokenize=False, **kw)  # noqa: E731
+    if i > 0 and messages[i - 1]["role"] in ("user", "tool", "assistant"):
+        try:
+            from trl.data_utils import apply_chat_template
+        except ImportError:  # trl is optional: the same split, for a prompt that ends with a user turn
+            apply_chat_template = None
+        if apply_chat_template is not None:
+            # TRL: the prompt with the generation prompt (or the final message continued), cut to the common
+            # prefix with the rendered prompt+completion (templates such as DeepSeek-R1 differ there)
+            out = apply_chat_template({"prompt": messages[:i], "completion": [messages[i]]}, tokenizer)
+            return out["prompt"], out["completion"]
+        if messages[i - 1]["role"] != "assistant":
+            prompt, whole = render(messages[:i], add_generation_prompt=True), render(messages[: i + 1])
+            prompt = os.path.commonprefix([prompt, whole])
+            return prompt, whole[len(prompt):]
+    prompt = render(messages[:i]) if i else ""
+    return prompt, render(messages[: i + 1])[len(prompt):]
 
 
 def format_records(records: list[dict], tokenizer, source: str) -> list[str]:

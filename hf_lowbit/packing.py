@@ -1,6 +1,10 @@
 """Data at pre-training scale: ``datasets``-backed loading, tokenizing and packing into fixed blocks.
 
-Three sources, one output (fixed ``block_size`` blocks of token ids; labels are the inputs):
+Three sources, one output: fixed ``block_size`` blocks of ``input_ids`` and ``labels``. Labels are the
+inputs (the model shifts them), with ``-100`` on the tokens outside the completions when the records
+were tokenized with ``completion_only=True`` (:func:`tokenize` then adds a ``completion_mask`` column
+that is packed into the same blocks as the ids; pre-tokenized files have no such structure and train
+on every token):
 
 - :func:`packed_dataset`: a map-style :class:`BlockDataset` over Arrow. Records are read by
   ``datasets`` (memory-mapped, cached), tokenized with ``Dataset.map`` (``num_proc`` workers, cached
@@ -32,7 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from .data import LOCAL_FORMATS, DataFormatError, DataNotFoundError, format_record
+from .data import LOCAL_FORMATS, DataFormatError, DataNotFoundError, format_segments
 
 TOKEN_FILE_DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32}
 _MAP_BATCH = 1000  # records per tokenizer call / Arrow write batch
@@ -144,26 +148,59 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def _tokenize_fn(tokenizer) -> Callable:
+def _tokenize_fn(tokenizer, completion_only: bool = False) -> Callable:
     eos = tokenizer.eos_token_id
 
     def fn(batch: dict, indices: list[int]) -> dict:
         keys = list(batch)
-        texts = []
+        segments = []
         for j, index in enumerate(indices):
             record = {k: batch[k][j] for k in keys if batch[k][j] is not None}  # Arrow fills absent keys with None
             try:
-                texts.append(format_record(record, tokenizer, where=""))
+                segments.append(format_segments(record, tokenizer, where=""))
             except DataFormatError as e:
                 raise RecordError(index, str(e).removeprefix(": ")) from None
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return {"input_ids": [x + [eos] for x in ids]}
+        texts = ["".join(t for t, _ in segs) for segs in segments]
+        if not completion_only:
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            return {"input_ids": [x + [eos] for x in ids]}
+        ids, masks = [], []
+        for x, m in (_tokenize_masked(texts, segments, tokenizer)):
+            ids.append(x + [eos])
+            masks.append(m + [1])  # EOS is trained on: the model learns where a document or completion ends
+        return {"input_ids": ids, "completion_mask": masks}
 
     return fn
 
 
-def tokenize(ds, tokenizer, locate: Callable[[int], str], num_proc: int | None = None):
-    """Each record's formatted text as token ids followed by EOS (column ``input_ids``), in file order.
+def _tokenize_masked(texts: list[str], segments: list[list[tuple[str, bool]]], tokenizer):
+    """(token ids of each text, 1 where the token is trainable else 0). A fast tokenizer tokenizes the
+    whole text (the same ids as without masking) and a token is trainable when its first character is;
+    a slow one tokenizes segment by segment."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        for ids, offsets, segs in zip(enc["input_ids"], enc["offset_mapping"], segments):
+            starts, flags, pos = [], [], 0
+            for text, trainable in segs:
+                starts.append(pos)
+                flags.append(int(trainable))
+                pos += len(text)
+            yield ids, [flags[bisect.bisect_right(starts, a) - 1] if starts else 1 for a, _ in offsets]
+        return
+    for segs in segments:
+        ids, mask = [], []
+        for text, trainable in segs:
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            mask += [int(trainable)] * len(piece)
+        yield ids, mask
+
+
+def tokenize(ds, tokenizer, locate: Callable[[int], str], num_proc: int | None = None,
+             completion_only: bool = False):
+    """Each record's formatted text as token ids followed by EOS (column ``input_ids``), in file order;
+    with ``completion_only`` also ``completion_mask`` (1: a completion/assistant/text token or EOS, trained
+    on; 0: a prompt token, label -100), see :func:`hf_lowbit.data.format_segments`.
 
     ``ds`` a ``Dataset`` (tokenized once with ``num_proc`` workers and cached) or an ``IterableDataset``
     (tokenized lazily as it is read). A bad record raises ``DataFormatError`` with ``locate(index)``.
@@ -172,12 +209,16 @@ def tokenize(ds, tokenizer, locate: Callable[[int], str], num_proc: int | None =
 
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token: packing needs one to separate documents")
-    fn = _tokenize_fn(tokenizer)
+    fn = _tokenize_fn(tokenizer, completion_only)
     if isinstance(ds, datasets.IterableDataset):
         return _LocatedIterable(ds.map(fn, batched=True, batch_size=_MAP_BATCH, with_indices=True,
                                        remove_columns=list(ds.column_names or [])), locate)
-    fingerprint = hashlib.sha256(f"{ds._fingerprint}-{tokenizer_fingerprint(tokenizer)}-v1".encode()).hexdigest()[:16]
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})  # half of int64's disk
+    version = "v2-completion-mask" if completion_only else "v1"
+    fingerprint = hashlib.sha256(f"{ds._fingerprint}-{tokenizer_fingerprint(tokenizer)}-{version}".encode()).hexdigest()[:16]
+    columns = {"input_ids": datasets.Sequence(datasets.Value("int32"))}  # half of int64's disk
+    if completion_only:
+        columns["completion_mask"] = datasets.Sequence(datasets.Value("int8"))
+    features = datasets.Features(columns)
     try:
         return ds.map(fn, batched=True, batch_size=_MAP_BATCH, with_indices=True, remove_columns=ds.column_names,
                       features=features,
@@ -218,27 +259,37 @@ class _LocatedIterable:
 # -------------------------------------------------------------------------------------- packing
 class BlockDataset(Dataset):
     """Fixed-length blocks over one flat token array (Arrow, memory-mapped when cached, or numpy):
-    block ``i`` is tokens ``[i * block_size, (i + 1) * block_size)``; nothing is copied up front."""
+    block ``i`` is tokens ``[i * block_size, (i + 1) * block_size)``; nothing is copied up front.
+    ``mask`` (optional, parallel to ``tokens``): 0 where the label is -100."""
 
-    def __init__(self, tokens, block_size: int):
-        self.tokens, self.block_size = tokens, block_size
+    def __init__(self, tokens, block_size: int, mask=None):
+        self.tokens, self.block_size, self.mask = tokens, block_size, mask
         self.n_tokens = len(tokens)
         self._n = self.n_tokens // block_size
 
     def __len__(self) -> int:
         return self._n
 
-    def block(self, i: int) -> np.ndarray:
+    def _slice(self, array, i: int) -> np.ndarray:
         if not -self._n <= i < self._n:
             raise IndexError(i)
         i %= self._n
-        piece = self.tokens.slice(i * self.block_size, self.block_size) if hasattr(self.tokens, "slice") \
-            else self.tokens[i * self.block_size:(i + 1) * self.block_size]
+        piece = array.slice(i * self.block_size, self.block_size) if hasattr(array, "slice") \
+            else array[i * self.block_size:(i + 1) * self.block_size]
         return np.asarray(piece.to_numpy() if hasattr(piece, "to_numpy") else piece)
+
+    def block(self, i: int) -> np.ndarray:
+        return self._slice(self.tokens, i)
 
     def __getitem__(self, i: int) -> dict:
         ids = torch.from_numpy(self.block(i).astype(np.int64))
-        return {"input_ids": ids, "labels": ids.clone()}
+        mask = None if self.mask is None else torch.from_numpy(self._slice(self.mask, i).astype(bool))
+        return _example(ids, mask)
+
+
+def _example(ids: torch.Tensor, mask: torch.Tensor | None) -> dict:
+    """A block for the Trainer: labels are the ids (the model shifts them), -100 where ``mask`` is False."""
+    return {"input_ids": ids, "labels": ids.clone() if mask is None else ids.masked_fill(~mask, -100)}
 
 
 def packed_dataset(tokenized, block_size: int) -> BlockDataset:
@@ -248,9 +299,12 @@ def packed_dataset(tokenized, block_size: int) -> BlockDataset:
         raise ValueError(f"block_size must be >= 2, got {block_size}")
     if getattr(tokenized, "_indices", None) is not None:
         tokenized = tokenized.flatten_indices()
-    column = tokenized.data.column("input_ids")  # ChunkedArray of lists, memory-mapped
-    flat = column.combine_chunks().flatten() if column.num_chunks <= 1 else _flatten_chunked(column)
-    ds = BlockDataset(flat, block_size)
+    flat = {}
+    for name in ("input_ids", "completion_mask"):
+        if name in tokenized.column_names:
+            column = tokenized.data.column(name)  # ChunkedArray of lists, memory-mapped
+            flat[name] = column.combine_chunks().flatten() if column.num_chunks <= 1 else _flatten_chunked(column)
+    ds = BlockDataset(flat["input_ids"], block_size, flat.get("completion_mask"))
     if len(ds) == 0:
         raise ValueError(f"the data holds {ds.n_tokens} tokens, fewer than one block of block_size={block_size}")
     return ds
@@ -277,63 +331,77 @@ class StreamingBlocks(IterableDataset):
             raise ValueError(f"block_size must be >= 2, got {block_size}")
         self.source, self.block_size, self.snapshot_every = tokenized, block_size, snapshot_every
         self.skip_blocks = skip_blocks  # blocks of the stream's head kept for evaluation, never trained on
-        self._snapshots: list[tuple[int, dict | None, list[int]]] = []
-        self._resume: tuple[int, dict | None, list[int], int] | None = None
+        self._snapshots: list[tuple[int, dict | None, list[int], list[int] | None]] = []
+        self._resume: tuple[int, dict | None, list[int], list[int] | None, int] | None = None
         self.blocks_yielded = 0
         # the stream's start: what state_dict() says before any iteration (afterwards it says where the last
         # iteration stopped, e.g. after head())
         self._start_state = tokenized.state_dict() if hasattr(tokenized, "state_dict") else None
 
-    def _iter_blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
+    def _iter_blocks(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """(block number, ids, trainable mask or None): ids and the records' ``completion_mask`` (when
+        they have one) are carried and cut together, so a block's labels stay aligned with its ids."""
         bs = self.block_size
-        n, buffer, source_state = 0, [], self._start_state
+        n, buffer, mbuf, source_state = 0, [], None, self._start_state
         if self._resume is not None:
-            n, source_state, buffer, _ = self._resume
-            buffer = list(buffer)
+            n, source_state, buffer, mbuf, _ = self._resume
+            buffer, mbuf = list(buffer), None if mbuf is None else list(mbuf)
             source_state = source_state if source_state is not None else self._start_state
         stateful = self._start_state is not None
         if stateful:
             self.source.load_state_dict(source_state)
-        self._snapshots = [(n, source_state, list(buffer))]
+        self._snapshots = [(n, source_state, list(buffer), None if mbuf is None else list(mbuf))]
+
+        def cut(start):
+            ids = torch.tensor(buffer[start:start + bs], dtype=torch.long)
+            return ids, None if mbuf is None else torch.tensor(mbuf[start:start + bs], dtype=torch.bool)
+
         start = 0
         while len(buffer) - start >= bs:  # carried tokens that already make blocks
-            yield n, torch.tensor(buffer[start:start + bs], dtype=torch.long)
+            yield n, *cut(start)
             start += bs
             n += 1
-        buffer = buffer[start:]
+        buffer, mbuf = buffer[start:], None if mbuf is None else mbuf[start:]
         for example in self.source:
+            if "completion_mask" in example:
+                if mbuf is None:
+                    mbuf = [1] * len(buffer)
+                mbuf.extend(example["completion_mask"])
+            elif mbuf is not None:
+                mbuf.extend([1] * len(example["input_ids"]))
             buffer.extend(example["input_ids"])
             start = 0
             while len(buffer) - start >= bs:
-                block = torch.tensor(buffer[start:start + bs], dtype=torch.long)
+                ids, mask = cut(start)
                 start += bs
                 n += 1
                 if stateful and n % self.snapshot_every == 0:  # after this block: source position + carry
-                    self._snapshots.append((n, self.source.state_dict(), buffer[start:]))
+                    self._snapshots.append((n, self.source.state_dict(), buffer[start:],
+                                            None if mbuf is None else mbuf[start:]))
                     del self._snapshots[:-32]  # prefetching DataLoaders run a few batches ahead
-                yield n - 1, block
-            buffer = buffer[start:]
+                yield n - 1, ids, mask
+            buffer, mbuf = buffer[start:], None if mbuf is None else mbuf[start:]
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         if info is not None and info.num_workers > 1:
             raise ValueError("StreamingBlocks is one stream: with several DataLoader workers each would yield "
                              "every block; use num_workers=0 or 1")
-        target = self._resume[3] if self._resume is not None else self.skip_blocks
-        for n, block in self._iter_blocks():
+        target = self._resume[4] if self._resume is not None else self.skip_blocks
+        for n, ids, mask in self._iter_blocks():
             if n < target:
                 continue
             self.blocks_yielded = n + 1
-            yield {"input_ids": block, "labels": block.clone()}
+            yield _example(ids, mask)
         self._resume = None
 
     def head(self, n: int) -> list[dict]:
         """The first ``n`` blocks of the stream (materialized; an evaluation set)."""
         out = []
-        for _, block in self._iter_blocks():
+        for _, ids, mask in self._iter_blocks():
             if len(out) == n:
                 break
-            out.append({"input_ids": block, "labels": block.clone()})
+            out.append(_example(ids, mask))
         return out
 
     def position(self, consumed_blocks: int) -> dict:
@@ -341,19 +409,20 @@ class StreamingBlocks(IterableDataset):
         JSON-able data; ``LowBitTrainer`` saves it with each checkpoint."""
         consumed_blocks += self.skip_blocks
         usable = [s for s in self._snapshots if s[0] <= consumed_blocks]
-        n, source_state, carry = usable[-1] if usable else (0, None, [])
         if not usable:  # older than every snapshot in memory: replay from the start
-            return {"snapshot_block": 0, "source": None, "carry": [], "next_block": consumed_blocks,
-                    "block_size": self.block_size}
-        return {"snapshot_block": n, "source": source_state, "carry": carry, "next_block": consumed_blocks,
-                "block_size": self.block_size}
+            return {"snapshot_block": 0, "source": None, "carry": [], "carry_mask": None,
+                    "next_block": consumed_blocks, "block_size": self.block_size}
+        n, source_state, carry, carry_mask = usable[-1]
+        return {"snapshot_block": n, "source": source_state, "carry": carry, "carry_mask": carry_mask,
+                "next_block": consumed_blocks, "block_size": self.block_size}
 
     def seek(self, state: dict) -> None:
         """Make the next iteration continue from a :meth:`position`."""
         if state.get("block_size") != self.block_size:
             raise ValueError(f"the checkpoint's data position was saved with block_size={state.get('block_size')}, "
                              f"this run has {self.block_size}")
-        self._resume = (state["snapshot_block"], state["source"], state["carry"], state["next_block"])
+        self._resume = (state["snapshot_block"], state["source"], state["carry"], state.get("carry_mask"),
+                        state["next_block"])
 
 
 class TokenFileBlocks(Dataset):
@@ -419,7 +488,7 @@ class TokenFileBlocks(Dataset):
         f = bisect.bisect_right(self.starts, g) - 1
         off = (g - self.starts[f]) * self.block_size
         ids = torch.from_numpy(np.asarray(self.arrays[f][off:off + self.block_size]).astype(np.int64))
-        return {"input_ids": ids, "labels": ids.clone()}
+        return _example(ids, None)  # token files hold no prompt/completion structure: every token is trained on
 
 
 def write_token_file(path: str, ids, dtype: str = "uint16") -> None:

@@ -71,6 +71,10 @@ class DataArguments:
     eval_blocks: int = field(default=0, metadata={"help": (
         "With --streaming: hold out the stream's first N blocks for evaluation (never trained on).")})
     max_records: int | None = field(default=None, metadata={"help": "Use at most this many records."})
+    completion_only_loss: bool = field(default=True, metadata={"help": (
+        "Loss on the completions only: the tokens of a 'prompt', of an instruction (up to '### Response:') and "
+        "of the non-assistant turns of a chat get label -100; 'text' records and --token_files train on every "
+        "token. False: train on every token. The embedded default runs with False (as its quoted results did).")})
     dataset_num_proc: int | None = field(default=None, metadata={"help": (
         "Processes that tokenize a --dataset (datasets' map num_proc). Default: one.")})
     arithmetic_train_records: int = field(default=40000, metadata={"help": (
@@ -132,6 +136,7 @@ EMBEDDED_DEFAULTS = dict(
     per_device_eval_batch_size=16, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=20,
     weight_decay=0.0, logging_steps=50, eval_strategy="steps", eval_steps=250, eval_on_start=True,
     save_strategy="no", report_to="none", seed=0, optim="adamw_torch", dataloader_num_workers=0,
+    completion_only_loss=False,  # trains on the whole "a+b=c" as the run in docs/results/sft_default_cpu.json did
 )
 DATA_FLAGS = ("--dataset", "--token_files")
 # The TrainingArguments flags --help shows; --help_all shows all of them.
@@ -346,17 +351,20 @@ def build_data(data_args: DataArguments, tokenizer, seed: int, embedded: bool):
     from . import packing
 
     bs = data_args.block_size
+    completion_only = data_args.completion_only_loss
     if embedded:
         hfds.disable_progress_bars()  # 40000 short records: bars for each step would be noise
         train_records, eval_records = arithmetic_records(data_args.arithmetic_train_records,
                                                          data_args.arithmetic_eval_records, seed=seed)
         locate = lambda i: f"embedded arithmetic, record {i}"  # noqa: E731
-        train = packing.packed_dataset(packing.tokenize(hfds.Dataset.from_list(train_records), tokenizer, locate), bs)
+        train = packing.packed_dataset(packing.tokenize(hfds.Dataset.from_list(train_records), tokenizer, locate,
+                                                        completion_only=completion_only), bs)
         eval_ds = None
         if eval_records:
             try:
                 eval_ds = packing.packed_dataset(
-                    packing.tokenize(hfds.Dataset.from_list(eval_records), tokenizer, locate), bs)
+                    packing.tokenize(hfds.Dataset.from_list(eval_records), tokenizer, locate,
+                                     completion_only=completion_only), bs)
             except ValueError as e:  # a held-out set shorter than one block: no eval loss, training goes on
                 warnings.warn(f"no held-out loss: {e} (raise --eval_fraction or lower --block_size)")
         return train, eval_ds, eval_records, "embedded arithmetic"
@@ -377,13 +385,14 @@ def build_data(data_args: DataArguments, tokenizer, seed: int, embedded: bool):
     if data_args.max_records:
         raw = raw.take(data_args.max_records) if data_args.streaming else raw.select(range(min(len(raw), data_args.max_records)))
     if data_args.streaming:
-        stream = packing.StreamingBlocks(packing.tokenize(raw, tokenizer, locate), bs)
+        stream = packing.StreamingBlocks(packing.tokenize(raw, tokenizer, locate, completion_only=completion_only), bs)
         eval_ds = stream.head(data_args.eval_blocks) if data_args.eval_blocks else None
         stream.skip_blocks = len(eval_ds or [])
         if eval_ds is None:
             stream.head(1)  # the first records are read and checked before the model loads
         return stream, eval_ds, None, data_args.dataset
-    tokenized = packing.tokenize(raw, tokenizer, locate, num_proc=data_args.dataset_num_proc)
+    tokenized = packing.tokenize(raw, tokenizer, locate, num_proc=data_args.dataset_num_proc,
+                                 completion_only=completion_only)
     eval_ds = None
     if data_args.eval_fraction > 0 and len(tokenized) > 1:
         n_eval = max(1, round(len(tokenized) * data_args.eval_fraction))
