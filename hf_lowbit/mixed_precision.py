@@ -10,7 +10,7 @@ low-bit tensor cores (int32 / fp32 accumulation) and scales back to the compute 
 
 Each can be switched off (it then runs in the compute dtype). The quantization is plain PyTorch
 inside an ``autograd.Function`` that ``torch.compile`` traces (no ``allow_in_graph``), so Inductor
-fuses it; the matmul is the format's custom op (``hf_lowbit::int8_scaled_mm`` / ``fp8_scaled_mm``).
+fuses it; the matmul is the format's op (``hf_lowbit::int8_scaled_mm``, a ``triton_op``; FP8: ``torch._scaled_mm``).
 
 The recipe: :class:`MixedPrecisionConfig` (knows its format's alignment), :func:`convert_to_mixed_precision`
 (swaps eligible ``nn.Linear`` for :class:`MixedPrecisionLinear`, returns the swap report), the layer

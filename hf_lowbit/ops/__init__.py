@@ -1,4 +1,4 @@
-"""Low-bit kernels: one quantize function and one scaled-matmul custom op per number format.
+"""Low-bit kernels: one quantize function and one scaled-matmul op per number format.
 
 The formats themselves are records in :mod:`hf_lowbit.ops.formats` (``FORMATS``, ``get_format``).
 """

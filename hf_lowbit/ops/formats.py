@@ -1,7 +1,7 @@
 """The registry of low-bit number formats: one :class:`Format` record per format.
 
 Everything the rest of the package needs to know about a format lives in its record: how to
-quantize an operand, which scaled-matmul custom op multiplies two quantized operands, the storage
+quantize an operand, which scaled-matmul op multiplies two quantized operands, the storage
 dtype and largest code of a quantized value, the feature alignment its matmul needs (the swap skips
 layers that do not meet it) and the GPU compute capability whose tensor cores run it.
 ``hf_lowbit.ops.scaled_matmul``, ``hf_lowbit::quantize_t``, the mixed-precision recipe's filter and

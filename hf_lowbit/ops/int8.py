@@ -1,10 +1,10 @@
-"""INT8 building blocks: row-wise quantization and the scaled INT8 matmul custom op.
+"""INT8 building blocks: row-wise quantization and the scaled INT8 matmul op.
 
 * :func:`quantize_int8` is plain PyTorch on purpose: under ``torch.compile`` Inductor fuses the
   abs/amax/divide/round/clamp/cast chain with its neighbours instead of running eager kernels.
-* :func:`int8_scaled_mm` is a ``torch.library`` custom op (``hf_lowbit::int8_scaled_mm``) with a fake
-  implementation, so ``torch.compile`` traces through it without a graph break. CUDA runs the
-  Triton kernel in :mod:`hf_lowbit.ops.triton_int8`; every other device runs an exact integer
+* :func:`int8_scaled_mm` is a ``torch.library.triton_op`` (``hf_lowbit::int8_scaled_mm``): traceable, so
+  ``torch.compile`` goes through it without a graph break and Inductor launches its Triton kernel
+  (:mod:`hf_lowbit.ops.triton_int8`) from the generated code; every other device runs an exact integer
   reference (chunked float32 products, each chunk exact, summed in int32).
 """
 
