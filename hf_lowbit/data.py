@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from torch.utils.data import Dataset
@@ -51,9 +51,10 @@ def load_records(dataset: str, split: str = "train") -> list[dict]:
     return list(datasets.load_dataset(dataset, split=split))
 
 
-def _read_jsonl(path: str) -> list[dict]:
-    records = []
-    with open(path, encoding="utf-8") as f:
+def iter_jsonl(path: str) -> Iterator[dict]:
+    """The records of a JSON Lines file; the first line that is not a JSON object raises a
+    ``DataFormatError`` naming the file and the line."""
+    with open(path, encoding="utf-8", errors="strict") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -64,8 +65,11 @@ def _read_jsonl(path: str) -> list[dict]:
                                       "each line must be one JSON object") from None
             if not isinstance(record, dict):
                 raise DataFormatError(f"{path}, line {lineno}: expected a JSON object, got {type(record).__name__}")
-            records.append(record)
-    return records
+            yield record
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    return list(iter_jsonl(path))
 
 
 def _read_json(path: str) -> list[dict]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import os
 from typing import Callable, Iterator
 
@@ -36,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from .data import LOCAL_FORMATS, DataFormatError, DataNotFoundError, format_segments
+from .data import LOCAL_FORMATS, DataFormatError, DataNotFoundError, format_segments, iter_jsonl
 
 TOKEN_FILE_DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32}
 _MAP_BATCH = 1000  # records per tokenizer call / Arrow write batch
@@ -85,17 +84,8 @@ def _jsonl_line_of(path: str, index: int) -> int:
 def _scan_jsonl(path: str) -> None:
     """Raise a ``DataFormatError`` naming the first line that is not a JSON object (the error path of a
     fast Arrow read that failed: Arrow's own messages name neither the line nor the file)."""
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(f"{path}, line {lineno}: invalid JSON ({e.msg} at column {e.colno}); "
-                                      "each line must be one JSON object") from None
-            if not isinstance(record, dict):
-                raise DataFormatError(f"{path}, line {lineno}: expected a JSON object, got {type(record).__name__}")
+    for _ in iter_jsonl(path):
+        pass
 
 
 # ------------------------------------------------------------------------------------- loading
