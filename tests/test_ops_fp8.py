@@ -48,3 +48,20 @@ def test_fp8_matmul_layouts_snr(x_dim, w_dim):
     w = torch.randn(96, 80) if w_dim == 0 else torch.randn(80, 96)
     ref = (x.T if x_dim == 0 else x).double() @ (w if w_dim == 0 else w.T).double()
     assert snr_db(ref, scaled_matmul("fp8", x, x_dim, w, w_dim, torch.float32)) > 25
+
+
+def test_argument_checks_trace_without_graph_break():
+    """FP8 on CUDA calls ``torch._scaled_mm`` straight from the traced graph with these checks in front: their
+    message closures must hold no tensors, or Dynamo breaks the graph at every matmul (46 breaks on the H200)."""
+    import torch._dynamo
+
+    from hf_lowbit.ops._checks import check_scaled_mm_args
+    from hf_lowbit.ops.fp8 import FP8_DTYPE
+
+    def f(a, b, sa, sb):
+        check_scaled_mm_args("fp8_scaled_mm", FP8_DTYPE, a, b, sa, sb)
+        return a.float() @ b.float().T * sa[:, None] * sb[None, :]
+
+    a, b = torch.randn(8, 32).to(FP8_DTYPE), torch.randn(16, 32).to(FP8_DTYPE)
+    explanation = torch._dynamo.explain(f)(a, b, torch.rand(8), torch.rand(16))
+    assert explanation.graph_break_count == 0, explanation.break_reasons

@@ -54,8 +54,7 @@ def fp8_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, out_dtype: to
     scale reshapes and the output cast fused around it) where the custom op cost a Python dispatch per
     call, most of the step at 2048-token micro-batches (docs/benchmarks.md, "Small micro-batches")."""
     if a.is_cuda:
-        if not torch.compiler.is_compiling():  # traced, the checks' message closures would break the graph;
-            _check(a, b, a_scale, b_scale)     # _scaled_mm checks shapes and dtypes itself
+        _check(a, b, a_scale, b_scale)
         return _scaled_mm_cuda(a, b, a_scale, b_scale, out_dtype)
     return fp8_scaled_mm(a, b, a_scale, b_scale, out_dtype)
 
