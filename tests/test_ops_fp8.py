@@ -56,12 +56,13 @@ def test_argument_checks_trace_without_graph_break():
     import torch._dynamo
 
     from hf_lowbit.ops._checks import check_scaled_mm_args
-    from hf_lowbit.ops.fp8 import FP8_DTYPE
+    from hf_lowbit.ops.fp8 import FP8_DTYPE, quantize_fp8
 
-    def f(a, b, sa, sb):
+    def f(x, w):  # as in the layer: the checked operands are intermediates of the traced graph
+        (a, sa), (b, sb) = quantize_fp8(x, dim=1), quantize_fp8(w, dim=1)
+        sa, sb = sa.reshape(-1), sb.reshape(-1)
         check_scaled_mm_args("fp8_scaled_mm", FP8_DTYPE, a, b, sa, sb)
         return a.float() @ b.float().T * sa[:, None] * sb[None, :]
 
-    a, b = torch.randn(8, 32).to(FP8_DTYPE), torch.randn(16, 32).to(FP8_DTYPE)
-    explanation = torch._dynamo.explain(f)(a, b, torch.rand(8), torch.rand(16))
+    explanation = torch._dynamo.explain(f)(torch.randn(8, 32), torch.randn(16, 32))
     assert explanation.graph_break_count == 0, explanation.break_reasons
