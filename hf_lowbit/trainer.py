@@ -15,7 +15,7 @@ from transformers import Trainer
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments
 from .distributed import keep_integer_params_unsharded, unsharded_copy
 from .export import merge_lora, save_quantized
-from .mixed_precision import refresh_weight_caches, set_weight_cache
+from .mixed_precision import MixedPrecisionLinear
 from .prepare import apply_recipes, log_reports
 from .qat import FakeQuantScheduleCallback, QATConfig
 from .throughput import ThroughputMeter, peak_tflops
@@ -64,7 +64,7 @@ class LowBitTrainerMixin:
         cache = args.lowbit_weight_cache
         self.lowbit_weight_cache = bool(args.lowbit_recipes) and not sharded and (
             cache if cache is not None else args.gradient_accumulation_steps > 1)
-        self._lowbit_cache_on = False
+        self._lowbit_cached_layers: list[MixedPrecisionLinear] | None = None  # found on the first step
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
             # before accelerate shards the model in train()
             keep_integer_params_unsharded(self.accelerator.state.fsdp_plugin, self.model, self.args.device)
@@ -180,10 +180,12 @@ class LowBitTrainerMixin:
         graphs and gradient accumulation, allocate ``.grad`` outside the graphs so the backward adds into
         it instead of handing the graph's output buffer to ``.grad`` (which the next replay overwrites)."""
         if self.lowbit_weight_cache:
-            if not self._lowbit_cache_on:  # lazily: the model is on its training device by now
-                set_weight_cache(self.model, True)
-                self._lowbit_cache_on = True
-            refresh_weight_caches(self.model)
+            if self._lowbit_cached_layers is None:  # lazily: the model is on its training device by now
+                self._lowbit_cached_layers = [m for m in self.model.modules() if isinstance(m, MixedPrecisionLinear)]
+                for m in self._lowbit_cached_layers:
+                    m.set_weight_cache(True)
+            for m in self._lowbit_cached_layers:  # per micro-batch: no walk over the whole model
+                m.refresh_weight_cache()
         if training and self.lowbit_cuda_graphs and self.args.gradient_accumulation_steps > 1:
             for p in model.parameters():
                 if p.requires_grad and p.grad is None:
