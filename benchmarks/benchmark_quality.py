@@ -114,6 +114,29 @@ def arithmetic_task(tok, a, n_eval: int = 500) -> dict:
     return {"train": pack(text(train), tok, a.seq).blocks, "eval": pack(text(held_out), tok, a.seq).blocks}
 
 
+def _train_in_processes(recipes: list[str]) -> dict[str, dict]:
+    """Run this script once per recipe, all at once, and return each one's row (``--parallel``)."""
+    import json
+    import subprocess
+
+    argv = [x for x in sys.argv[1:] if x != "--parallel"]
+    for flag in ("--recipes", "--json", "--markdown", "--plot"):  # drop these and their values
+        while flag in argv:
+            i = argv.index(flag)
+            del argv[i:i + 2]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = {r: subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--recipes", r,
+                                      "--json", os.path.join(tmp, f"{r}.json")]) for r in recipes}
+        failed = [r for r, proc in procs.items() if proc.wait() != 0]
+        if failed:
+            raise SystemExit(f"--parallel: the process of recipe(s) {failed} failed (its output is above)")
+        rows = {}
+        for r in recipes:
+            with open(os.path.join(tmp, f"{r}.json")) as f:
+                rows[r] = json.load(f)["rows"][0]
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="bf16,int8,fp8")
@@ -131,6 +154,9 @@ def main():
                    help="a LoRA recipe learns when its held-out loss is this fraction below the untrained adapter's")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (as in real training)")
+    p.add_argument("--parallel", action="store_true",
+                   help="train the full fine-tuning recipes at once, each in its own process on the same device "
+                        "(a model of this size leaves most of an H200 idle; the losses do not depend on it)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--plot", default=None, help="PNG of the loss curves (needs matplotlib)")
@@ -158,8 +184,13 @@ def main():
             task = arithmetic_task(tok, a)
         recipes = [r for r in recipes if r not in LORA_RECIPES] + ["lora_untrained"] + [r for r in recipes if r in LORA_RECIPES]
     rows = []
+    parallel = {}
+    if a.parallel and sum(r in RECIPES for r in recipes) > 1:
+        parallel = _train_in_processes([r for r in recipes if r in RECIPES])
     for r in recipes:
-        if r in LORA_RECIPES or r == "lora_untrained":  # the untrained adapter: B = 0, i.e. the base itself
+        if r in parallel:
+            rows.append(parallel[r])
+        elif r in LORA_RECIPES or r == "lora_untrained":  # the untrained adapter: B = 0, i.e. the base itself
             rows.append(train_one("lora_bf16" if r == "lora_untrained" else r, a, task["train"], task["eval"], len(tok),
                                   init_state=pretrained, steps=0 if r == "lora_untrained" else None))
             rows[-1]["recipe"] = r

@@ -36,7 +36,7 @@ class LowBitArgumentsMixin:
         "Low-bit (INT8/FP8) forward matmul Y = X·Wᵀ (X per token, W per output channel). --no_lowbit_output runs it "
         "in the compute dtype.")})
     lowbit_grad_input: bool = field(default=True, metadata={"help": (
-        "Low-bit input-gradient matmul dX = dY·W (dY per token, W per input channel).")})
+        "Low-bit input-gradient matmul dX = dY·W (dY per token with W's row scales folded in, W's forward codes).")})
     lowbit_grad_weight: bool = field(default=True, metadata={"help": (
         "Low-bit weight-gradient matmul dW = dYᵀ·X (both per feature, across tokens).")})
     lowbit_exclude_modules: list[str] = field(default_factory=lambda: ["lm_head"], metadata={"help": (
@@ -47,7 +47,7 @@ class LowBitArgumentsMixin:
         "too small for low-bit kernels to pay. Mixed precision and QLoRA bases; not QAT, whose export "
         "quantizes every linear it fake-quantized, whatever its size.")})
     lowbit_weight_cache: bool | None = field(default=None, metadata={"help": (
-        "Quantize each weight once per optimizer step (both low-bit layouts, +2 bytes per weight element) and "
+        "Quantize each weight once per optimizer step (its low-bit codes in both layouts, +2 bytes per weight element) and "
         "reuse it for every gradient-accumulation micro-batch, instead of twice per micro-batch. Recomputed "
         "whenever the weight changes. Default (unset): on when gradient_accumulation_steps > 1 and the model "
         "is not sharded (FSDP, DeepSpeed).")})

@@ -5,7 +5,7 @@ reduction dim (symmetric absmax scaling: /127 to int8, /448 to float8 e4m3), mul
 low-bit tensor cores (int32 / fp32 accumulation) and scales back to the compute dtype:
 
 * forward      ``Y  = X · Wᵀ``   X per token, W per output channel
-* grad input   ``dX = dY · W``   dY per token, W per input channel
+* grad input   ``dX = dY · W``   dY per token with W's row scales folded in, W's forward codes (transposed)
 * grad weight  ``dW = dYᵀ · X``  dY and X per feature, across tokens
 
 Each can be switched off (it then runs in the compute dtype). The quantization is plain PyTorch
@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .compute import compute_dtype as _compute_dtype  # the name the Function body below uses
-from .ops import FORMATS, get_format, quantize_weight, scaled_matmul, scaled_matmul_quantized
+from .ops import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t, scaled_matmul,
+                  scaled_matmul_input_grad, scaled_matmul_quantized)
 from .quantized_base import QUANTIZED_LINEARS
 from .swap import LinearFilter, SwapReport, swap_linears
 
@@ -63,39 +64,48 @@ class MixedPrecisionConfig:
 
 
 class _MixedPrecisionLinearFn(torch.autograd.Function):
-    """The three matmuls; ``cached`` (or None): the weight already quantized in both layouts
-    (:func:`hf_lowbit.ops.quantize_weight`), used instead of quantizing ``weight`` on every call."""
+    """The three matmuls; ``cached`` (or None): the weight already quantized
+    (:func:`hf_lowbit.ops.quantize_weight`: codes and scales per output row, the codes transposed), used
+    instead of quantizing ``weight`` on every call.
+
+    The input gradient uses the forward's quantization of the weight, its row scales folded into ``dY``
+    (:func:`hf_lowbit.ops.scaled_matmul_input_grad`): one absmax pass over the weight per step instead of
+    two, and without the cache the backward only re-encodes the weight transposed with the saved scales."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, fmt: str, output: bool,
                 grad_input: bool, grad_weight: bool, cached: tuple[Tensor, ...] | None, sr: bool) -> Tensor:
         dtype = _compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
+        w_scale = qw_t = None
+        if cached is not None:
+            w_scale, qw_t = cached[1], cached[2]
         if output and cached is not None:
-            y = scaled_matmul_quantized(fmt, x2, 1, cached[0], cached[1], dtype)
+            y = scaled_matmul_quantized(fmt, x2, 1, cached[0], w_scale, dtype)
         elif output:
-            y = scaled_matmul(fmt, x2, 1, weight, 1, dtype)
+            qw, w_scale = quantize_operand(fmt, weight, 1)
+            y = scaled_matmul_quantized(fmt, x2, 1, qw, w_scale, dtype)
         else:
             y = x2.to(dtype) @ weight.to(dtype).T
         if bias is not None:
             y = y + bias.to(dtype)
         # x is only needed for the weight gradient: a frozen weight (LoRA over this layer) does not keep it alive
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight,
-                              *(cached[2:] if cached is not None else (None, None)))
+                              w_scale if grad_input else None, qw_t if grad_input else None)
         ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype, x.shape, x.dtype, sr)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, weight, qw_t, sw_t = ctx.saved_tensors
+        x, weight, w_scale, qw_t = ctx.saved_tensors
         fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype, sr = ctx.flags
         g2 = grad_out.reshape(-1, weight.shape[0])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            if grad_input and qw_t is not None:  # dX[M, K] = dY[M, N] · W[N, K] with W cached as [K, N]
-                dx = scaled_matmul_quantized(fmt, g2, 1, qw_t, sw_t, x_dtype, stochastic=sr)
-            elif grad_input:  # reduce over N
-                dx = scaled_matmul(fmt, g2, 1, weight, 0, x_dtype, stochastic=(sr, False))
+            if grad_input:  # dX[M, K] = q(dY·diag(s))[M, N] · Wq[N, K], Wq taken as its transpose [K, N]
+                if qw_t is None:  # not cached: the forward's codes again, from its scales (no absmax pass)
+                    qw_t, w_scale = quantize_weight_t(fmt, weight, w_scale)
+                dx = scaled_matmul_input_grad(fmt, g2, qw_t, w_scale, x_dtype, stochastic=sr)
             else:
                 dx = (g2.to(dtype) @ weight.to(dtype)).to(x_dtype)
             dx = dx.reshape(x_shape)
@@ -146,7 +156,7 @@ class MixedPrecisionLinear(nn.Linear):
 
     With the weight cache on (:meth:`set_weight_cache`, ``MixedPrecisionConfig.weight_cache`` or
     ``LowBitTrainingArguments.lowbit_weight_cache``) the weight is quantized once per change instead of twice
-    per micro-batch: the two low-bit layouts live in non-persistent buffers (+2 bytes per weight element) and
+    per micro-batch: its codes in both layouts live in non-persistent buffers (+2 bytes per weight element) and
     are recomputed whenever the weight's version counter, storage, dtype or device changed, and
     unconditionally after each optimizer step that holds the weight (a global optimizer hook: fused
     optimizers do not bump version counters), on ``load_state_dict``, at each eager forward, and by
@@ -235,7 +245,7 @@ class MixedPrecisionLinear(nn.Linear):
 
 LowBitLinear = MixedPrecisionLinear  # the earlier name
 
-_CACHE_BUFFERS = ("_wq", "_wq_scale", "_wq_t", "_wq_t_scale")
+_CACHE_BUFFERS = ("_wq", "_wq_scale", "_wq_t")  # quantize_weight's (q, scale, q transposed)
 
 
 def set_weight_cache(model: nn.Module, enabled: bool) -> int:

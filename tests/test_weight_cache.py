@@ -6,7 +6,7 @@ from torch import nn
 
 from hf_lowbit import LowBitLinear, MixedPrecisionConfig
 from hf_lowbit.mixed_precision import refresh_weight_caches, set_weight_cache
-from hf_lowbit.ops import quantize_operand, quantize_weight
+from hf_lowbit.ops import quantize_operand, quantize_weight, quantize_weight_t
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -34,10 +34,11 @@ def _run(lin, x):
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_quantize_weight_equals_per_call_quantization(fmt, device):
     w = torch.randn(48, 64, device=device, dtype=torch.bfloat16) * torch.logspace(-2, 1, 48, device=device)[:, None].bfloat16()
-    q, s, qt, st = quantize_weight(fmt, w)
+    q, s, qt = quantize_weight(fmt, w)
     rq, rs = quantize_operand(fmt, w.cpu(), 1)  # the plain-torch reference (on CUDA: the Triton kernels)
-    rqt, rst = quantize_operand(fmt, w.cpu(), 0)
-    for name, got, ref in (("q", q, rq), ("scale", s, rs), ("q_t", qt, rqt), ("scale_t", st, rst)):
+    rqt, rst = quantize_weight_t(fmt, w.cpu())  # the backward's re-encoding, from scratch and from the scales
+    assert torch.equal(rst, rs) and torch.equal(quantize_weight_t(fmt, w.cpu(), rs)[0].float(), rqt.float())
+    for name, got, ref in (("q", q, rq), ("scale", s, rs), ("q_t", qt, rqt), ("q_t is q transposed", qt.cpu(), rq.T)):
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
         got, ref = got.cpu().float(), ref.float()  # values (the FP8 kernel may write +0 where torch writes -0)
         assert torch.equal(got, ref), f"{name}: {(got != ref).sum().item()} of {got.numel()} differ"

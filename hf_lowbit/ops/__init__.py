@@ -50,11 +50,37 @@ def scaled_matmul_quantized(fmt: str, x: Tensor, x_dim: int, qw: Tensor, sw: Ten
     return FORMATS[fmt].scaled_mm(qx, qw, sx, sw, out_dtype)
 
 
+def quantize_weight_t(fmt: str, w: Tensor, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``w [N, K]`` quantized per output row (the forward's quantization) and written transposed:
+    ``(qt [K, N] contiguous, scale [N])`` with ``w ≈ diag(scale) · qt.T``, the operand of
+    :func:`scaled_matmul_input_grad`. ``scale``: the row scales already computed (the forward's), so the
+    codes are re-encoded in one read of ``w`` with no absmax pass; plain torch, fused by Inductor."""
+    f = FORMATS[fmt]
+    if scale is None:
+        q, scale = f.quantize(w, dim=1)
+    else:
+        q = f.encode(w, scale.reshape(-1, 1))
+    return q.T.contiguous(), scale.reshape(-1)
+
+
+def scaled_matmul_input_grad(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor, out_dtype: torch.dtype,
+                             stochastic: bool = False) -> Tensor:
+    """The input gradient ``dX = dY · W`` of ``Y = X · Wᵀ`` with the weight in its forward quantization,
+    ``W ≈ diag(s) · Wq`` (per output row): ``dX = q(dY · diag(s)) · Wq``.
+
+    The weight's row scales lie along this matmul's reduction dim, so they cannot go in the epilogue; folded
+    into ``dY`` before its per-token quantization they cost nothing (Inductor fuses the multiply), and the
+    weight needs no second, per-input-channel quantization: only its codes transposed (``qw_t [K, N]``, from
+    :func:`quantize_weight_t`). ``g [M, N]``; ``stochastic``: stochastic rounding of the scaled ``dY``."""
+    ones = torch.ones(qw_t.shape[0], dtype=torch.float32, device=qw_t.device)
+    return scaled_matmul_quantized(fmt, g.float() * w_scale.reshape(1, -1), 1, qw_t, ones, out_dtype, stochastic)
+
+
 @torch.no_grad()
 def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None) -> tuple[Tensor, ...]:
-    """Both layouts a linear's weight ``w [N, K]`` takes part in, from one call:
-    ``(q [N, K], scale [N])`` per output channel (forward) and ``(qt [K, N], scale_t [K])`` per input
-    channel (input gradient), the same bits as :func:`quantize_operand` gives each. ``out``: four
+    """Everything a linear's weight ``w [N, K]`` takes part in, from one call: ``(q [N, K], scale [N])`` per
+    output row (the forward's operand, the same bits as :func:`quantize_operand` ``(w, 1)``) and the same codes
+    transposed, ``qt [K, N]`` (the input gradient's, :func:`scaled_matmul_input_grad`). ``out``: three
     preallocated tensors to write into (in place, so CUDA graphs that read them stay valid)."""
     if w.is_cuda:
         from torch._library.triton import set_wrap_triton_enabled
@@ -66,9 +92,10 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None) 
         # wrap_triton's dispatch costs ~1 ms a launch, which made a refresh of 8 Llama-8B layers ~70 ms
         with set_wrap_triton_enabled(False):
             q, s = quantize_t_triton(w.T, f.dtype, f.qmax, out=None if out is None else out[:2])
-            qt, st = quantize_t_triton(w, f.dtype, f.qmax, out=None if out is None else out[2:])
-        return q, s, qt, st
-    got = (*quantize_operand(fmt, w, 1), *quantize_operand(fmt, w, 0))
+        qt = q.T.contiguous() if out is None else out[2].copy_(q.T)
+        return q, s, qt
+    q, s = quantize_operand(fmt, w, 1)
+    got = (q, s, q.T.contiguous())
     if out is None:
         return got
     for dst, src in zip(out, got):
@@ -77,4 +104,4 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None) 
 
 
 __all__ = ["FORMATS", "Format", "get_format", "scaled_matmul", "scaled_matmul_quantized", "quantize_operand",
-           "quantize_weight", "quantize_t"]
+           "quantize_weight", "quantize_weight_t", "scaled_matmul_input_grad", "quantize_t"]

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from .fp8 import ALIGN as FP8_ALIGN
-from .fp8 import FP8_DTYPE, FP8_MAX, fp8_mm, quantize_fp8
-from .int8 import INT8_MAX, int8_scaled_mm, quantize_int8
+from .fp8 import FP8_DTYPE, FP8_MAX, encode_fp8, fp8_mm, quantize_fp8
+from .int8 import INT8_MAX, encode_int8, int8_scaled_mm, quantize_int8
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class Format:
     """One number format of the low-bit matmuls.
 
     ``quantize(x, dim) -> (q, scale)``: symmetric absmax quantization along ``dim`` (``x ≈ q * scale``,
-    ``scale`` float32 with ``dim`` kept). ``scaled_mm(a [M, K], b [N, K], a_scale [M], b_scale [N],
+    ``scale`` float32 with ``dim`` kept). ``encode(x, scale) -> q``: the same codes for a known scale.
+    ``scaled_mm(a [M, K], b [N, K], a_scale [M], b_scale [N],
     out_dtype)``: the op computing ``(a @ b.T) * a_scale[:, None] * b_scale[None, :]``.
     ``dtype``: the storage dtype of ``q``; ``qmax``: its largest magnitude. ``alignment``: in and out
     features must be multiples of it. ``min_capability``: the CUDA compute capability whose tensor
@@ -36,6 +37,7 @@ class Format:
 
     name: str
     quantize: Callable[..., tuple[Tensor, Tensor]]
+    encode: Callable[[Tensor, Tensor], Tensor]
     scaled_mm: Callable[..., Tensor]
     dtype: torch.dtype
     qmax: float
@@ -45,9 +47,9 @@ class Format:
 
 
 FORMATS: dict[str, Format] = {
-    "int8": Format("int8", quantize_int8, int8_scaled_mm, torch.int8, INT8_MAX, alignment=1,
+    "int8": Format("int8", quantize_int8, encode_int8, int8_scaled_mm, torch.int8, INT8_MAX, alignment=1,
                    min_capability=(8, 0), tensor_cores="INT8"),
-    "fp8": Format("fp8", quantize_fp8, fp8_mm, FP8_DTYPE, FP8_MAX, alignment=FP8_ALIGN,
+    "fp8": Format("fp8", quantize_fp8, encode_fp8, fp8_mm, FP8_DTYPE, FP8_MAX, alignment=FP8_ALIGN,
                   min_capability=(8, 9), tensor_cores="FP8"),
 }
 

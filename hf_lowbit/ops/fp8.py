@@ -25,8 +25,13 @@ def quantize_fp8(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
     x32 = x.float()
     amax = x32.abs().amax(dim=dim, keepdim=True)
     scale = amax.clamp(min=_MIN_AMAX) / FP8_MAX
-    q = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    return encode_fp8(x32, scale), scale
+
+
+def encode_fp8(x: Tensor, scale: Tensor) -> Tensor:
+    """The e4m3 codes of ``x`` for a given (broadcastable, float32) ``scale`` (:func:`quantize_fp8` without
+    the absmax)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def _check(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> None:

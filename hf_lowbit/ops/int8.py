@@ -33,9 +33,15 @@ def quantize_int8(x: Tensor, dim: int = -1, stochastic: bool = False) -> tuple[T
     """
     amax = x.abs().amax(dim=dim, keepdim=True).float()  # exact in x's dtype
     scale = amax.clamp(min=_MIN_AMAX) / INT8_MAX  # clamp keeps NaN, so NaN rows stay NaN
+    return encode_int8(x, scale, stochastic), scale
+
+
+def encode_int8(x: Tensor, scale: Tensor, stochastic: bool = False) -> Tensor:
+    """The codes of ``x`` for a given (broadcastable, float32) ``scale``: :func:`quantize_int8` without the
+    absmax, for re-encoding a tensor whose scale is already known (the weight's, in the input gradient)."""
     y = x / scale  # divides in float32 (type promotion)
     y = (y + torch.rand_like(y)).floor() if stochastic else y.round()
-    return y.clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    return y.clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
 
 
 def _check_mm_args(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> None:
