@@ -22,8 +22,11 @@ def _configs():
     if _INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2},
                               num_warps=1, num_stages=1)]
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); the 4-stage 128x256 / 256x128 tiles (196 KB of shared memory)
+    # are for Hopper's deeper pipelines at 2048-token operands
     shapes = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
-              (128, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4)]
+              (128, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
+              (128, 256, 128, 8, 4), (256, 128, 128, 8, 4)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
                           num_warps=w, num_stages=s) for bm, bn, bk, w, s in shapes]
 
