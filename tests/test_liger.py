@@ -24,16 +24,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(autouse=True)
 def _stock_llama_module():
-    """Liger also rebinds names in ``modeling_llama`` (``LlamaRMSNorm``, ``LlamaMLP``, ``apply_rotary_pos_emb``)
-    for the whole process: put them back, so later tests build and run stock models (Liger's Triton kernels
-    cannot run on a CPU outside the interpreter)."""
+    """Liger also rebinds names in ``modeling_llama`` (``LlamaRMSNorm``, ``LlamaMLP``, ``apply_rotary_pos_emb``;
+    ``LlamaForCausalLM.forward`` when patching the class) for the whole process: put them back, so later tests
+    build and run stock models (Liger's Triton kernels cannot run on a CPU outside the interpreter)."""
     from transformers.models.llama import modeling_llama
 
-    saved = dict(vars(modeling_llama))
+    saved, forward = dict(vars(modeling_llama)), modeling_llama.LlamaForCausalLM.forward
     yield
     for name, value in saved.items():
         if vars(modeling_llama).get(name) is not value:
             setattr(modeling_llama, name, value)
+    modeling_llama.LlamaForCausalLM.forward = forward
 
 
 def _args(tmp_path, **kw):
@@ -74,6 +75,19 @@ def test_full_finetune_recipe_owns_the_linears_liger_the_rest(tmp_path, recipe):
     # Trainer.train() applies Liger again with the same config: nothing changes
     apply_liger(model, trainer.args.liger_kernel_config)
     assert _liger_owns(model) == LIGER_MODULES and isinstance(layer.mlp.down_proj, MixedPrecisionLinear)
+
+
+def test_a_model_built_after_a_class_level_patch_is_swapped_too(tmp_path):
+    """``apply_liger_kernel_to_llama()`` before loading builds ``LigerSwiGLUMLP`` with its own ``nn.Linear``s:
+    the mixin's swap comes after, so they become low-bit all the same."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama()
+    trainer = LowBitTrainer(tiny_model(), _args(tmp_path, use_liger_kernel=False, int8_mixed_precision=True),
+                            train_dataset=arithmetic_blocks(8))
+    mlp = trainer.model.model.layers[0].mlp
+    assert type(mlp).__name__ == "LigerSwiGLUMLP" and isinstance(mlp.gate_proj, MixedPrecisionLinear)
+    assert sum(isinstance(m, MixedPrecisionLinear) for m in trainer.model.modules()) == 14
 
 
 def test_without_the_flag_liger_is_not_applied(tmp_path):
