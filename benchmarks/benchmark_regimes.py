@@ -14,12 +14,17 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
 * ``trainer_b1_ga8``, ``trainer_b8``: stock ``Trainer`` (bf16, torchao float8) vs ``LowBitTrainer``
   (int8, fp8), the same ``TrainingArguments`` (``torch_compile=True, bf16=True``, fused AdamW);
   LowBitTrainer chooses its compile mode and weight cache itself;
+* ``trainer_b1_ga8_liger``, ``trainer_b1_ga8_liger_fp8``, ``trainer_b8_liger``: the Trainer path with each
+  recipe run without and then with ``use_liger_kernel=True`` (``liger`` in the records; ``vs_bf16`` is to bf16
+  without Liger, ``vs_no_liger`` to the same recipe without it): what Liger's kernels (norms, SwiGLU, RoPE,
+  fused LM head + loss) add to each recipe, measured in the same run;
 * ``qlora_b8``, ``qlora_b1``: LoRA r16 on every decoder linear under bf16 autocast, over a bf16 base,
   our NF4 + INT8 base, and PEFT + bitsandbytes NF4 (double quant, bf16 compute).
 
 Records: ``recipe, micro_batch_tokens, grad_accum, path, compile_mode, tok_s, vs_bf16, peak_gib,
-mem_vs_bf16, first_loss, last_loss, graphs, graph_breaks`` (+ what LowBitTrainer chose, for the
-trainer path). ``vs_bf16`` of LoRA rows is to LoRA over a bf16 base.
+mem_vs_bf16, first_loss, last_loss, graphs, graph_breaks`` (+ for the trainer path: what LowBitTrainer chose,
+``liger``, ``vs_no_liger``, ``mfu`` over the timed steps for every recipe, and LowBitTrainer's own logged
+``train_mfu`` / ``train_tokens_per_second`` as ``logged_mfu`` / ``logged_tok_s``). ``vs_bf16`` of LoRA rows is to LoRA over a bf16 base.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ BLOCKS = {
     "trainer_b1_ga8": ("trainer", 1, 8, "default", "bf16,int8,fp8", []),
     "trainer_b1": ("trainer", 1, 1, "default", "bf16,int8,fp8", []),
     "trainer_b8": ("trainer", 8, 1, "default", "bf16,int8,fp8", []),
+    # each recipe without, then with use_liger_kernel=True (one run; ~5 min on the H200 for two recipes)
+    "trainer_b1_ga8_liger": ("trainer", 1, 8, "default", "bf16,int8", ["--liger", "both"]),
+    "trainer_b1_ga8_liger_fp8": ("trainer", 1, 8, "default", "bf16,fp8", ["--liger", "both"]),
+    "trainer_b8_liger": ("trainer", 8, 1, "default", "bf16,int8", ["--liger", "both"]),
     "qlora_b8": ("layers", 8, 1, "default", "lora_bf16,lora_nf4_int8,lora_bnb_nf4", ["--autocast"]),
     "qlora_b1": ("layers", 1, 1, "default", "lora_bf16,lora_nf4_int8,lora_bnb_nf4", ["--autocast"]),
     "qlora_b1_ro": ("layers", 1, 1, "reduce-overhead", "lora_bf16,lora_nf4_int8,lora_int8_int8", ["--autocast"]),
@@ -70,7 +79,8 @@ def run_block(name: str, seq: int, timeout: int, extra: list[str], keep_dir: str
     config = data["meta"]["config"]  # what ran (flags passed through may override the block's)
     batch, seq, ga = config["batch"], config["seq"], config["grad_accum"]
     for r in data["rows"]:
-        rec = {"block": name, "recipe": r["recipe"], "micro_batch_tokens": batch * seq, "grad_accum": ga,
+        rec = {"block": name, "recipe": r["recipe"] + (" + liger" if r.get("liger") else ""),
+               "micro_batch_tokens": batch * seq, "grad_accum": ga,
                "path": path, "compile_mode": mode, "commit": data["meta"].get("commit")}
         if "error" in r:
             rec["error"] = r["error"][-600:]
@@ -79,25 +89,29 @@ def run_block(name: str, seq: int, timeout: int, extra: list[str], keep_dir: str
                        mem_vs_bf16=r.get("mem_vs_bf16"), step_ms=r["step_ms"], warmup_s=r["warmup_s"],
                        first_loss=r["first_loss"], last_loss=r["last_loss"], graphs=r["compiled_graphs"],
                        graph_breaks=r["graph_breaks"], chosen=r.get("chosen"), profile=r.get("profile"))
+            if path == "trainer":
+                rec.update(liger=bool(r.get("liger")), vs_no_liger=r.get("vs_no_liger"), mfu=r.get("mfu"),
+                           logged_mfu=r.get("logged_mfu"), logged_tok_s=r.get("logged_tok_s"))
         records.append(rec)
     return data["meta"], records
 
 
 def table(records: list[dict]) -> list[str]:
-    lines = ["| block | path | tokens/micro-batch | grad accum | compile mode | recipe | tok/s | vs bf16 | peak GiB | "
-             "mem vs bf16 | first / last loss | graphs / breaks |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| block | path | tokens/micro-batch | grad accum | compile mode | recipe | tok/s | vs bf16 | MFU | peak GiB | "
+             "mem vs bf16 | first / last loss | graphs / breaks |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         head = (f"| {r['block']} | {r.get('path', '')} | {r.get('micro_batch_tokens', '')} | {r.get('grad_accum', '')} | "
                 f"{r.get('compile_mode', '')} | {r['recipe'] if 'recipe' in r else ''} |")
         if "error" in r:
-            lines.append(head + f" error: {r['error'].strip().splitlines()[-1][:90] if r['error'].strip() else '?'} ||||||")
+            lines.append(head + f" error: {r['error'].strip().splitlines()[-1][:90] if r['error'].strip() else '?'} |||||||")
             continue
         chosen = r.get("chosen") or {}
         note = " (CUDA graphs)" if chosen.get("cuda_graphs") else ""
         ratio = f"**{r['vs_bf16']:.2f}x**" if r.get("vs_bf16") and r["recipe"] not in ("bf16", "lora_bf16") else (
             f"{r['vs_bf16']:.2f}x" if r.get("vs_bf16") else "–")
         mem = f"{r['mem_vs_bf16']:.2f}x" if r.get("mem_vs_bf16") else "–"
-        lines.append(head + f" {r['tok_s']:,.0f}{note} | {ratio} | {r['peak_gib']:.1f} | {mem} | "
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "–"
+        lines.append(head + f" {r['tok_s']:,.0f}{note} | {ratio} | {mfu} | {r['peak_gib']:.1f} | {mem} | "
                      f"{r['first_loss']:.3f} / {r['last_loss']:.3f} | {r['graphs']} / {r['graph_breaks']} |")
     return lines
 

@@ -15,6 +15,12 @@ first LoRA recipe of the run):
     python benchmarks/benchmark_train.py --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --lora_r 16
     python benchmarks/benchmark_train.py --recipes lora_bf16,lora_nf4 --layers 32 --batch 1 --grad_checkpointing
 
+`--path trainer --liger both` runs every recipe twice, without and with ``use_liger_kernel=True`` (stock
+``Trainer`` and ``LowBitTrainer`` alike; rows carry ``liger``, ``vs_no_liger``), so what Liger adds to each
+recipe is measured in the same run; every ratio is to the bf16 row without Liger. Each trainer-path row also
+carries the MFU of its timed steps (``mfu``: hf_lowbit.throughput's formula, for every recipe) and, for
+``LowBitTrainer`` rows, the mean ``train_mfu`` / ``train_tokens_per_second`` it logged (``logged_*``).
+
 `--autocast` runs the forward under bf16 autocast, as `Trainer(bf16=True)` does (accelerate wraps the
 forward). It matters for LoRA: without it PEFT computes its float32 adapters in float32, under it in bf16
 (our `LoraLinear` computes the adapters in the compute dtype either way).
@@ -249,6 +255,7 @@ def trainer_worker(a) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
+    from hf_lowbit.throughput import model_flops, peak_tflops
 
     model = build_model(a, a.device)
     cuda = a.device == "cuda"
@@ -258,7 +265,7 @@ def trainer_worker(a) -> dict:
     total = a.warmup + a.steps
     ids = torch.randint(0, a.vocab, (4 * a.batch, a.seq), generator=gen)
     data = [{"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]} for i in range(total * a.batch * a.grad_accum)]
-    times, losses = {}, []
+    times, losses, logged = {}, [], {"train_mfu": [], "train_tokens_per_second": []}
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
@@ -269,13 +276,16 @@ def trainer_worker(a) -> dict:
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
+                for key, values in logged.items():  # LowBitTrainer's throughput logs, timed steps only
+                    if key in logs and state.global_step > a.warmup:
+                        values.append(logs[key])
 
     ours = a.recipe in ("int8", "fp8")
     common = dict(output_dir=tempfile.mkdtemp(), report_to="none", per_device_train_batch_size=a.batch,
                   gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=1e-5,
                   optim="adamw_torch_fused", bf16=True, torch_compile=not a.no_compile, logging_steps=1,
                   save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True, seed=0,
-                  lr_scheduler_type="constant", use_cpu=not cuda)
+                  lr_scheduler_type="constant", use_cpu=not cuda, use_liger_kernel=a.liger == "on")
     if a.compile_mode != "default":
         common["torch_compile_mode"] = a.compile_mode
     if ours:
@@ -294,10 +304,17 @@ def trainer_worker(a) -> dict:
     t0 = time.perf_counter()
     trainer.train()
     elapsed = times[total] - times[a.warmup]
-    return {"recipe": a.recipe, "path": "trainer", "tokens_per_s": a.batch * a.seq * a.grad_accum * a.steps / elapsed,
+    tokens = a.batch * a.seq * a.grad_accum * a.steps
+    per_token, per_token_seq = model_flops(model)  # the swapped model (compiled copies share its modules)
+    peak = peak_tflops(torch.device(a.device))
+    chosen["liger"] = getattr(trainer.args, "liger_kernel_config", None) if a.liger == "on" else None
+    mean = lambda v: sum(v) / len(v) if v else None  # noqa: E731
+    return {"recipe": a.recipe, "path": "trainer", "liger": a.liger == "on", "tokens_per_s": tokens / elapsed,
             "step_ms": 1000 * elapsed / a.steps, "warmup_s": times[a.warmup] - t0,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
             "first_loss": losses[0] if losses else float("nan"), "last_loss": losses[-1] if losses else float("nan"),
+            "mfu": (per_token + per_token_seq * a.seq) * tokens / elapsed / (peak * 1e12) if peak else None,
+            "logged_mfu": mean(logged["train_mfu"]), "logged_tok_s": mean(logged["train_tokens_per_second"]),
             "compiled_graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values()), "chosen": chosen, "profile": None}
 
@@ -378,6 +395,9 @@ def main():
                         "(bf16, peers) vs LowBitTrainer (int8, fp8), same TrainingArguments, whole-model compile")
     p.add_argument("--compile_mode", default="default", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                    help="torch.compile mode, for every recipe alike (trainer path: default lets LowBitTrainer choose)")
+    p.add_argument("--liger", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                   help="trainer path: use_liger_kernel=True for every recipe (on, or the bare flag), or each recipe "
+                        "without and then with it (both); needs liger-kernel installed")
     p.add_argument("--json", default=None, help="write results here (rewritten after every recipe)")
     p.add_argument("--markdown", default=None)
     p.add_argument("--profile", action="store_true",
@@ -385,6 +405,8 @@ def main():
     p.add_argument("--timeout", type=int, default=900, help="seconds per recipe process")
     p.add_argument("--recipe", default=None, help=argparse.SUPPRESS)  # worker mode
     a = p.parse_args()
+    if a.liger != "off" and a.path != "trainer":
+        raise SystemExit("--liger: the trainer path only (--path trainer): transformers applies Liger in Trainer.train()")
     if a.recipe:
         print("RESULT " + json.dumps(worker(a)), flush=True)
         return
@@ -397,7 +419,7 @@ def main():
     meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(sys.argv), "config": {k: getattr(a, k) for k in (
                 "hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "batch", "seq", "warmup", "steps",
-                "lora_r", "grad_checkpointing", "autocast", "grad_accum", "path", "compile_mode")}}
+                "lora_r", "grad_checkpointing", "autocast", "grad_accum", "path", "compile_mode", "liger")}}
     try:
         import torchao
 
@@ -414,31 +436,40 @@ def main():
             base_args += [f"--{k}"] if v else []
         elif isinstance(v, int) or k in ("path", "compile_mode"):
             base_args += [f"--{k}", str(v)]
-    for recipe in a.recipes.split(","):
+    recipes = a.recipes.split(",")
+    for recipe in recipes:
         if recipe not in RECIPES + LORA_RECIPES:
             raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(RECIPES + LORA_RECIPES)}")
-        cmd = [sys.executable, os.path.abspath(__file__), *base_args, "--recipe", recipe]
-        row = run_worker(cmd, {"recipe": recipe}, a.timeout)
+    ligers = {"off": ("off",), "on": ("on",), "both": ("off", "on")}[a.liger]
+    for recipe, liger in [(r, lg) for r in recipes for lg in ligers]:
+        cmd = [sys.executable, os.path.abspath(__file__), *base_args, "--liger", liger, "--recipe", recipe]
+        row = run_worker(cmd, {"recipe": recipe, "liger": liger == "on"}, a.timeout)
         rows.append(row)
-        for r in rows:  # full fine-tunes vs bf16; LoRA rows vs the first LoRA row (lora_bf16 when run first)
+        for r in rows:  # full fine-tunes vs bf16 (without Liger where run); LoRA rows vs the first LoRA row
             ref = "bf16" if r["recipe"] in RECIPES else next((x["recipe"] for x in rows if x["recipe"] in LORA_RECIPES), None)
-            base = next((x for x in rows if x["recipe"] == ref and "error" not in x), None)
+            refs = [x for x in rows if x["recipe"] == ref and "error" not in x]
+            base = next((x for x in refs if not x.get("liger")), refs[0] if refs else None)
             if base and "error" not in r:
                 r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
                 r["mem_vs_bf16"] = r["peak_mem_gib"] / base["peak_mem_gib"]
-                r["reference"] = ref
+                r["reference"] = ref + (" + liger" if base.get("liger") else "")
+            plain = next((x for x in rows if x["recipe"] == r["recipe"] and not x.get("liger") and "error" not in x), None)
+            if r.get("liger") and plain and "error" not in r:
+                r["vs_no_liger"] = r["tokens_per_s"] / plain["tokens_per_s"]
         print(json.dumps(row), flush=True)
         if a.json:
             os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
             with open(a.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    table = ["| recipe | tok/s | vs ref | peak GiB | mem vs ref | warm-up s | first loss | last loss | graphs | breaks |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    table = ["| recipe | tok/s | vs ref | MFU | peak GiB | mem vs ref | warm-up s | first loss | last loss | graphs | breaks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        label = r["recipe"] + (" + liger" if r.get("liger") else "")
         if "error" in r:
-            table.append(f"| {r['recipe']} | error: {r['error'].strip().splitlines()[-1][:80] if r['error'].strip() else '?'} |||||||||")
+            table.append(f"| {label} | error: {r['error'].strip().splitlines()[-1][:80] if r['error'].strip() else '?'} ||||||||||")
             continue
-        table.append(f"| {r['recipe']} | {r['tokens_per_s']:.0f} | {r.get('vs_bf16', float('nan')):.2f}x | "
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "–"
+        table.append(f"| {label} | {r['tokens_per_s']:.0f} | {r.get('vs_bf16', float('nan')):.2f}x | {mfu} | "
                      f"{r['peak_mem_gib']:.1f} | {r.get('mem_vs_bf16', float('nan')):.2f}x | {r['warmup_s']:.0f} | "
                      f"{r['first_loss']:.3f} | {r['last_loss']:.3f} | {r['compiled_graphs']} | {r['graph_breaks']} |")
     profiled = [r for r in rows if r.get("profile")]

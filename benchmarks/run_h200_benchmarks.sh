@@ -31,7 +31,8 @@ case "$stage" in
     python3 -m pytest -q -p no:cacheprovider tests/test_triton_int8.py::test_triton_int8_scaled_mm_cuda \
         2>&1 | tee -a "$out/pytest_cuda.txt" ;;
   regimes)  # BLOCKS: comma-separated blocks of benchmark_regimes.py (default all: ~25 min, so split them over
-           # calls or GPUs, e.g. BLOCKS=layers_b1,layers_b8 on GPU 0 beside BLOCKS=trainer_b1_ga8 on GPU 1)
+           # calls or GPUs, e.g. BLOCKS=layers_b1,layers_b8 on GPU 0 beside BLOCKS=trainer_b1_ga8 on GPU 1);
+           # the *_liger blocks (~5 min each) need liger-kernel: carry its wheel in .whl/ like torchao's
     python3 benchmarks/benchmark_regimes.py --timeout 240 --blocks "${BLOCKS:-all}" --keep_dir "$out" \
         --json "$out/regimes_h200.json" --markdown "$out/regimes_h200.md" ;;
   train)

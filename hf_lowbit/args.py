@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .liger import FLCE_OFF, fused_cross_entropy_requested
 from .qat import QAT_SCHEMES
 
 # mixed-precision recipe field -> its number format (a record in hf_lowbit.ops.formats), in the order applied
@@ -133,6 +134,11 @@ class LowBitArgumentsMixin:
         if not isinstance(self.qat_include_lm_head, bool):
             raise TypeError(f"{cls}.qat_include_lm_head must be True or False, "
                             f"got {self.qat_include_lm_head!r}")
+        if self.qat_scheme is not None and self.qat_include_lm_head and fused_cross_entropy_requested(self):
+            raise ValueError(f"{cls}.qat_include_lm_head=True with use_liger_kernel=True: Liger's fused linear "
+                             "cross-entropy multiplies by lm_head.weight directly, bypassing the LM head's fake "
+                             f"quantization; pass {FLCE_OFF} (Liger's other kernels still apply) or "
+                             "qat_include_lm_head=False")
         if self.qat_scheme is not None and self.lowbit_recipes:
             raise ValueError(f"{cls}.qat_scheme={self.qat_scheme!r} with "
                              f"{self.lowbit_recipes[0]}=True: a linear is either fake-quantized for QAT or "

@@ -145,7 +145,7 @@ COMMON_TRAINER_FLAGS = (
     "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "optim",
     "bf16", "torch_compile", "torch_compile_mode", "gradient_checkpointing", "logging_steps", "eval_strategy",
     "eval_steps", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "seed",
-    "report_to", "disable_tqdm", "dataloader_num_workers",
+    "report_to", "disable_tqdm", "dataloader_num_workers", "use_liger_kernel",
 )
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 SWAPPED = "swapped"
 SKIPPED = "skipped"
+PATCHED = "patched"  # the module stays, another library bound its forward (hf_lowbit.liger)
 
 
 @dataclass
@@ -25,7 +26,7 @@ class SwapEntry:
     name: str
     module_type: str
     shape: tuple[int, ...]  # (out_features, in_features) for linears, the weight's shape otherwise
-    action: str  # SWAPPED or SKIPPED
+    action: str  # SWAPPED, SKIPPED or PATCHED
     reason: str  # what it became, or why not
 
 
@@ -58,12 +59,14 @@ class SwapReport:
         for e in self.entries:
             pattern = re.sub(r"\.\d+\.", ".*.", e.name)
             groups[(e.action, pattern, e.module_type, e.shape, e.reason)] += 1
+        patched = sum(e.action == PATCHED for e in self.entries)
         lines = [f"[hf_lowbit] {self.recipe}: {len(self.swapped)} modules swapped, "
-                 f"{len(self.skipped)} left as they were"]
-        for (action, pattern, mtype, shape, reason), n in sorted(groups.items(), key=lambda kv: kv[0][0] != SWAPPED):
-            dims = "x".join(map(str, shape))
+                 f"{len(self.skipped)} left as they were" if not patched else
+                 f"[hf_lowbit] {self.recipe}: {patched} modules patched"]
+        for (action, pattern, mtype, shape, reason), n in sorted(groups.items(), key=lambda kv: kv[0][0] == SKIPPED):
+            dims = " " + "x".join(map(str, shape)) if shape else ""
             count = f" (x{n})" if n > 1 else ""
-            lines.append(f"  {action:7s} {pattern}{count} [{mtype} {dims}]: {reason}")
+            lines.append(f"  {action:7s} {pattern}{count} [{mtype}{dims}]: {reason}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

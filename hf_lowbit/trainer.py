@@ -15,6 +15,7 @@ from transformers import Trainer
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments
 from .distributed import keep_integer_params_unsharded, unsharded_copy
 from .export import merge_lora, save_quantized
+from .liger import apply_liger
 from .mixed_precision import MixedPrecisionLinear
 from .prepare import apply_recipes, log_reports
 from .qat import FakeQuantScheduleCallback, QATConfig
@@ -30,7 +31,10 @@ class LowBitTrainerMixin:
 
     The model is prepared (``hf_lowbit.prepare_model``'s swaps) when the trainer is constructed, before
     the base class sees it, so ``trainer.model`` already shows the swapped modules;
-    ``trainer.lowbit_reports`` holds what each recipe swapped and skipped. ``peft_config`` (a
+    ``trainer.lowbit_reports`` holds what each recipe swapped and skipped. With ``use_liger_kernel=True``
+    Liger's patches are applied at the end of ``__init__`` over the swapped model and reported last
+    (``hf_lowbit.liger``: Liger owns the norms, the SwiGLU activation, RoPE and LM head + loss; the recipes the
+    linears). ``peft_config`` (a
     ``peft.LoraConfig`` …) wraps the prepared model in a ``PeftModel``: here, unless the base class takes
     ``peft_config`` itself (trl's trainers), in which case it gets the swapped model and the config with
     ``"all-linear"`` resolved against the quantized bases, and wraps it once, its own way. ``args`` must
@@ -70,6 +74,12 @@ class LowBitTrainerMixin:
             keep_integer_params_unsharded(self.accelerator.state.fsdp_plugin, self.model, self.args.device)
         if args.qat_scheme is not None:
             self.add_callback(FakeQuantScheduleCallback(args.qat_fake_quant_after_n_steps))
+        if getattr(args, "use_liger_kernel", False):
+            # here, not only in train(): after our swaps and the base class's own setup (trl's SFTTrainer turns
+            # Liger's fused cross-entropy off in its __init__), so trainer.model and the reports show the result
+            report = apply_liger(self.model, args.liger_kernel_config)
+            self.lowbit_reports.append(report)
+            log_reports([report])
 
     def save_quantized(self, path: str) -> list[str]:
         """Convert the QAT model and write a checkpoint stock transformers loads (see ``hf_lowbit.export``).

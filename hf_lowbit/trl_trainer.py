@@ -21,10 +21,11 @@ class LowBitSFTConfig(LowBitArgumentsMixin, SFTConfig):
     """``trl.SFTConfig`` with the low-bit switches of ``LowBitArgumentsMixin``."""
 
     def _validate_lowbit(self) -> None:
-        super()._validate_lowbit()
-        if self.qat_include_lm_head:
+        # first: whatever use_liger_kernel says, SFTTrainer's own fused LM head bypasses a fake-quantized head
+        if self.qat_include_lm_head is True:
             raise ValueError("LowBitSFTConfig.qat_include_lm_head=True is not supported: SFTTrainer's fused LM head "
                              "multiplies by lm_head.weight directly, bypassing the fake quantization")
+        super()._validate_lowbit()
 
 
 class LowBitSFTTrainer(LowBitTrainerMixin, SFTTrainer):

@@ -44,6 +44,12 @@ def test_benchmark_regimes_trainer_path_smoke_on_cpu(tmp_path):
     assert abs(records[1]["first_loss"] - records[0]["first_loss"]) < 0.05
 
 
+def test_benchmark_train_liger_is_for_the_trainer_path():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu",
+                           "--liger", "both"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "--liger: the trainer path only" in proc.stderr
+
+
 def test_benchmark_train_rejects_unknown_recipe():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu",
                            "--recipes", "int4"], capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -22,7 +22,7 @@ def test_help_lists_all_argument_groups():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in ("--model_name_or_path", "--dataset", "--block_size", "--int8_mixed_precision",
-                 "--lowbit_min_features", "--learning_rate"):
+                 "--lowbit_min_features", "--learning_rate", "--use_liger_kernel"):
         assert flag in out.stdout
 
 
