@@ -23,6 +23,12 @@ task (``--lora_task``):
   the pre-training text) adapters moved the held-out loss ~1.3% in 200 steps on the H200.
 * ``corpus``: the pre-training corpus, in another batch order (the earlier benchmark).
 
+Late in training (``--late_lr``): the full fine-tune recipes all start from one bf16-pretrained state
+(``--pretrain_steps`` at ``--lr``) and continue for ``--steps`` at the small rate, a new batch order; issue 18's
+"does stochastic rounding help" question, where the per-step update is smallest against the rounding error:
+
+    python benchmarks/benchmark_quality.py --compile --recipes bf16,int8,int8_sr --pretrain_steps 300 --late_lr 3e-5 --steps 200
+
 LoRA rows also compare to ``lora_bf16`` (the quantized bases must learn as much as the bf16 one):
 
     python benchmarks/benchmark_quality.py --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --steps 200
@@ -56,8 +62,12 @@ LORA_RECIPES = {"lora_bf16": {}, "lora_nf4": {"lora_base_quant": "nf4"},
 
 
 def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Tensor, vocab: int,
-              steps: int | None = None, init_state: dict | None = None, keep_state: bool = False) -> dict:
+              steps: int | None = None, init_state: dict | None = None, keep_state: bool = False,
+              lr: float | None = None) -> dict:
+    """``lr``: a full fine-tune continued from ``init_state`` at this rate (``--late_lr``: no warm-up, new batch
+    order); otherwise ``--lr`` (``--lora_lr`` for LoRA) with ``--warmup`` steps of warm-up."""
     steps = a.steps if steps is None else steps
+    late = lr is not None
     torch.manual_seed(a.seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                          num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
@@ -77,11 +87,13 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
         model = prepare_model(model, args, peft_config)
     fwd = torch.compile(model) if a.compile else model
     params = [p for p in model.parameters() if p.requires_grad]
-    lr = (getattr(a, "lora_lr", None) or a.lr) if lora else a.lr
+    if not late:
+        lr = (getattr(a, "lora_lr", None) or a.lr) if lora else a.lr
+    warmup = 1 if late else a.warmup
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0 if lora else 0.1, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / a.warmup) * 0.5 * (
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / max(steps, 1)))))
-    order = torch.Generator().manual_seed(a.seed + (1 if lora else 0))  # LoRA: a new batch order
+    order = torch.Generator().manual_seed(a.seed + (1 if lora or late else 0))  # a new batch order after pre-training
     losses = []
     for step in range(steps):
         idx = torch.randint(0, train_blocks.shape[0], (a.batch,), generator=order)
@@ -147,7 +159,11 @@ def main():
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lora_r", type=int, default=16)
     p.add_argument("--lora_lr", type=float, default=None, help="learning rate of the lora_* recipes (default: --lr)")
-    p.add_argument("--pretrain_steps", type=int, default=300, help="bf16 pre-training of the base of the lora_* recipes")
+    p.add_argument("--pretrain_steps", type=int, default=300,
+                   help="bf16 pre-training of the base of the lora_* recipes (and of the others with --late_lr)")
+    p.add_argument("--late_lr", type=float, default=None,
+                   help="late in training: the full fine-tune recipes continue the bf16-pretrained base (--pretrain_steps "
+                        "at --lr) for --steps at this small rate, cosine to 0, where rounding is most likely to hurt")
     p.add_argument("--lora_task", choices=("arithmetic", "corpus"), default="arithmetic",
                    help="what the lora_* recipes fine-tune on (see above)")
     p.add_argument("--learn_bar", type=float, default=0.2,
@@ -175,10 +191,12 @@ def main():
     pretrained = None
     recipes = a.recipes.split(",")
     task = {}
-    if any(r in LORA_RECIPES for r in recipes):
+    pre = None
+    if any(r in LORA_RECIPES for r in recipes) or a.late_lr:
         pre = train_one("bf16", a, train_blocks, eval_blocks, len(tok), steps=a.pretrain_steps, keep_state=True)
         pretrained = pre.pop("state")
         print(f"pre-trained base: {a.pretrain_steps} steps, held-out loss {pre['eval_loss']:.4f}", flush=True)
+    if any(r in LORA_RECIPES for r in recipes):
         task = {"train": train_blocks, "eval": eval_blocks}
         if a.lora_task == "arithmetic":
             task = arithmetic_task(tok, a)
@@ -195,7 +213,8 @@ def main():
                                   init_state=pretrained, steps=0 if r == "lora_untrained" else None))
             rows[-1]["recipe"] = r
         else:
-            rows.append(train_one(r, a, train_blocks, eval_blocks, len(tok)))
+            rows.append(train_one(r, a, train_blocks, eval_blocks, len(tok), init_state=pretrained if a.late_lr else None,
+                                  lr=a.late_lr))
     untrained = next((x for x in rows if x["recipe"] == "lora_untrained"), None)
     for r in rows:  # full fine-tunes vs bf16, LoRA recipes vs lora_bf16
         base = next((x for x in rows if x["recipe"] == ("lora_bf16" if r["recipe"] in LORA_RECIPES else "bf16")), None)
@@ -209,6 +228,7 @@ def main():
             "python": platform.python_version(), "command": " ".join(sys.argv),
             "corpus": {"documents": len(docs), "train_tokens": train_blocks.numel(),
                        "eval_tokens": eval_blocks.numel()},
+            "pretrained_eval_loss": None if pre is None else pre["eval_loss"],
             "lora_task": ({"name": a.lora_task, "train_tokens": task["train"].numel(), "eval_tokens": task["eval"].numel(),
                            "learn_bar": a.learn_bar} if task else None),
             "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "plot")}}

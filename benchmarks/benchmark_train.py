@@ -40,6 +40,16 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 RECIPES = ("bf16", "int8", "fp8", "torchao_int8", "torchao_float8", "qat_8da4w", "torchao_qat_8da4w")
+# INT8 with matmuls switched off and/or stochastic rounding (the rows of issue 18's seed table,
+# benchmark_seed_table.py): "fwd" = only Y = X·Wᵀ in INT8, "fwd_gi" = also dX, "_sr" = stochastic rounding
+INT8_VARIANTS = {
+    "int8_fwd": dict(lowbit_grad_input=False, lowbit_grad_weight=False),
+    "int8_fwd_sr": dict(lowbit_grad_input=False, lowbit_grad_weight=False, lowbit_stochastic_rounding=True),
+    "int8_fwd_gi": dict(lowbit_grad_weight=False),
+    "int8_fwd_gi_sr": dict(lowbit_grad_weight=False, lowbit_stochastic_rounding=True),
+    "int8_sr": dict(lowbit_stochastic_rounding=True),
+}
+FULL_RECIPES = RECIPES + tuple(INT8_VARIANTS)  # full fine-tunes: compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
 # INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
@@ -111,6 +121,13 @@ def _bnb_nf4_lora(model, r: int):
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
 
 
+def mixed_precision_args(recipe: str) -> dict:
+    """The ``LowBitTrainingArguments`` fields of our INT8/FP8 recipe ``recipe`` (``int8``, ``fp8``, INT8_VARIANTS)."""
+    if recipe in INT8_VARIANTS:
+        return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
+    return {f"{recipe}_mixed_precision": True}
+
+
 def apply_lora_recipe(model, recipe: str, min_features: int, r: int):
     """``recipe`` from LORA_RECIPES: returns the model to train (a ``PeftModel`` for ours)."""
     from peft import LoraConfig
@@ -137,13 +154,12 @@ def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = Fal
 
     if recipe == "bf16":
         return
-    if recipe in ("int8", "fp8"):
+    if recipe in ("int8", "fp8", *INT8_VARIANTS):
         from hf_lowbit import LowBitTrainingArguments, prepare_model
 
         with tempfile.TemporaryDirectory() as tmp:
             args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=min_features,
-                                           lowbit_weight_cache=weight_cache or None,
-                                           **{f"{recipe}_mixed_precision": True})
+                                           lowbit_weight_cache=weight_cache or None, **mixed_precision_args(recipe))
             prepare_model(model, args)
         return
     if recipe == "qat_8da4w":
@@ -216,7 +232,7 @@ def build_model(a, device: str, weight_cache: bool = False):
                          use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", "int8", "fp8"):
+    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", "int8", "fp8", *INT8_VARIANTS):
         return model  # the Trainer path: LowBitTrainer swaps (stock Trainer for bf16)
     if a.recipe in LORA_RECIPES:
         model = apply_lora_recipe(model, a.recipe, a.min_features, a.lora_r)
@@ -263,7 +279,7 @@ def trainer_worker(a) -> dict:
     torch._dynamo.config.cache_size_limit = max(64, 2 * a.layers)
     gen = torch.Generator().manual_seed(0)
     total = a.warmup + a.steps
-    ids = torch.randint(0, a.vocab, (4 * a.batch, a.seq), generator=gen)
+    ids = load_blocks(a) if a.data else torch.randint(0, a.vocab, (4 * a.batch, a.seq), generator=gen)
     data = [{"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]} for i in range(total * a.batch * a.grad_accum)]
     times, losses, logged = {}, [], {"train_mfu": [], "train_tokens_per_second": []}
 
@@ -280,9 +296,9 @@ def trainer_worker(a) -> dict:
                     if key in logs and state.global_step > a.warmup:
                         values.append(logs[key])
 
-    ours = a.recipe in ("int8", "fp8")
+    ours = a.recipe in ("int8", "fp8", *INT8_VARIANTS)
     common = dict(output_dir=tempfile.mkdtemp(), report_to="none", per_device_train_batch_size=a.batch,
-                  gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=1e-5,
+                  gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=a.lr,
                   optim="adamw_torch_fused", bf16=True, torch_compile=not a.no_compile, logging_steps=1,
                   save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True, seed=0,
                   lr_scheduler_type="constant", use_cpu=not cuda, use_liger_kernel=a.liger == "on")
@@ -291,7 +307,7 @@ def trainer_worker(a) -> dict:
     if ours:
         args = LowBitTrainingArguments(**common, lowbit_min_features=a.min_features,
                                        lowbit_cuda_graphs=False if a.no_cuda_graphs else None,
-                                       **{f"{a.recipe}_mixed_precision": True})
+                                       **mixed_precision_args(a.recipe))
         trainer = LowBitTrainer(model, args=args, train_dataset=data)
         chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
                   "cuda_graphs": trainer.lowbit_cuda_graphs}
@@ -319,6 +335,17 @@ def trainer_worker(a) -> dict:
             "graph_breaks": sum(counters["graph_break"].values()), "chosen": chosen, "profile": None}
 
 
+def load_blocks(a):
+    """``--data``: token blocks ``[n, seq]`` (int64, ``torch.save``d) to train on instead of random ids."""
+    import torch
+
+    blocks = torch.load(a.data)
+    if blocks.dim() != 2 or blocks.shape[1] != a.seq or blocks.shape[0] < a.batch or int(blocks.max()) >= a.vocab:
+        raise SystemExit(f"--data {a.data}: need >= {a.batch} blocks of {a.seq} ids below {a.vocab}, "
+                         f"got shape {tuple(blocks.shape)}, max id {int(blocks.max())}")
+    return blocks
+
+
 def worker(a) -> dict:
     import torch
     from torch._dynamo.utils import counters
@@ -331,9 +358,13 @@ def worker(a) -> dict:
     if not a.no_compile:
         compile_layers(model, a.layers, mode=mode)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=cuda)
+    opt = torch.optim.AdamW(params, lr=a.lr, fused=cuda)
     gen = torch.Generator(device=a.device).manual_seed(0)
-    batches = [torch.randint(0, a.vocab, (a.batch, a.seq), device=a.device, generator=gen) for _ in range(4)]
+    if a.data:  # real text: consecutive batches, all of them on the device, cycled when the run outlasts them
+        blocks = load_blocks(a)
+        batches = list(blocks[: len(blocks) // a.batch * a.batch].to(a.device).split(a.batch))
+    else:
+        batches = [torch.randint(0, a.vocab, (a.batch, a.seq), device=a.device, generator=gen) for _ in range(4)]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     # CUDA graphs + gradient accumulation: .grad must exist outside the graphs (else the next replay
     # overwrites the buffer .grad was given); zeroed in place between steps
@@ -359,7 +390,7 @@ def worker(a) -> dict:
         torch.cuda.reset_peak_memory_stats()
     sync()
     t0 = time.perf_counter()
-    timed = [step(i) for i in range(a.steps)]
+    timed = [step(a.warmup + i) for i in range(a.steps)]  # the batches after the warm-up's
     sync()
     elapsed = time.perf_counter() - t0
     losses += [t.item() for t in timed]
@@ -371,18 +402,22 @@ def worker(a) -> dict:
     return {"recipe": a.recipe, "path": "layers", "tokens_per_s": a.batch * a.seq * a.grad_accum * a.steps / elapsed,
             "step_ms": 1000 * elapsed / a.steps, "warmup_s": warmup_s,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
-            "first_loss": losses[0], "last_loss": losses[-1],
+            "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
             "compiled_graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values()), "profile": profile}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, from {RECIPES + LORA_RECIPES}")
+    p.add_argument("--recipes", default=",".join(RECIPES),
+                   help=f"comma-separated, from {FULL_RECIPES + LORA_RECIPES}")
     for name, default in (("hidden", 4096), ("intermediate", 14336), ("heads", 32), ("kv_heads", 8),
                           ("vocab", 32000), ("layers", 8), ("batch", 8), ("seq", 2048), ("warmup", 3),
                           ("steps", 10), ("min_features", 64), ("lora_r", 16), ("grad_accum", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (constant)")
+    p.add_argument("--data", default=None,
+                   help="a torch.save'd int64 tensor [n, seq] of token blocks to train on (default: random ids)")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the script)")
     p.add_argument("--no_compile", action="store_true", help="run eagerly (smoke tests only)")
     p.add_argument("--no_cuda_graphs", action="store_true",
@@ -419,7 +454,8 @@ def main():
     meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(sys.argv), "config": {k: getattr(a, k) for k in (
                 "hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "batch", "seq", "warmup", "steps",
-                "lora_r", "grad_checkpointing", "autocast", "grad_accum", "path", "compile_mode", "liger")}}
+                "lora_r", "grad_checkpointing", "autocast", "grad_accum", "path", "compile_mode", "liger", "lr",
+                "data")}}
     try:
         import torchao
 
@@ -434,19 +470,19 @@ def main():
     for k, v in vars(a).items():
         if isinstance(v, bool):
             base_args += [f"--{k}"] if v else []
-        elif isinstance(v, int) or k in ("path", "compile_mode"):
+        elif isinstance(v, (int, float)) or (k in ("path", "compile_mode", "data") and v is not None):
             base_args += [f"--{k}", str(v)]
     recipes = a.recipes.split(",")
     for recipe in recipes:
-        if recipe not in RECIPES + LORA_RECIPES:
-            raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(RECIPES + LORA_RECIPES)}")
+        if recipe not in FULL_RECIPES + LORA_RECIPES:
+            raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(FULL_RECIPES + LORA_RECIPES)}")
     ligers = {"off": ("off",), "on": ("on",), "both": ("off", "on")}[a.liger]
     for recipe, liger in [(r, lg) for r in recipes for lg in ligers]:
         cmd = [sys.executable, os.path.abspath(__file__), *base_args, "--liger", liger, "--recipe", recipe]
         row = run_worker(cmd, {"recipe": recipe, "liger": liger == "on"}, a.timeout)
         rows.append(row)
         for r in rows:  # full fine-tunes vs bf16 (without Liger where run); LoRA rows vs the first LoRA row
-            ref = "bf16" if r["recipe"] in RECIPES else next((x["recipe"] for x in rows if x["recipe"] in LORA_RECIPES), None)
+            ref = "bf16" if r["recipe"] in FULL_RECIPES else next((x["recipe"] for x in rows if x["recipe"] in LORA_RECIPES), None)
             refs = [x for x in rows if x["recipe"] == ref and "error" not in x]
             base = next((x for x in refs if not x.get("liger")), refs[0] if refs else None)
             if base and "error" not in r:

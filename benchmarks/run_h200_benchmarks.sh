@@ -6,6 +6,10 @@
 #   bash benchmarks/run_h200_benchmarks.sh train   OUTDIR   # 8-layer bench, 7 recipes + profile (~50-70 s each, ~6 min)
 #   bash benchmarks/run_h200_benchmarks.sh kernels OUTDIR   # linear + per-layout matmuls (~4 min)
 #   bash benchmarks/run_h200_benchmarks.sh quality OUTDIR   # 300-step loss curves bf16/INT8/FP8 (> 170 s: give it ~5 min)
+#   BATCH=16 bash benchmarks/run_h200_benchmarks.sh seed_table OUTDIR  # issue 18's seed table: TinyLlama-1.1B shape,
+#                                                            # 16x2048 real-text tokens, bf16 + 5 INT8 rows (~7-8 min)
+#   bash benchmarks/run_h200_benchmarks.sh sr_quality OUTDIR   # bf16 / INT8 / INT8+SR late in training: 300 bf16 steps,
+#                                                            # then 200 steps at lr 3e-5 each (~3-4 min)
 #   bash benchmarks/run_h200_benchmarks.sh qlora_train OUTDIR   # LoRA r16 over bf16/NF4/INT8 bases beside the torchao NF4
 #                                                            # (+ torchao INT8) peers, 8 layers 8x2048, bf16 autocast as
 #                                                            # Trainer(bf16=True) runs it, one run (~7 min)
@@ -20,7 +24,7 @@
 # Export HF_LOWBIT_COMMIT (the commit you measure) in the device command: the copied tree's git metadata there
 # is the session's starting commit. On the lent H200, carry torchao's wheel (.whl/) and set PYTHONPATH to where it was installed.
 set -euo pipefail
-stage=${1:?stage: cuda_tests, regimes, train, kernels, quality, qat, fsdp2 or qlora_*}
+stage=${1:?stage: cuda_tests, regimes, train, kernels, quality, seed_table, sr_quality, qat, fsdp2 or qlora_*}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -45,6 +49,12 @@ case "$stage" in
   quality)
     python3 benchmarks/benchmark_quality.py --compile --json "$out/quality_h200.json" \
         --markdown "$out/quality_h200.md" --plot "$out/quality_h200.png" ;;
+  seed_table)  # BATCH: 16 as in the seed; if bf16 runs out of memory the script says so: rerun with BATCH=8
+    python3 benchmarks/benchmark_seed_table.py --batch "${BATCH:-16}" --timeout 170 --json "$out/seed_table_h200.json" \
+        --markdown "$out/seed_table_h200.md" --plot "$out/seed_table_h200.png" ;;
+  sr_quality)
+    python3 benchmarks/benchmark_quality.py --compile --recipes bf16,int8,int8_sr --pretrain_steps 300 --late_lr 3e-5 \
+        --steps 200 --json "$out/sr_quality_h200.json" --markdown "$out/sr_quality_h200.md" --plot "$out/sr_quality_h200.png" ;;
   qlora_train)
     python3 benchmarks/benchmark_train.py --timeout 110 --autocast --json "$out/qlora_train_h200.json" \
         --markdown "$out/qlora_train_h200.md" \
@@ -74,5 +84,5 @@ case "$stage" in
         --markdown "$out/fsdp2_h200x2.md" --plot "$out/fsdp2_h200x2.png"
     python3 benchmarks/benchmark_fsdp2.py --concurrent --gpus 1,2 --timeout 150 --recipes lora_bf16,lora_nf4_int8 \
         --json "$out/fsdp2_lora_h200x2.json" --markdown "$out/fsdp2_lora_h200x2.md" --plot "$out/fsdp2_lora_h200x2.png" ;;
-  *) echo "unknown stage $stage (cuda_tests, train, kernels, quality, fsdp2, qlora_train, qlora_train_noautocast, qat, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (cuda_tests, train, kernels, quality, seed_table, sr_quality, fsdp2, qlora_train, qlora_train_noautocast, qat, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
 esac

@@ -55,7 +55,8 @@ class LowBitArgumentsMixin:
     lowbit_stochastic_rounding: bool = field(default=False, metadata={"help": (
         "INT8 mixed precision: round the backward's operands stochastically (the output gradient in both "
         "gradient matmuls, the input in the weight gradient) instead of to nearest, so their rounding is "
-        "unbiased; the forward still rounds to nearest. Not yet measured on a GPU (docs/design.md).")})
+        "unbiased; the forward still rounds to nearest. The random numbers are drawn inside the quantization kernels "
+        "(no random tensor when compiled). Not yet measured on a GPU (docs/design.md).")})
     lowbit_cuda_graphs: bool | None = field(default=None, metadata={"help": (
         "Compile with CUDA graphs (torch_compile_mode='reduce-overhead'): at 1-2k-token micro-batches the "
         "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 full fine-tuning "

@@ -4,6 +4,8 @@ Imported by test_triton_int8.py: directly on CUDA, or in a subprocess with TRITO
 CPU (the interpreter must be switched on before Triton compiles anything).
 """
 
+import sys
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -107,5 +109,61 @@ def check_quantize_t(device: str) -> int:
     return n
 
 
+def check_quantize_t_stochastic(device: str) -> int:
+    """The Triton column kernel's stochastic rounding: the scales of nearest bit for bit, every code the floor
+    or the ceiling of ``x / scale`` (all of q written), reproducible under ``torch.manual_seed``, different
+    between seeds, and unbiased: averaged over many draws each column converges to its value, where nearest
+    keeps a bias of at least 0.1 of a step. Returns the number of checks."""
+    from hf_lowbit.ops.triton_quant import quantize_t_triton
+
+    def sr(x, seed=None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        return quantize_t_triton(x, torch.int8, 127.0, stochastic=True)
+
+    n, cases = 0, [(37, 24, False, torch.float32), (70, 20, True, torch.bfloat16)]
+    if device == "cuda":
+        cases += [(1030, 70, True, torch.float32), (8192, 2048, False, torch.bfloat16)]
+    for M, N, transposed, dtype in cases:
+        x = (torch.randn(N, M, device=device).T if transposed else torch.randn(M, N, device=device)) * 3
+        x[:, 1] = 0  # an all-zero column quantizes to zeros (u < 1)
+        xd = x.to(dtype)
+        with PoisonedAllocations() as poison:  # q starts as -128, which floor(y + u) never gives
+            q, s = sr(xd, seed=1)
+        assert ((N, M), torch.int8) in poison.shapes
+        qn, sn = quantize_t_triton(xd, torch.int8, 127.0)
+        assert q.shape == (N, M) and q.is_contiguous() and torch.equal(s, sn), "scales differ from nearest's"
+        y = xd.float().T / s[:, None]  # the kernel's y (IEEE division), before rounding
+        assert ((q.float() == y.floor()) | (q.float() == y.ceil())).all(), f"{(M, N)} {dtype}: not floor/ceil"
+        assert (q[1] == 0).all() and q.abs().max() <= 127
+        assert torch.equal(q, sr(xd, seed=1)[0]), "not reproducible under torch.manual_seed"
+        assert not torch.equal(q, sr(xd, seed=2)[0]) and not torch.equal(q, qn)
+        n += 1
+    # unbiasedness: column c holds its absmax in row 0 (scale = 1/127 of it) and (k_c + f_c) steps in every
+    # other row, f_c in [0.1, 0.9]: nearest rounds all of them the same way (bias min(f, 1-f) >= 0.1 step)
+    M, N = (256, 16) if device != "cuda" else (4096, 256)
+    steps = torch.arange(N, device=device) % 100 + torch.linspace(0.1, 0.9, N, device=device)
+    scale = torch.logspace(-2, 2, N, device=device) / 127
+    x = (steps * scale).expand(M, N).clone()
+    x[0] = 127 * scale
+    draws = 16 if device != "cuda" else 64
+    q_sum = torch.zeros(N, device=device, dtype=torch.float64)
+    err = {}
+    for i in range(draws):
+        q, s = sr(x, seed=100 + i)
+        q_sum += q[:, 1:].double().mean(1)
+        if i + 1 in (1, draws):
+            err[i + 1] = (q_sum / (i + 1) - x[1].double() / s.double()).abs()  # in steps
+    qn, sn = quantize_t_triton(x, torch.int8, 127.0)
+    bias = (qn[:, 1:].double().mean(1) - x[1].double() / sn.double()).abs()
+    assert bias.min() > 0.099, bias  # round-to-nearest: biased in every column, whatever the number of draws
+    # the mean of n draws errs by ~0.5/sqrt(n (M-1)) steps: < 0.05 everywhere and shrinking with more draws
+    assert err[draws].max() < 0.05 and err[draws].mean() < err[1].mean() / 1.5, err
+    return n + 1
+
+
 if __name__ == "__main__":
-    print("checked", check_int8_scaled_mm("cpu"), "matmuls and", check_quantize_t("cpu"), "quantizations")
+    if sys.argv[1:] == ["stochastic"]:
+        print("checked", check_quantize_t_stochastic("cpu"), "stochastic quantizations")
+    else:
+        print("checked", check_int8_scaled_mm("cpu"), "matmuls and", check_quantize_t("cpu"), "quantizations")

@@ -1,4 +1,5 @@
-"""Stochastic rounding of INT8 operands: unbiased, reproducible under a seed, compiled without breaks."""
+"""Stochastic rounding of INT8 operands: unbiased, reproducible under a seed, compiled without breaks; the
+Triton column kernel's own stochastic rounding interpreted on CPU and compiled on CUDA (no extra memory)."""
 
 import pytest
 import torch
@@ -100,3 +101,79 @@ def test_arguments(tmp_path):
     model = prepare_model(tiny_model(), args)
     layers = [m for m in model.modules() if isinstance(m, MixedPrecisionLinear)]
     assert layers and all(m.lowbit_config.stochastic_rounding for m in layers)
+
+
+def test_triton_stochastic_column_kernel_interpreted():
+    from test_triton_int8 import run_interpreted
+
+    assert "checked 3 stochastic quantizations" in run_interpreted("stochastic")
+
+
+@pytest.mark.cuda
+def test_triton_stochastic_column_kernel_cuda_same_memory_as_nearest():
+    from _triton_checks import check_quantize_t_stochastic
+
+    from hf_lowbit.ops.triton_quant import quantize_t_triton
+
+    assert check_quantize_t_stochastic("cuda") > 0
+    x = torch.randn(16384, 5632, device="cuda", dtype=torch.bfloat16)
+    peak = {}
+    for sr in (False, True) * 2:  # the second round counts
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        q, s = quantize_t_triton(x, torch.int8, 127.0, stochastic=sr)
+        torch.cuda.synchronize()
+        peak[sr] = torch.cuda.max_memory_allocated() - base
+        del q, s
+    # the seed is one int64 (one 512-byte allocator block); random numbers as a tensor would be 352 MiB here
+    assert peak[True] - peak[False] <= 512, peak
+
+
+@pytest.mark.cuda
+def test_compiled_stochastic_rounding_cuda():
+    """Compiled on CUDA: no graph break, the Triton column kernel in the generated code, reproducible under
+    torch.manual_seed, different from nearest, and the peak memory of a step equal to nearest's."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    counters.clear()
+    M, K, N = 8192, 2048, 5632
+    x0 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+
+    def make(sr):
+        torch.manual_seed(0)
+        lin = MixedPrecisionLinear(K, N, bias=False, device="cuda", dtype=torch.bfloat16,
+                                   config=MixedPrecisionConfig(stochastic_rounding=sr))
+        return lin, torch.compile(lin)
+
+    def step(layer, seed):
+        lin, fn = layer
+        torch.manual_seed(seed)
+        x = x0.detach().requires_grad_(True)
+        lin.weight.grad = None
+        fn(x).backward(gy)
+        return x.grad, lin.weight.grad
+
+    sr, rn = make(True), make(False)
+    _, code = run_and_get_code(lambda: step(sr, 1))
+    assert any("_quantize_t_kernel" in c for c in code)
+    step(rn, 1)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    a, b, c = step(sr, 1), step(sr, 1), step(sr, 2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # reproducible under the seed
+    assert not torch.equal(a[1], c[1]) and not torch.equal(a[1], step(rn, 1)[1])
+    ref_dw = gy.float().T @ x0.float()
+    assert snr_db(ref_dw, a[1]) > 25
+    peak = {}
+    for name, layer in (("nearest", rn), ("stochastic", sr)):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(layer, 3)
+        torch.cuda.synchronize()
+        peak[name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    # a tensor of random numbers for dY alone would be 176 MiB (float32), the old transposed copy of X 16 MiB
+    assert peak["stochastic"] <= peak["nearest"] + 1, peak

@@ -29,17 +29,15 @@ def scaled_matmul(fmt: str, x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dt
 def quantize_operand(fmt: str, x: Tensor, dim: int, stochastic: bool = False) -> tuple[Tensor, Tensor]:
     """``x`` quantized along ``dim`` with its reduction dim contiguous: ``(q [other, dim], scale [other])``.
 
-    ``stochastic`` (INT8 only): stochastic rounding, in plain torch for both layouts (Inductor fuses the
-    random draw into the quantization; the column layout then skips the Triton ``quantize_t`` kernels, which
-    round to nearest)."""
-    if stochastic:
-        if fmt != "int8":
-            raise ValueError(f"stochastic rounding is implemented for INT8, not {fmt!r}")
-        q, s = FORMATS[fmt].quantize(x, dim=dim, stochastic=True)
-        return (q.T.contiguous() if dim == 0 else q), s.reshape(-1)
+    ``stochastic`` (INT8 only): stochastic rounding. The row layout is plain torch (under ``torch.compile``
+    Inductor draws the random numbers inside its fused quantization kernel); the column layout is
+    ``hf_lowbit::quantize_t``, whose Triton kernel draws them in registers. Neither materializes a random
+    tensor when compiled."""
+    if stochastic and fmt != "int8":
+        raise ValueError(f"stochastic rounding is implemented for INT8, not {fmt!r}")
     if dim == 0:
-        return quantize_t(x, fmt)
-    q, s = FORMATS[fmt].quantize(x, dim=1)
+        return quantize_t(x, fmt, stochastic)
+    q, s = FORMATS[fmt].quantize(x, dim=1, stochastic=True) if stochastic else FORMATS[fmt].quantize(x, dim=1)
     return q, s.reshape(-1)
 
 

@@ -6,8 +6,9 @@ permuted store) ran at ~1/3 of the copy bandwidth on the H200, so it is two kern
 
 1. ``_col_amax_kernel``: partial absmax of row chunks, grid (M chunks, N blocks), fully parallel;
 2. ``_quantize_t_kernel``: each tile combines the partials of its columns, quantizes (int8: round
-   half to even, clamp to ±127; fp8: clamp to ±448, round half to even onto the e4m3 grid) and
-   stores the tile transposed. Both match the plain-torch quantize functions bit for bit.
+   half to even, clamp to ±127; fp8: clamp to ±448, round half to even onto the e4m3 grid; or int8
+   stochastic rounding, ``floor(y + u)`` with ``u`` from Philox in registers) and stores the tile
+   transposed. The nearest paths match the plain-torch quantize functions bit for bit.
 
 NaN in a column gives that column a NaN scale (as :func:`hf_lowbit.ops.int8.quantize_int8` does).
 """
@@ -47,8 +48,9 @@ def _col_amax_kernel(x_ptr, part_ptr, M, N, stride_xm, stride_xn,
 
 
 @triton.jit
-def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, M, N, n_chunks, stride_xm, stride_xn,
-                       QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, seed_ptr, M, N, n_chunks, stride_xm, stride_xn,
+                       QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,7 +66,12 @@ def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, M, N, n_chunks, stride
     mask = (offs_m[:, None] < M) & mask_n[None, :]
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale[None, :]), -QMAX), QMAX)
-    if IS_INT8:
+    if STOCHASTIC:  # int8 only: floor(y + u), u ~ U[0, 1), so E[q] = y
+        # Philox keyed by (seed, element index in x): counter-based, so the random numbers live in registers
+        # (no random tensor) and an element's draw does not depend on the tiling. |y| <= 127: no clamp needed.
+        u = tl.rand(tl.load(seed_ptr), offs_m[:, None].to(tl.int64) * N + offs_n[None, :])
+        q = tl.floor(y + u).to(tl.int8)
+    elif IS_INT8:
         q = _rne(y).to(tl.int8)
     else:
         # Round to the e4m3 grid in fp32 (spacing 2**(e-3) in binade e, 2**-9 below 2**-6), so the cast
@@ -87,13 +94,16 @@ def _chunk_rows(M: int, N: int, block_n: int) -> int:
 
 
 def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m: int | None = None,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, N] (any strides) -> ``q`` [N, M] contiguous in ``qdtype``, ``scale`` [N] float32.
 
     ``chunk_m``: rows per partial absmax (a multiple of the row tile; default: sized to the shape). ``out``:
     preallocated ``(q, scale)`` to write into (the weight cache refreshes its buffers in place, so CUDA graphs
     that read them stay valid). Any ``x.T`` view works too: ``quantize_t_triton(w.T, ...)`` quantizes ``w``
-    per row and writes it ``[rows, cols]`` contiguous."""
+    per row and writes it ``[rows, cols]`` contiguous. ``stochastic`` (int8): stochastic rounding; its seed is
+    one int64 drawn with ``torch.randint`` on ``x``'s device, so it follows ``torch.manual_seed`` and, under
+    ``torch.compile``, stays a device tensor in the graph (no host sync, CUDA-graph safe)."""
     M, N = x.shape
     small = x.device.type == "cpu"  # the interpreter: small tiles
     # 64x64 tiles, 4 warps: measured on the H200 at 0.13 ms mean per call in the bench; 32x256 with
@@ -113,8 +123,12 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
             raise ValueError(f"quantize_t_triton: out must be ({N}x{M} contiguous {qdtype}, {N} float32)")
     wrap_triton(_col_amax_kernel)[(n_chunks, triton.cdiv(N, bn))](x, part, M, N, x.stride(0), x.stride(1), CHUNK_M=chunk_m,
                                                      BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    if stochastic and qdtype != torch.int8:
+        raise ValueError(f"quantize_t_triton: stochastic rounding is implemented for int8, not {qdtype}")
+    # the nearest path never reads seed_ptr (STOCHASTIC is a constexpr): any tensor will do there
+    seed = torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device) if stochastic else part
     bm, bn = (16, 16) if small else (128, 64)
     wrap_triton(_quantize_t_kernel)[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x, part, q, scale, M, N, n_chunks, x.stride(0), x.stride(1), QMAX=qmax,
-        IS_INT8=qdtype == torch.int8, BLOCK_M=bm, BLOCK_N=bn, num_warps=4 if small else 8)
+        x, part, q, scale, seed, M, N, n_chunks, x.stride(0), x.stride(1), QMAX=qmax,
+        IS_INT8=qdtype == torch.int8, STOCHASTIC=stochastic, BLOCK_M=bm, BLOCK_N=bn, num_warps=4 if small else 8)
     return q, scale
