@@ -54,7 +54,7 @@ def worker(a) -> dict | None:
     from accelerate.utils import DistributedType
     from torch._dynamo.utils import counters
 
-    from hf_lowbit.distributed import keep_integer_params_unsharded
+    from hf_lowbit.distributed import prepare_integer_params_for_fsdp2
 
     cuda = a.device == "cuda"
     if not cuda:
@@ -69,8 +69,8 @@ def worker(a) -> dict | None:
     acc = Accelerator()
     if acc.distributed_type != DistributedType.FSDP or not acc.is_fsdp2:
         raise RuntimeError(f"expected FSDP2 from {CONFIG}, accelerate gave {acc.distributed_type}")
-    # as LowBitTrainer does: quantized bases stay whole where this torch's FSDP2 cannot shard integer tensors
-    unsharded = keep_integer_params_unsharded(acc.state.fsdp_plugin, model, acc.device)
+    # as LowBitTrainer does: quantized bases in a float carrier where this torch cannot shard integer tensors
+    carried, unsharded = prepare_integer_params_for_fsdp2(acc.state.fsdp_plugin, model, acc.device)
     n, rank = acc.num_processes, acc.process_index
     if a.global_micro % n:
         raise SystemExit(f"--global_micro {a.global_micro} is not divisible by {n} processes")
@@ -126,7 +126,7 @@ def worker(a) -> dict | None:
         return None
     tokens_per_gpu = accum * a.batch * a.seq * a.steps / elapsed
     return {"recipe": a.recipe, "gpus": n, "grad_accum": accum, "tokens_per_s_per_gpu": tokens_per_gpu,
-            "tokens_per_s": n * tokens_per_gpu, "unsharded_modules": len(unsharded), "step_ms": 1000 * elapsed / a.steps, "warmup_s": warmup_s,
+            "tokens_per_s": n * tokens_per_gpu, "unsharded_modules": len(unsharded), "carrier_modules": len(carried), "step_ms": 1000 * elapsed / a.steps, "warmup_s": warmup_s,
             "peak_mem_gib_per_gpu": peak if cuda else float("nan"), "losses": losses,
             "compiled_graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values())}
