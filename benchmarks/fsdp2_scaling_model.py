@@ -222,7 +222,7 @@ def plot(rows, path):
         ax.set_title(f"{shape}, {regime}", fontsize=9)
         ax.set_xlabel("GPUs (>8: InfiniBand)")
     axes[0].set_ylabel("tok/s per GPU vs bf16\n(QLoRA: vs LoRA bf16)")
-    axes[-1].legend(fontsize=7)
+    axes[0].legend(fontsize=7)
     fig.suptitle("FSDP2 scaling MODEL (not measured): measured 1-2 GPU compute + modelled collectives", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
