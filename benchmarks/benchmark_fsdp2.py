@@ -46,6 +46,39 @@ CONFIG = os.path.join(ROOT, "accelerate_configs", "fsdp2.yaml")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def trainer_worker_fsdp(a) -> dict | None:
+    """``--path trainer``: one ``LowBitTrainer`` (stock ``Trainer`` for bf16) run inside ``accelerate launch``,
+    FSDP2 from the launch config, ``--batch`` x ``--seq`` tokens per micro-batch and ``--grad_accum`` per GPU
+    (weak scaling: every GPU count does the same work per GPU). Rank 0 returns the regimes record: the fields
+    of docs/results/regimes_h200.json plus ``gpus``; peak memory and step time are the max over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmark_train import trainer_worker
+
+    if a.device != "cuda":
+        from benchmarks.common import allow_fsdp_on_cpu
+
+        allow_fsdp_on_cpu()
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    a.path, a.compile_mode, a.no_cuda_graphs = "trainer", "default", False
+    r = trainer_worker(a)
+    stats = torch.tensor([r["peak_mem_gib"] if a.device == "cuda" else 0.0, r["step_ms"]],
+                         device="cuda" if a.device == "cuda" else "cpu")
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+    peak, step = stats.tolist()
+    if dist.get_rank():
+        return None
+    tok_s = a.batch * a.seq * a.grad_accum / step * 1e3
+    return {"recipe": a.recipe, "micro_batch_tokens": a.batch * a.seq, "grad_accum": a.grad_accum, "path": "trainer",
+            "gpus": dist.get_world_size(), "tok_s": tok_s, "tokens_per_s_per_gpu": tok_s, "step_ms": step,
+            "peak_gib": peak if a.device == "cuda" else float("nan"), "peak_mem_gib_per_gpu": peak if a.device == "cuda" else float("nan"),
+            "warmup_s": r["warmup_s"], "first_loss": r["first_loss"], "last_loss": r["last_loss"],
+            "losses": [r["first_loss"], r["last_loss"]], "compiled_graphs": r["compiled_graphs"],
+            "graph_breaks": r["graph_breaks"], "chosen": r["chosen"]}
+
+
 def worker(a) -> dict | None:
     """One run inside ``accelerate launch``; rank 0 returns the result row."""
     import torch
@@ -54,7 +87,7 @@ def worker(a) -> dict | None:
     from accelerate.utils import DistributedType
     from torch._dynamo.utils import counters
 
-    from hf_lowbit.distributed import keep_integer_params_unsharded
+    from hf_lowbit.distributed import prepare_integer_params_for_fsdp2
 
     cuda = a.device == "cuda"
     if not cuda:
@@ -69,8 +102,8 @@ def worker(a) -> dict | None:
     acc = Accelerator()
     if acc.distributed_type != DistributedType.FSDP or not acc.is_fsdp2:
         raise RuntimeError(f"expected FSDP2 from {CONFIG}, accelerate gave {acc.distributed_type}")
-    # as LowBitTrainer does: quantized bases stay whole where this torch's FSDP2 cannot shard integer tensors
-    unsharded = keep_integer_params_unsharded(acc.state.fsdp_plugin, model, acc.device)
+    # as LowBitTrainer does: quantized bases in a float carrier where this torch cannot shard integer tensors
+    carried, unsharded = prepare_integer_params_for_fsdp2(acc.state.fsdp_plugin, model, acc.device)
     n, rank = acc.num_processes, acc.process_index
     if a.global_micro % n:
         raise SystemExit(f"--global_micro {a.global_micro} is not divisible by {n} processes")
@@ -126,7 +159,7 @@ def worker(a) -> dict | None:
         return None
     tokens_per_gpu = accum * a.batch * a.seq * a.steps / elapsed
     return {"recipe": a.recipe, "gpus": n, "grad_accum": accum, "tokens_per_s_per_gpu": tokens_per_gpu,
-            "tokens_per_s": n * tokens_per_gpu, "unsharded_modules": len(unsharded), "step_ms": 1000 * elapsed / a.steps, "warmup_s": warmup_s,
+            "tokens_per_s": n * tokens_per_gpu, "unsharded_modules": len(unsharded), "carrier_modules": len(carried), "step_ms": 1000 * elapsed / a.steps, "warmup_s": warmup_s,
             "peak_mem_gib_per_gpu": peak if cuda else float("nan"), "losses": losses,
             "compiled_graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values())}
@@ -139,16 +172,24 @@ def _free_port() -> int:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """vs the reference recipe at the same GPU count; scaling and loss agreement vs the fewest GPUs."""
+    """vs the reference recipe at the same GPU count (and micro-batch, accumulation); scaling and loss
+    agreement vs the fewest GPUs. Trainer-path rows also get the regimes file's name ``vs_bf16``."""
     ok = [r for r in rows if "error" not in r]
+
+    def same_regime(x, r):
+        return all(x.get(k) == r.get(k) for k in ("micro_batch_tokens", "path")) and (
+            r.get("path") != "trainer" or x["grad_accum"] == r["grad_accum"])
+
     for r in ok:
         ref_name = "bf16" if r["recipe"] in RECIPES else "lora_bf16"
-        ref = next((x for x in ok if x["recipe"] == ref_name and x["gpus"] == r["gpus"]), None)
+        ref = next((x for x in ok if x["recipe"] == ref_name and x["gpus"] == r["gpus"] and same_regime(x, r)), None)
         if ref:
             r["reference"] = ref_name
             r["vs_ref"] = r["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"]
             r["mem_vs_ref"] = r["peak_mem_gib_per_gpu"] / ref["peak_mem_gib_per_gpu"]
-        base = min((x for x in ok if x["recipe"] == r["recipe"]), key=lambda x: x["gpus"])
+            if r.get("path") == "trainer":
+                r["vs_bf16"] = r["vs_ref"]
+        base = min((x for x in ok if x["recipe"] == r["recipe"] and same_regime(x, r)), key=lambda x: x["gpus"])
         r["scaling_efficiency"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
         r["max_loss_diff_vs_fewest_gpus"] = (None if base is r else  # a run with one GPU count: nothing to compare
                                              max(abs(x - y) for x, y in zip(r["losses"], base["losses"])))
@@ -214,11 +255,17 @@ def main():
     p.add_argument("--concurrent", action="store_true",
                    help="run the launches that need fewer GPUs than the machine has side by side, each on its own "
                         "GPUs (saves wall time; the host's CPUs are shared)")
+    p.add_argument("--path", choices=("loop", "trainer"), default="loop",
+                   help="loop: a hand loop, fixed global batch (strong scaling); trainer: LowBitTrainer (stock Trainer "
+                        "for bf16) with --grad_accum micro-batches per GPU (weak scaling), records as in the "
+                        "single-GPU regimes file (docs/results/regimes_h200.json) plus gpus")
+    p.add_argument("--grad_accum", type=int, default=1, help="trainer path: gradient accumulation steps per GPU")
+    p.add_argument("--append", action="store_true", help="keep the rows already in --json (another regime's)")
     p.add_argument("--recipe", default=None, help=argparse.SUPPRESS)  # worker mode
     a = p.parse_args()
     a.grad_checkpointing = False  # build_model's flag; not part of this bench
     if a.recipe:
-        row = worker(a)
+        row = trainer_worker_fsdp(a) if a.path == "trainer" else worker(a)
         if row is not None:
             print("RESULT " + json.dumps(row), flush=True)
         return
@@ -252,10 +299,13 @@ def main():
     from benchmarks.common import run_worker, write_results
 
     flags = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool) for x in (f"--{k}", str(v))]
-    flags += ["--device", a.device] + (["--no_compile"] if a.no_compile else [])
+    flags += ["--device", a.device, "--path", a.path] + (["--no_compile"] if a.no_compile else [])
     cpu_launch = ["--mixed_precision", "no"] if a.device == "cpu" else []  # gloo smoke test: fp32 reductions
     recipes = a.recipes.split(",")
     rows = []
+    if a.append and a.json and os.path.exists(a.json):
+        with open(a.json) as f:
+            rows = json.load(f)["rows"]
     for n in counts:
         # --concurrent: launches of n GPUs side by side on disjoint GPUs (each sees its own CUDA_VISIBLE_DEVICES)
         slots = max(1, meta["gpu_count"] // n) if a.concurrent and a.device == "cuda" else 1

@@ -232,8 +232,8 @@ def build_model(a, device: str, weight_cache: bool = False):
                          use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", "int8", "fp8", *INT8_VARIANTS):
-        return model  # the Trainer path: LowBitTrainer swaps (stock Trainer for bf16)
+    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", "int8", "fp8", *INT8_VARIANTS, *_LORA_ARGS):
+        return model  # the Trainer path: LowBitTrainer swaps and wraps (stock Trainer for bf16)
     if a.recipe in LORA_RECIPES:
         model = apply_lora_recipe(model, a.recipe, a.min_features, a.lora_r)
     else:
@@ -279,7 +279,7 @@ def trainer_worker(a) -> dict:
     torch._dynamo.config.cache_size_limit = max(64, 2 * a.layers)
     gen = torch.Generator().manual_seed(0)
     total = a.warmup + a.steps
-    ids = load_blocks(a) if a.data else torch.randint(0, a.vocab, (4 * a.batch, a.seq), generator=gen)
+    ids = load_blocks(a) if getattr(a, "data", None) else torch.randint(0, a.vocab, (4 * a.batch, a.seq), generator=gen)
     data = [{"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]} for i in range(total * a.batch * a.grad_accum)]
     times, losses, logged = {}, [], {"train_mfu": [], "train_tokens_per_second": []}
 
@@ -296,19 +296,26 @@ def trainer_worker(a) -> dict:
                     if key in logs and state.global_step > a.warmup:
                         values.append(logs[key])
 
-    ours = a.recipe in ("int8", "fp8", *INT8_VARIANTS)
+    ours = a.recipe in ("int8", "fp8", *INT8_VARIANTS, *_LORA_ARGS)
     common = dict(output_dir=tempfile.mkdtemp(), report_to="none", per_device_train_batch_size=a.batch,
-                  gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=a.lr,
+                  gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=getattr(a, "lr", 1e-5),
                   optim="adamw_torch_fused", bf16=True, torch_compile=not a.no_compile, logging_steps=1,
                   save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True, seed=0,
-                  lr_scheduler_type="constant", use_cpu=not cuda, use_liger_kernel=a.liger == "on")
-    if a.compile_mode != "default":
+                  lr_scheduler_type="constant", use_cpu=not cuda, use_liger_kernel=getattr(a, "liger", "off") == "on")
+    if getattr(a, "compile_mode", "default") != "default":
         common["torch_compile_mode"] = a.compile_mode
     if ours:
+        lora = a.recipe in _LORA_ARGS  # LoRA r on every decoder linear, through LowBitTrainer's peft_config
+        recipe_args = _LORA_ARGS[a.recipe] if lora else mixed_precision_args(a.recipe)
         args = LowBitTrainingArguments(**common, lowbit_min_features=a.min_features,
-                                       lowbit_cuda_graphs=False if a.no_cuda_graphs else None,
-                                       **mixed_precision_args(a.recipe))
-        trainer = LowBitTrainer(model, args=args, train_dataset=data)
+                                       lowbit_cuda_graphs=False if getattr(a, "no_cuda_graphs", False) else None,
+                                       **recipe_args)
+        peft_config = None
+        if lora:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear")
+        trainer = LowBitTrainer(model, args=args, train_dataset=data, peft_config=peft_config)
         chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
                   "cuda_graphs": trainer.lowbit_cuda_graphs}
     else:

@@ -21,6 +21,8 @@
 #   bash benchmarks/run_h200_benchmarks.sh qlora_nf4 OUTDIR     # NF4 quantizer vs torchao to_nf4 (128256x4096), quantize-on-load
 #   bash benchmarks/run_h200_benchmarks.sh qlora_quality OUTDIR # LoRA adapters over a bf16-pretrained base, 200 steps
 #   bash benchmarks/run_h200_benchmarks.sh fsdp2 OUTDIR         # needs 2 GPUs: FSDP2 bench, 32 layers, 1 and 2 GPUs (~7 min + ~3 min LoRA)
+#   GPUS=.. BATCH=.. GA=.. RECIPES=.. bash benchmarks/run_h200_benchmarks.sh fsdp2_regimes OUTDIR  # needs 2 GPUs: the
+#                                                            # Trainer path under FSDP2, appended per call (see the stage)
 # Export HF_LOWBIT_COMMIT (the commit you measure) in the device command: the copied tree's git metadata there
 # is the session's starting commit. On the lent H200, carry torchao's wheel (.whl/) and set PYTHONPATH to where it was installed.
 set -euo pipefail
@@ -84,5 +86,16 @@ case "$stage" in
         --markdown "$out/fsdp2_h200x2.md" --plot "$out/fsdp2_h200x2.png"
     python3 benchmarks/benchmark_fsdp2.py --concurrent --gpus 1,2 --timeout 150 --recipes lora_bf16,lora_nf4_int8 \
         --json "$out/fsdp2_lora_h200x2.json" --markdown "$out/fsdp2_lora_h200x2.md" --plot "$out/fsdp2_lora_h200x2.png" ;;
-  *) echo "unknown stage $stage (cuda_tests, train, kernels, quality, seed_table, sr_quality, fsdp2, qlora_train, qlora_train_noautocast, qat, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
+  fsdp2_regimes)  # needs 2 GPUs. LowBitTrainer under accelerate_configs/fsdp2.yaml, 32 layers, one regime and GPU count
+                  # per call, appended to one file (docs/results/fsdp2_regimes_h200x2.json); each launch <= 240 s, so
+                  # keep <= 2 launches per call (1-GPU runs go two at a time). The calls, in order:
+                  #   BATCH=1 GA=8 GPUS=1 RECIPES=bf16,int8,fp8,lora_bf16   (2 rounds of 2 concurrent launches)
+                  #   BATCH=1 GA=8 GPUS=1 RECIPES=lora_nf4_int8
+                  #   BATCH=1 GA=8 GPUS=2 RECIPES=bf16,int8   then fp8,lora_bf16   then lora_nf4_int8
+                  #   BATCH=4 GA=1 GPUS=2 RECIPES=bf16,int8   then fp8,lora_bf16   then lora_nf4_int8  (4x2048 does not fit 1 GPU)
+    python3 benchmarks/benchmark_fsdp2.py --path trainer --concurrent --append --timeout 240 --gpus "${GPUS:?GPUS}" \
+        --batch "${BATCH:?BATCH}" --grad_accum "${GA:?GA}" --recipes "${RECIPES:?RECIPES}" --warmup 3 --steps 5 \
+        --json "$out/fsdp2_regimes_h200x2.json" --markdown "$out/fsdp2_regimes_h200x2.md" \
+        --plot "$out/fsdp2_regimes_h200x2.png" ;;
+  *) echo "unknown stage $stage (cuda_tests, train, kernels, quality, seed_table, sr_quality, fsdp2, fsdp2_regimes, qlora_train, qlora_train_noautocast, qat, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
 esac

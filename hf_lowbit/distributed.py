@@ -3,8 +3,11 @@ cannot shard, and rebuilding a full model from a sharded one for the QAT export.
 
 * :func:`fsdp2_shards_integer_params`: whether this torch's FSDP2 shards integer parameters (the
   NF4/INT8 codes of quantized bases): torch >= 2.13.
-* :func:`keep_integer_params_unsharded`: where it cannot, leave those modules whole on every rank
-  (the FSDP plugin's ``ignored_modules``), with a ``LowBitWarning``; ``LowBitTrainer`` calls it.
+* :func:`prepare_integer_params_for_fsdp2`: where it cannot, hold the quantized bases' codes in a
+  floating-point carrier of the FSDP2 policy's ``param_dtype`` (same bytes), which old ``fully_shard``
+  shards and gathers bit for bit; ``LowBitTrainer`` calls it before accelerate shards the model.
+* :func:`keep_integer_params_unsharded`: the fallback for integer parameters no carrier can hold: leave
+  those modules whole on every rank (the FSDP plugin's ``ignored_modules``), with a ``LowBitWarning``.
 * :func:`unsharded_copy`: a CPU copy of a (sharded) model holding a gathered full state dict, with the
   same recipe swaps; ``LowBitTrainer.save_quantized`` converts and writes it on rank 0.
 """
@@ -32,14 +35,45 @@ def fsdp2_shards_integer_params(torch_version: str = torch.__version__) -> bool:
     return TorchVersion(torch_version) >= FSDP2_INTEGER_PARAMS_SINCE
 
 
+def carrier_dtype(fsdp_plugin) -> torch.dtype:
+    """The floating-point dtype that integer codes are held in for torch < 2.13's ``fully_shard``: the
+    policy's ``param_dtype`` (that FSDP2 casts every other dtype to, in 2.11 integer ones included; a
+    parameter already of it is gathered as is), bf16 without a policy (then nothing is cast)."""
+    policy = getattr(fsdp_plugin, "mixed_precision_policy", None)
+    return getattr(policy, "param_dtype", None) or torch.bfloat16
+
+
+def prepare_integer_params_for_fsdp2(fsdp_plugin, model, device,
+                                     torch_version: str = torch.__version__) -> tuple[list[str], list[str]]:
+    """Make the quantized bases shardable by this torch's FSDP2 (call before it shards ``model``).
+
+    torch >= 2.13 shards integer parameters as they are: nothing to do. Older torch (2.11, the GPU image)
+    cannot (see ``FSDP2_INTEGER_PARAMS_SINCE``) and would also cast them to ``param_dtype``; there each
+    quantized base holds its codes in :func:`carrier_dtype` (:meth:`QuantizedBaseLinear.hold_codes_as`):
+    sharded, all-gathered at 1 byte per int8 code (0.5 per NF4 weight), bit-identical. Modules no carrier
+    can hold stay whole (:func:`keep_integer_params_unsharded`). Returns (carried, kept whole) module names."""
+    from .quantized_base import QuantizedBaseLinear
+
+    if fsdp2_shards_integer_params(torch_version):
+        return [], []
+    carrier = carrier_dtype(fsdp_plugin)
+    carried = [n for n, m in model.named_modules() if isinstance(m, QuantizedBaseLinear) and _has_integer_params(m)
+               and m.hold_codes_as(carrier)]
+    return carried, keep_integer_params_unsharded(fsdp_plugin, model, device, torch_version)
+
+
+def _has_integer_params(module) -> bool:
+    return any(not (p.is_floating_point() or p.is_complex()) for p in module.parameters(recurse=False))
+
+
 def keep_integer_params_unsharded(fsdp_plugin, model, device, torch_version: str = torch.__version__) -> list[str]:
-    """Leave the modules that hold integer parameters (quantized bases) out of FSDP2 sharding where this
-    torch cannot shard them (< 2.13): they stay whole on every rank, on ``device``, as accelerate does for
-    bitsandbytes' uint8 weights. Sets ``fsdp_plugin.ignored_modules``; returns the module names."""
+    """Leave the modules that hold integer parameters out of FSDP2 sharding where this torch cannot shard
+    them (< 2.13) and no carrier holds them (:func:`prepare_integer_params_for_fsdp2` runs first): they stay
+    whole on every rank, on ``device``, as accelerate does for bitsandbytes' uint8 weights. Sets
+    ``fsdp_plugin.ignored_modules``; returns the module names."""
     if fsdp2_shards_integer_params(torch_version):
         return []
-    names = [n for n, m in model.named_modules()
-             if any(not (p.is_floating_point() or p.is_complex()) for p in m.parameters(recurse=False))]
+    names = [n for n, m in model.named_modules() if _has_integer_params(m)]
     if not names:
         return []
     pattern = "|".join(re.escape(n) for n in names)
@@ -49,7 +83,7 @@ def keep_integer_params_unsharded(fsdp_plugin, model, device, torch_version: str
     else:
         fsdp_plugin.ignored_modules = [*ignored, *(model.get_submodule(n).to(device) for n in names)]
     warnings.warn(f"torch {torch_version}'s FSDP2 cannot shard integer parameters (torch >= 2.13 can): the "
-                  f"{len(names)} quantized base linears stay whole on every rank (e.g. {names[0]}); "
+                  f"{len(names)} modules holding them stay whole on every rank (e.g. {names[0]}); "
                   "adapters and everything else are sharded.", LowBitWarning, stacklevel=2)
     return names
 
@@ -65,4 +99,5 @@ def unsharded_copy(model, state: dict, args: LowBitArgumentsMixin):
     return copy
 
 
-__all__ = ["fsdp2_shards_integer_params", "keep_integer_params_unsharded", "unsharded_copy"]
+__all__ = ["carrier_dtype", "fsdp2_shards_integer_params", "keep_integer_params_unsharded",
+           "prepare_integer_params_for_fsdp2", "unsharded_copy"]

@@ -129,6 +129,8 @@ class QuantizedBaseLinear(nn.Module):
         self.compute_dtype = compute_dtype
         self.compute: MixedPrecisionConfig | None = None
         self.bias: nn.Parameter | None = None
+        # name -> (integer dtype, shape) of codes held in a floating-point carrier (see hold_codes_as)
+        self._code_layout: dict[str, tuple[torch.dtype, torch.Size]] = {}
 
     def set_compute(self, compute: MixedPrecisionConfig | None) -> None:
         if compute is not None and compute.format != "int8":
@@ -137,7 +139,43 @@ class QuantizedBaseLinear(nn.Module):
         self.compute = compute
 
     def _stored(self) -> tuple[Tensor, ...]:
-        return tuple(getattr(self, name) for name in self.stored)
+        out = []
+        for name in self.stored:
+            t = getattr(self, name)
+            layout = self._code_layout.get(name)
+            if layout is not None and t.dtype != layout[0]:  # a carrier: the same bytes, seen as the codes
+                t = t.view(layout[0]).view(layout[1])
+            out.append(t)
+        return tuple(out)
+
+    @torch.no_grad()
+    def hold_codes_as(self, carrier: torch.dtype) -> bool:
+        """Re-register the integer code parameters as flat ``carrier`` (floating-point) parameters over the
+        same bytes, so torch < 2.13's ``fully_shard`` shards them (it creates every sharded parameter with
+        ``requires_grad=True`` and casts every parameter whose dtype differs from its ``param_dtype``: with
+        ``carrier`` = that ``param_dtype`` both are no-ops) and all-gathers them bit for bit, at their own
+        byte count. The forward views them back (:meth:`_stored`). Flat, so no row needs to hold a whole
+        number of carrier elements; False (nothing changed) if a tensor's byte count does not divide."""
+        size = torch.empty(0, dtype=carrier).element_size()
+        codes = [(n, getattr(self, n)) for n in self.stored if isinstance(getattr(self, n), nn.Parameter)
+                 and not getattr(self, n).is_floating_point()]
+        if not carrier.is_floating_point or any(t.numel() * t.element_size() % size for _, t in codes):
+            return False
+        for name, t in codes:
+            self._code_layout[name] = (t.dtype, t.shape)
+            setattr(self, name, _frozen(t.detach().reshape(-1).view(carrier)))
+        return True
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # codes saved in one form (integer, or a carrier: hold_codes_as) load into the other by their bytes,
+        # never by value (copy_ would convert int8 -1 into the float -1.0)
+        for name in self.stored:
+            t, current = state_dict.get(prefix + name), getattr(self, name)
+            if (t is None or t.dtype == current.dtype or t.is_floating_point() == current.is_floating_point()
+                    or t.numel() * t.element_size() != current.numel() * current.element_size()):
+                continue
+            state_dict[prefix + name] = t.reshape(-1).view(current.dtype).view(current.shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "QuantizedBaseLinear":

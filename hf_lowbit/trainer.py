@@ -13,7 +13,7 @@ import torch
 from transformers import Trainer
 
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments
-from .distributed import keep_integer_params_unsharded, unsharded_copy
+from .distributed import prepare_integer_params_for_fsdp2, unsharded_copy
 from .export import merge_lora, save_quantized
 from .liger import apply_liger
 from .mixed_precision import MixedPrecisionLinear
@@ -70,8 +70,8 @@ class LowBitTrainerMixin:
             cache if cache is not None else args.gradient_accumulation_steps > 1)
         self._lowbit_cached_layers: list[MixedPrecisionLinear] | None = None  # found on the first step
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
-            # before accelerate shards the model in train()
-            keep_integer_params_unsharded(self.accelerator.state.fsdp_plugin, self.model, self.args.device)
+            # before accelerate shards the model in train(): quantized bases shardable on torch < 2.13 too
+            prepare_integer_params_for_fsdp2(self.accelerator.state.fsdp_plugin, self.model, self.args.device)
         if args.qat_scheme is not None:
             self.add_callback(FakeQuantScheduleCallback(args.qat_fake_quant_after_n_steps))
         if getattr(args, "use_liger_kernel", False):

@@ -97,6 +97,14 @@ def test_quantized_bases_under_fully_shard_with_bf16_mixed_precision():
     assert proc.returncode == 0 and "bf16 mixed precision OK" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_quantized_bases_sharded_in_a_float_carrier_as_on_torch_2_11():
+    """torch < 2.13 cannot shard integer parameters: the bases' codes travel in a floating-point carrier of
+    FSDP2's param_dtype instead; 2 ranks, bit-identical to the unsharded integer module."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_fsdp2_quantized_base_carrier.py"),
+                           str(_free_port())], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and "float carrier under fully_shard (2 ranks) OK" in proc.stdout, proc.stderr[-3000:]
+
+
 def _launch(config: str, tmp_path) -> subprocess.CompletedProcess:
     per_rank = ["--per_device_train_batch_size", str(GLOBAL_BATCH // PROCESSES), "--save_strategy", "steps",
                 "--save_steps", "2"]

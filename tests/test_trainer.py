@@ -127,6 +127,48 @@ def test_trainer_rejects_plain_training_arguments(tmp_path):
         LowBitTrainer(None, _args(tmp_path))
 
 
+def test_fsdp2_quantized_bases_get_a_float_carrier_where_torch_cannot_shard_integer_parameters():
+    """torch < 2.13: codes re-registered as flat parameters of the policy's param_dtype over the same bytes; a
+    module whose byte count the carrier does not divide stays whole instead; torch >= 2.13: nothing changes."""
+    from types import SimpleNamespace
+
+    from hf_lowbit import Int8Linear, Nf4Linear
+    from hf_lowbit.distributed import prepare_integer_params_for_fsdp2
+
+    def model():
+        torch.manual_seed(0)
+        return nn.ModuleList([Nf4Linear.from_linear(nn.Linear(128, 64)), nn.Linear(64, 64),
+                              Int8Linear.from_linear(nn.Linear(64, 64)), Int8Linear.from_linear(nn.Linear(3, 3))])
+
+    def forward(m, x):
+        return m[2](m[1](m[0](x)))
+
+    ref = model()
+    m = model()
+    plugin = SimpleNamespace(ignored_modules=None, mixed_precision_policy=SimpleNamespace(param_dtype=torch.float32))
+    assert prepare_integer_params_for_fsdp2(plugin, m, "cpu", torch_version="2.13.0") == ([], [])
+    assert m[0].qweight.dtype == torch.uint8 and plugin.ignored_modules is None
+    with pytest.warns(LowBitWarning, match="1 modules holding them stay whole"):
+        carried, whole = prepare_integer_params_for_fsdp2(plugin, m, "cpu", torch_version="2.11.0")
+    assert (carried, whole) == (["0", "2"], ["3"])  # 3x3 int8 = 9 bytes: no whole number of float32
+    assert m[0].qweight.dtype == m[0].qscale.dtype == m[2].qweight.dtype == torch.float32
+    assert m[0].qweight.shape == (64 * 64 // 4,) and m[3].qweight.dtype == torch.int8
+    x = torch.randn(2, 128)
+    assert torch.equal(forward(m, x), forward(ref, x))
+    assert all(torch.equal(a, b) for a, b in zip(m[0]._stored(), ref[0]._stored()))
+    sd = m.state_dict()
+    assert sd["0.qweight"].dtype == torch.float32  # the checkpoint holds what the module holds
+    for codes in ("qweight", "qscale"):  # loading must overwrite these
+        getattr(m[0], codes).data.zero_()
+    m.load_state_dict(ref.state_dict())  # integer codes into a carrier: by their bytes
+    assert torch.equal(forward(m, x), forward(ref, x))
+    fresh = model()
+    for layer in (fresh[0], fresh[2]):
+        layer.qweight.data.zero_()
+    fresh.load_state_dict(sd)  # a carrier checkpoint into integer codes: by its bytes too
+    assert fresh[0].qweight.dtype == torch.uint8 and torch.equal(forward(fresh, x), forward(ref, x))
+
+
 def test_fsdp2_keeps_quantized_bases_whole_where_torch_cannot_shard_integer_parameters():
     """torch < 2.13's fully_shard fails on integer parameters: those modules are left out of sharding instead."""
     import re
@@ -138,7 +180,7 @@ def test_fsdp2_keeps_quantized_bases_whole_where_torch_cannot_shard_integer_para
     model = nn.Sequential(Nf4Linear.from_linear(nn.Linear(128, 64)), nn.Linear(64, 8), Nf4Linear.from_linear(nn.Linear(64, 64)))
     plugin = SimpleNamespace(ignored_modules=None)
     assert keep_integer_params_unsharded(plugin, model, "cpu", torch_version="2.13.0") == [] and plugin.ignored_modules is None
-    with pytest.warns(LowBitWarning, match=r"torch 2\.11\.0\+cu130's FSDP2 cannot shard integer parameters.*2 quantized"):
+    with pytest.warns(LowBitWarning, match=r"torch 2\.11\.0\+cu130's FSDP2 cannot shard integer parameters.*2 modules"):
         names = keep_integer_params_unsharded(plugin, model, "cpu", torch_version="2.11.0+cu130")
     assert names == ["0", "2"]
     matched = [n for n, _ in model.named_modules() if n and re.fullmatch(plugin.ignored_modules, n)]
