@@ -22,14 +22,15 @@ def _check(x: Tensor, fmt: str) -> None:
 
 
 @torch.library.triton_op("hf_lowbit::quantize_t", mutates_args=())
-def quantize_t(x: Tensor, fmt: str, stochastic: bool = False) -> tuple[Tensor, Tensor]:
+def quantize_t(x: Tensor, fmt: str, stochastic: bool = False, row_mul: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``x`` [M, N] -> (``q`` [N, M] contiguous, ``scale`` [N] float32) with ``x.T ≈ q * scale[:, None]``.
 
     A ``triton_op`` (Inductor launches the two Triton kernels from its generated code); the plain-torch
     path off CUDA is the reference the kernels are tested against, bit for bit. ``stochastic`` (int8):
     stochastic rounding, the random numbers drawn inside the Triton kernel (Philox, seeded from the torch
     generator of ``x``'s device); an argument of this op rather than an op of its own because everything
-    but the rounding line is shared, and so is the scale (bit for bit)."""
+    but the rounding line is shared, and so is the scale (bit for bit). ``row_mul`` [M] (float32): quantize
+    ``x * row_mul[:, None]`` instead, the product formed in registers (the input gradient's ``dY·diag(s)``)."""
     _check(x, fmt)
     f = FORMATS[fmt]
     if stochastic and fmt != "int8":
@@ -37,6 +38,8 @@ def quantize_t(x: Tensor, fmt: str, stochastic: bool = False) -> tuple[Tensor, T
     if x.device.type == "cuda":
         from .triton_quant import quantize_t_triton
 
-        return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic)
+        return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic, row_mul=row_mul)
+    if row_mul is not None:
+        x = x.float() * row_mul.reshape(-1, 1)
     q, scale = f.quantize(x, dim=0, stochastic=True) if stochastic else f.quantize(x, dim=0)
     return q.T.contiguous(), scale.reshape(-1)

@@ -30,7 +30,7 @@ def _rne(y):
 
 
 @triton.jit
-def _col_amax_kernel(x_ptr, part_ptr, M, N, stride_xm, stride_xn,
+def _col_amax_kernel(x_ptr, part_ptr, mul_ptr, M, N, stride_xm, stride_xn, HAS_MUL: tl.constexpr,
                      CHUNK_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -41,6 +41,8 @@ def _col_amax_kernel(x_ptr, part_ptr, M, N, stride_xm, stride_xn,
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
         x = x.to(tl.float32)
+        if HAS_MUL:
+            x = x * tl.load(mul_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
         nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=0))
     amax = tl.where(nan > 0, float("nan"), amax)
@@ -48,8 +50,8 @@ def _col_amax_kernel(x_ptr, part_ptr, M, N, stride_xm, stride_xn,
 
 
 @triton.jit
-def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, seed_ptr, M, N, n_chunks, stride_xm, stride_xn,
-                       QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr,
+def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, M, N, n_chunks, stride_xm, stride_xn,
+                       QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MUL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,7 +67,10 @@ def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, seed_ptr, M, N, n_chun
         tl.store(scale_ptr + offs_n, scale, mask=mask_n)
     mask = (offs_m[:, None] < M) & mask_n[None, :]
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale[None, :]), -QMAX), QMAX)
+    x = x.to(tl.float32)
+    if HAS_MUL:
+        x = x * tl.load(mul_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[None, :]), -QMAX), QMAX)
     if STOCHASTIC:  # int8 only: floor(y + u), u ~ U[0, 1), so E[q] = y
         # Philox keyed by (seed, element index in x): counter-based, so the random numbers live in registers
         # (no random tensor) and an element's draw does not depend on the tiling. |y| <= 127: no clamp needed.
@@ -95,7 +100,7 @@ def _chunk_rows(M: int, N: int, block_n: int) -> int:
 
 def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m: int | None = None,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      stochastic: bool = False, row_mul: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, N] (any strides) -> ``q`` [N, M] contiguous in ``qdtype``, ``scale`` [N] float32.
 
     ``chunk_m``: rows per partial absmax (a multiple of the row tile; default: sized to the shape). ``out``:
@@ -103,7 +108,8 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     that read them stay valid). Any ``x.T`` view works too: ``quantize_t_triton(w.T, ...)`` quantizes ``w``
     per row and writes it ``[rows, cols]`` contiguous. ``stochastic`` (int8): stochastic rounding; its seed is
     one int64 drawn with ``torch.randint`` on ``x``'s device, so it follows ``torch.manual_seed`` and, under
-    ``torch.compile``, stays a device tensor in the graph (no host sync, CUDA-graph safe)."""
+    ``torch.compile``, stays a device tensor in the graph (no host sync, CUDA-graph safe). ``row_mul`` [M]
+    (float32): quantize ``x * row_mul[:, None]`` (product in float32) without writing that product anywhere."""
     M, N = x.shape
     small = x.device.type == "cpu"  # the interpreter: small tiles
     # 64x64 tiles, 4 warps: measured on the H200 at 0.13 ms mean per call in the bench; 32x256 with
@@ -121,14 +127,18 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         if q.shape != (N, M) or not q.is_contiguous() or q.dtype != qdtype or scale.shape != (N,) \
                 or scale.dtype != torch.float32:
             raise ValueError(f"quantize_t_triton: out must be ({N}x{M} contiguous {qdtype}, {N} float32)")
-    wrap_triton(_col_amax_kernel)[(n_chunks, triton.cdiv(N, bn))](x, part, M, N, x.stride(0), x.stride(1), CHUNK_M=chunk_m,
-                                                     BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    if row_mul is not None and (row_mul.shape != (M,) or row_mul.dtype != torch.float32):
+        raise ValueError(f"quantize_t_triton: row_mul must be {M} float32 values, got {tuple(row_mul.shape)} {row_mul.dtype}")
+    mul = part if row_mul is None else row_mul  # never read without HAS_MUL
+    wrap_triton(_col_amax_kernel)[(n_chunks, triton.cdiv(N, bn))](
+        x, part, mul, M, N, x.stride(0), x.stride(1), HAS_MUL=row_mul is not None, CHUNK_M=chunk_m,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
     if stochastic and qdtype != torch.int8:
         raise ValueError(f"quantize_t_triton: stochastic rounding is implemented for int8, not {qdtype}")
     # the nearest path never reads seed_ptr (STOCHASTIC is a constexpr): any tensor will do there
     seed = torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device) if stochastic else part
     bm, bn = (16, 16) if small else (128, 64)
     wrap_triton(_quantize_t_kernel)[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x, part, q, scale, seed, M, N, n_chunks, x.stride(0), x.stride(1), QMAX=qmax,
-        IS_INT8=qdtype == torch.int8, STOCHASTIC=stochastic, BLOCK_M=bm, BLOCK_N=bn, num_warps=4 if small else 8)
+        x, part, q, scale, seed, mul, M, N, n_chunks, x.stride(0), x.stride(1), QMAX=qmax,
+        IS_INT8=qdtype == torch.int8, STOCHASTIC=stochastic, HAS_MUL=row_mul is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4 if small else 8)
     return q, scale
