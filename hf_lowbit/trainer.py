@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import shutil
+import warnings
 
 import torch
 from transformers import Trainer
@@ -20,7 +21,7 @@ from .mixed_precision import MixedPrecisionLinear
 from .prepare import apply_recipes, log_reports
 from .qat import FakeQuantScheduleCallback, QATConfig
 from .throughput import ThroughputMeter, peak_tflops
-from .validation import check_training_setup
+from .validation import LowBitWarning, check_training_setup
 
 DATA_STATE_NAME = "hf_lowbit_data_state.json"
 _SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
@@ -80,6 +81,12 @@ class LowBitTrainerMixin:
             report = apply_liger(self.model, args.liger_kernel_config)
             self.lowbit_reports.append(report)
             log_reports([report])
+            if args.torch_compile and args.lowbit_recipes:
+                warnings.warn("use_liger_kernel=True with torch_compile=True: measured on an H200 (torch 2.11, "
+                              "liger-kernel 0.8.5, 1x2048 tokens, grad accumulation 8), Liger's kernels broke the "
+                              "compiled graph 16 times and INT8 ran at 0.85x bf16 instead of 1.07x without Liger "
+                              "(docs/benchmarks.md, 'Liger'); the low-bit speedup needs the compiled graph, so "
+                              "leave use_liger_kernel off with these recipes", LowBitWarning, stacklevel=2)
 
     def save_quantized(self, path: str) -> list[str]:
         """Convert the QAT model and write a checkpoint stock transformers loads (see ``hf_lowbit.export``).

@@ -175,5 +175,8 @@ def test_compiled_stochastic_rounding_cuda():
         step(layer, 3)
         torch.cuda.synchronize()
         peak[name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    # a tensor of random numbers for dY alone would be 176 MiB (float32), the old transposed copy of X 16 MiB
-    assert peak["stochastic"] <= peak["nearest"] + 1, peak
+    # A float32 tensor the size of dY (random numbers, or dY·diag(s) realized for them) would be 176 MiB more.
+    # Measured on the H200 (322b64f): nearest 180 MiB, stochastic 202 (the order of the backward's kernels and
+    # so the tensors alive at its peak differ; the seed table's whole-model peaks are equal, 54.6 GiB each).
+    # Before the input gradient's SR moved into the Triton kernel it was 324 MiB.
+    assert peak["stochastic"] <= peak["nearest"] + 44, peak
