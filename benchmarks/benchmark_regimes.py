@@ -43,6 +43,7 @@ FULL = "bf16,int8,fp8,torchao_float8"
 BLOCKS = {
     "layers_b1": ("layers", 1, 1, "default", FULL, []),
     "layers_b1_ro": ("layers", 1, 1, "reduce-overhead", "bf16,int8,fp8", []),
+    "layers_b1_quick": ("layers", 1, 1, "default", "bf16,int8,fp8", []),  # layers_b1 without the peer: ~2 min
     "layers_b1_ga8": ("layers", 1, 8, "default", "bf16,int8,fp8", []),
     "layers_b1_ga8_ro": ("layers", 1, 8, "reduce-overhead", "bf16,int8,fp8", []),
     "layers_b8": ("layers", 8, 1, "default", FULL, []),
@@ -75,6 +76,12 @@ def run_block(name: str, seq: int, timeout: int, extra: list[str], keep_dir: str
             return {}, [{"block": name, "error": "no result"}]
         with open(out) as f:
             data = json.load(f)
+    return data["meta"], block_records(name, data)
+
+
+def block_records(name: str, data: dict) -> list[dict]:
+    """The regimes records of block ``name`` from its ``benchmark_train.py`` JSON ``data``."""
+    path, _, _, mode, _, _ = BLOCKS[name]
     records = []
     config = data["meta"]["config"]  # what ran (flags passed through may override the block's)
     batch, seq, ga = config["batch"], config["seq"], config["grad_accum"]
@@ -93,7 +100,7 @@ def run_block(name: str, seq: int, timeout: int, extra: list[str], keep_dir: str
                 rec.update(liger=bool(r.get("liger")), vs_no_liger=r.get("vs_no_liger"), mfu=r.get("mfu"),
                            logged_mfu=r.get("logged_mfu"), logged_tok_s=r.get("logged_tok_s"))
         records.append(rec)
-    return data["meta"], records
+    return records
 
 
 def table(records: list[dict]) -> list[str]:
