@@ -86,6 +86,20 @@ class LowBitAllGatherWeight(Tensor):
     def __repr__(self):
         return f"LowBitAllGatherWeight({self._fmt}, {self._tensor!r})"
 
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy`` of a model (Tensor's own clones storage, which a wrapper does not have)."""
+        if id(self) not in memo:
+            new = LowBitAllGatherWeight(self._tensor.clone(), self._fmt)
+            memo[id(self)] = (nn.Parameter(new, requires_grad=self.requires_grad) if getattr(self, "_is_param", False)
+                              else new.requires_grad_(self.requires_grad))
+        return memo[id(self)]
+
+    def data_ptr(self) -> int:
+        """The held tensor's (a wrapper has no storage of its own: 0 for every weight). accelerate's FSDP2
+        ``prepare`` maps the optimizer's parameters to the sharded ones by ``data_ptr()``; with 0 everywhere all
+        wrapped weights collapsed onto one and the others were never updated."""
+        return self._tensor.data_ptr()
+
     # FSDP2's extension hooks (torch 2.11 and 2.13 call the 5-argument form: _fsdp_param.FSDPParam.all_gather_inputs)
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         w = self._tensor
@@ -137,6 +151,15 @@ class GatheredLowBitWeight(Tensor):
 
     def __repr__(self):
         return f"GatheredLowBitWeight({self.fmt}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def gathered_operands(w: GatheredLowBitWeight) -> tuple:
+    """The ``cached`` operand of ``_MixedPrecisionLinearFn`` for a gathered weight: ``(q, s, None)`` (the
+    backward transposes ``q``). Refused under ``torch.compile``, which cannot trace the wrapper yet."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"{FLAG}: torch.compile of a layer whose weight FSDP2 gathers in low bits is not "
+                           "supported; switch the flag off or compile without it")
+    return w.q, w.s, None
 
 
 def _unwrap_state_dict(module, state_dict, prefix, local_metadata):
@@ -192,5 +215,5 @@ def enable_lowbit_all_gather(model: nn.Module) -> list[str]:
     return done
 
 
-__all__ = ["FLAG", "GatheredLowBitWeight", "LowBitAllGatherWeight", "enable_lowbit_all_gather",
+__all__ = ["FLAG", "GatheredLowBitWeight", "LowBitAllGatherWeight", "enable_lowbit_all_gather", "gathered_operands",
            "lowbit_all_gather_enabled"]

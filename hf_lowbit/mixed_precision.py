@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from .compute import compute_dtype as _compute_dtype  # the name the Function body below uses
 from .ops import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t, scaled_matmul,
                   scaled_matmul_input_grad, scaled_matmul_quantized)
-from .fsdp_lowbit_all_gather import GatheredLowBitWeight
+from .fsdp_lowbit_all_gather import GatheredLowBitWeight, gathered_operands
 from .quantized_base import QUANTIZED_LINEARS
 from .swap import LinearFilter, SwapReport, swap_linears
 
@@ -238,7 +238,7 @@ class MixedPrecisionLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         cached = None
         if isinstance(self.weight, GatheredLowBitWeight):  # FSDP2 gathered it as codes + row scales
-            cached = (self.weight.q, self.weight.s, None)   # (hf_lowbit.fsdp_lowbit_all_gather)
+            cached = gathered_operands(self.weight)           # (hf_lowbit.fsdp_lowbit_all_gather)
         elif self.weight_cache:
             if not torch.compiler.is_compiling():
                 self.refresh_weight_cache()
