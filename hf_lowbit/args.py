@@ -82,6 +82,12 @@ class LowBitArgumentsMixin:
     lora_base_int8_cache: bool = field(default=False, metadata={"help": (
         "With lora_base_quant='nf4' and int8_mixed_precision: keep an INT8 copy of each NF4 base, computed once "
         "(+1 byte per base parameter; saves a dequantize+quantize of every base weight per matmul).")})
+    lowbit_fsdp_lowbit_all_gather: bool = field(default=False, metadata={"help": (
+        "FSDP2 with int8_mixed_precision or fp8_mixed_precision: all-gather each low-bit linear's weight already "
+        "quantized (INT8/FP8 codes + float32 row scales, ~1 byte per weight instead of bf16's 2) and compute with "
+        "the gathered codes instead of re-quantizing the gathered weight; the sharded weights stay high precision "
+        "for the optimizer and receive the usual reduce-scattered gradients. Bit-identical to the default gather "
+        "(tested on CPU); its speed is not yet measured on GPUs. Not with torch_compile (docs/distributed.md).")})
     lowbit_peak_tflops: float | None = field(default=None, metadata={"help": (
         "The accelerator's dense bf16 peak in TFLOP/s, for the train_mfu log entry. Default (unset): looked up "
         "from the GPU's name (H100/H200 989, A100 312, ...); unknown GPUs and CPUs log no MFU.")})
@@ -94,7 +100,7 @@ class LowBitArgumentsMixin:
         """Check the low-bit fields on their own and against each other; each error names its field."""
         cls = type(self).__name__
         for name in ("int8_mixed_precision", "fp8_mixed_precision", "lowbit_output", "lowbit_grad_input",
-                     "lowbit_grad_weight", "lora_base_int8_cache"):
+                     "lowbit_grad_weight", "lora_base_int8_cache", "lowbit_fsdp_lowbit_all_gather"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{cls}.{name} must be True or False, got {value!r}")
@@ -165,6 +171,17 @@ class LowBitArgumentsMixin:
             raise ValueError(f"{cls}.{self.lowbit_recipes[0]}=True with lowbit_output, "
                              "lowbit_grad_input and lowbit_grad_weight all False quantizes nothing: "
                              "enable at least one matmul or switch the recipe off")
+        if self.lowbit_fsdp_lowbit_all_gather:
+            flag = f"{cls}.lowbit_fsdp_lowbit_all_gather=True"
+            if not self.lowbit_recipes:
+                raise ValueError(f"{flag} all-gathers INT8/FP8 weights: it needs int8_mixed_precision or "
+                                 "fp8_mixed_precision (under FSDP2)")
+            if not (self.lowbit_output and self.lowbit_grad_input):
+                raise ValueError(f"{flag} replaces the weight by its gathered codes in the forward and input-gradient "
+                                 "matmuls: it needs lowbit_output and lowbit_grad_input True")
+            if self.torch_compile:
+                raise ValueError(f"{flag} with torch_compile=True: the gathered low-bit weight is not traceable by "
+                                 "torch.compile yet; switch one off")
         peak = self.lowbit_peak_tflops
         if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0):
             raise ValueError(f"{cls}.lowbit_peak_tflops must be a positive number of TFLOP/s or None, got {peak!r}")

@@ -8,18 +8,23 @@ cannot shard, and rebuilding a full model from a sharded one for the QAT export.
   shards and gathers bit for bit; ``LowBitTrainer`` calls it before accelerate shards the model.
 * :func:`keep_integer_params_unsharded`: the fallback for integer parameters no carrier can hold: leave
   those modules whole on every rank (the FSDP plugin's ``ignored_modules``), with a ``LowBitWarning``.
+* :func:`enable_lowbit_all_gather` (from :mod:`hf_lowbit.fsdp_lowbit_all_gather`): FSDP2 all-gathers the
+  INT8/FP8 layers' weights as codes + row scales; :func:`prepare_lowbit_all_gather` is ``LowBitTrainer``'s
+  call of it for ``lowbit_fsdp_lowbit_all_gather``, before accelerate shards the model.
 * :func:`unsharded_copy`: a CPU copy of a (sharded) model holding a gathered full state dict, with the
   same recipe swaps; ``LowBitTrainer.save_quantized`` converts and writes it on rank 0.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 
 import torch
 
 from .args import LowBitArgumentsMixin
+from .fsdp_lowbit_all_gather import enable_lowbit_all_gather
 from .prepare import apply_recipes
 from .validation import LowBitWarning
 
@@ -88,6 +93,22 @@ def keep_integer_params_unsharded(fsdp_plugin, model, device, torch_version: str
     return names
 
 
+def prepare_lowbit_all_gather(args: LowBitArgumentsMixin, model, fsdp_plugin) -> list[str]:
+    """``lowbit_fsdp_lowbit_all_gather``: switch the INT8/FP8 layers of ``model`` to the low-bit all-gather (call
+    before accelerate shards it). Refused, with the flag's name, unless the run is FSDP2 (``fsdp_plugin`` of
+    ``fsdp_version`` 2); returns the layers switched."""
+    if not args.lowbit_fsdp_lowbit_all_gather:
+        return []
+    if fsdp_plugin is None or getattr(fsdp_plugin, "fsdp_version", 1) != 2:
+        raise ValueError(f"{type(args).__name__}.lowbit_fsdp_lowbit_all_gather=True needs FSDP2 (an accelerate "
+                         "config with fsdp_version: 2, e.g. accelerate_configs/fsdp2.yaml); this run is not sharded by it")
+    names = enable_lowbit_all_gather(model)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[hf_lowbit] lowbit_fsdp_lowbit_all_gather: {len(names)} layers all-gather their weights as "
+              "low-bit codes + row scales", flush=True)
+    return names
+
+
 def unsharded_copy(model, state: dict, args: LowBitArgumentsMixin):
     """A CPU copy of ``model`` (a transformers model, maybe FSDP2-sharded) holding the full ``state``."""
     from torch.distributed.fsdp import FSDPModule
@@ -99,5 +120,5 @@ def unsharded_copy(model, state: dict, args: LowBitArgumentsMixin):
     return copy
 
 
-__all__ = ["carrier_dtype", "fsdp2_shards_integer_params", "keep_integer_params_unsharded",
-           "prepare_integer_params_for_fsdp2", "unsharded_copy"]
+__all__ = ["carrier_dtype", "enable_lowbit_all_gather", "fsdp2_shards_integer_params", "keep_integer_params_unsharded",
+           "prepare_integer_params_for_fsdp2", "prepare_lowbit_all_gather", "unsharded_copy"]

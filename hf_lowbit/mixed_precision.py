@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from .compute import compute_dtype as _compute_dtype  # the name the Function body below uses
 from .ops import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t, scaled_matmul,
                   scaled_matmul_input_grad, scaled_matmul_quantized)
+from .fsdp_lowbit_all_gather import GatheredLowBitWeight, gathered_operands
 from .quantized_base import QUANTIZED_LINEARS
 from .swap import LinearFilter, SwapReport, swap_linears
 
@@ -80,6 +81,11 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
         w_scale = qw_t = None
         if cached is not None:
             w_scale, qw_t = cached[1], cached[2]
+        # FSDP2's low-bit all-gather passes (q, s, None): the backward transposes the gathered codes, which
+        # FSDP2 re-gathers for it, instead of this keeping a transposed copy alive from forward to backward
+        ctx.transpose_codes = cached is not None and qw_t is None
+        if ctx.transpose_codes:
+            qw_t = cached[0]
         if output and cached is not None:
             y = scaled_matmul_quantized(fmt, x2, 1, cached[0], w_scale, dtype)
         elif output:
@@ -105,6 +111,8 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
             if grad_input:  # dX[M, K] = q(dY·diag(s))[M, N] · Wq[N, K], Wq taken as its transpose [K, N]
                 if qw_t is None:  # not cached: the forward's codes again, from its scales (no absmax pass)
                     qw_t, w_scale = quantize_weight_t(fmt, weight, w_scale)
+                elif ctx.transpose_codes:  # the codes [N, K] as gathered by FSDP2 (see forward)
+                    qw_t = qw_t.T.contiguous()
                 dx = scaled_matmul_input_grad(fmt, g2, qw_t, w_scale, x_dtype, stochastic=sr)
             else:
                 dx = (g2.to(dtype) @ weight.to(dtype)).to(x_dtype)
@@ -229,7 +237,9 @@ class MixedPrecisionLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         cached = None
-        if self.weight_cache:
+        if isinstance(self.weight, GatheredLowBitWeight):  # FSDP2 gathered it as codes + row scales
+            cached = gathered_operands(self.weight)           # (hf_lowbit.fsdp_lowbit_all_gather)
+        elif self.weight_cache:
             if not torch.compiler.is_compiling():
                 self.refresh_weight_cache()
             cached = tuple(getattr(self, name) for name in _CACHE_BUFFERS)

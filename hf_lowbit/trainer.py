@@ -14,7 +14,7 @@ import torch
 from transformers import Trainer
 
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments
-from .distributed import prepare_integer_params_for_fsdp2, unsharded_copy
+from .distributed import prepare_integer_params_for_fsdp2, prepare_lowbit_all_gather, unsharded_copy
 from .export import merge_lora, save_quantized
 from .liger import apply_liger
 from .mixed_precision import MixedPrecisionLinear
@@ -73,6 +73,8 @@ class LowBitTrainerMixin:
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
             # before accelerate shards the model in train(): quantized bases shardable on torch < 2.13 too
             prepare_integer_params_for_fsdp2(self.accelerator.state.fsdp_plugin, self.model, self.args.device)
+        # before accelerate shards the model in train(), and before the optimizer is made (new Parameters)
+        prepare_lowbit_all_gather(args, self.model, self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None)
         if args.qat_scheme is not None:
             self.add_callback(FakeQuantScheduleCallback(args.qat_fake_quant_after_n_steps))
         if getattr(args, "use_liger_kernel", False):

@@ -1,0 +1,84 @@
+"""The low-bit FSDP2 all-gather's single-process parts (the 2-rank behaviour: tests/_fsdp2_lowbit_all_gather.py,
+run by tests/test_distributed.py): argument validation, refusals naming the flag, and a wrapped layer used
+without FSDP2 computing exactly what it did before, with a plain state dict."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_lowbit import LowBitTrainingArguments, MixedPrecisionConfig, MixedPrecisionLinear
+from hf_lowbit.distributed import enable_lowbit_all_gather, prepare_lowbit_all_gather
+from hf_lowbit.fsdp_lowbit_all_gather import LowBitAllGatherWeight
+
+FLAG = "lowbit_fsdp_lowbit_all_gather"
+
+
+def _args(tmp_path, **kw):
+    return LowBitTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kw)
+
+
+def test_flag_is_validated(tmp_path):
+    assert _args(tmp_path).lowbit_fsdp_lowbit_all_gather is False
+    assert _args(tmp_path, int8_mixed_precision=True, lowbit_fsdp_lowbit_all_gather=True).lowbit_fsdp_lowbit_all_gather
+    for kw in ({}, {"int8_mixed_precision": True, "lowbit_grad_input": False},
+               {"fp8_mixed_precision": True, "lowbit_output": False},
+               {"int8_mixed_precision": True, "torch_compile": True}):
+        with pytest.raises(ValueError, match=FLAG):
+            _args(tmp_path, lowbit_fsdp_lowbit_all_gather=True, **kw)
+    with pytest.raises(TypeError, match=FLAG):
+        _args(tmp_path, int8_mixed_precision=True, lowbit_fsdp_lowbit_all_gather="yes")
+
+
+def test_refused_without_fsdp2(tmp_path):
+    args = _args(tmp_path, int8_mixed_precision=True, lowbit_fsdp_lowbit_all_gather=True)
+    model = torch.nn.Sequential(MixedPrecisionLinear(64, 64))
+    with pytest.raises(ValueError, match=f"{FLAG}=True needs FSDP2"):
+        prepare_lowbit_all_gather(args, model, None)
+    with pytest.raises(ValueError, match=f"{FLAG}=True needs FSDP2"):
+        prepare_lowbit_all_gather(args, model, type("Plugin", (), {"fsdp_version": 1})())
+    assert prepare_lowbit_all_gather(_args(tmp_path, int8_mixed_precision=True), model, None) == []
+
+
+@pytest.mark.parametrize("problem", ["grad_input", "cache", "tied"])
+def test_layers_that_cannot_take_it_are_refused(problem):
+    cfg = MixedPrecisionConfig(grad_input=problem != "grad_input")
+    a, b = MixedPrecisionLinear(64, 64, config=cfg), MixedPrecisionLinear(64, 64, config=cfg)
+    if problem == "cache":
+        a.set_weight_cache(True)
+    if problem == "tied":
+        b.weight = a.weight
+    with pytest.raises(ValueError, match=FLAG):
+        enable_lowbit_all_gather(torch.nn.Sequential(a, b))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_wrapped_layer_without_fsdp_is_unchanged(fmt):
+    """Outside FSDP2 (before sharding, or evaluation) the wrapper is the weight: same output and gradients
+    bit for bit, optimizer updates land on it, and state dicts / torch.save hold plain tensors."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(MixedPrecisionLinear.from_linear(torch.nn.Linear(64, 128), MixedPrecisionConfig(fmt)))
+    wrapped = copy.deepcopy(plain)
+    assert enable_lowbit_all_gather(wrapped) == ["0"]
+    w = wrapped[0].weight
+    assert isinstance(w, torch.nn.Parameter) and isinstance(w, LowBitAllGatherWeight)
+    assert w.data_ptr() == w._tensor.data_ptr() != 0  # accelerate maps optimizer parameters by data_ptr()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, wrapped)]
+    x = torch.randn(3, 5, 64)
+    for _ in range(2):
+        ys = []
+        for m, opt in zip((plain, wrapped), opts):
+            y = m(x)
+            y.square().mean().backward()
+            ys.append((y, [p.grad.clone() for p in m.parameters()]))
+            opt.step()
+            opt.zero_grad()
+        assert torch.equal(ys[0][0], ys[1][0]) and all(torch.equal(a, b) for a, b in zip(ys[0][1], ys[1][1]))
+    assert isinstance(wrapped[0].weight, LowBitAllGatherWeight)
+    sd = wrapped.state_dict()
+    assert type(sd["0.weight"]) is torch.Tensor and torch.equal(sd["0.weight"], plain.state_dict()["0.weight"])
+    fresh = copy.deepcopy(wrapped)
+    with torch.no_grad():
+        fresh[0].weight.zero_()
+    fresh.load_state_dict(plain.state_dict())
+    assert isinstance(fresh[0].weight, LowBitAllGatherWeight) and torch.equal(fresh(x), plain(x))
