@@ -223,7 +223,12 @@ class MixedPrecisionLinear(nn.Linear):
             return False
         w, fmt = self.weight.detach(), self.lowbit_config.format
         current = tuple(getattr(self, name) for name in _CACHE_BUFFERS)
-        reuse = current[0] is not None and current[0].device == w.device and current[0].shape == w.shape
+        # rewritten in place only if still of the right kind: Module.to(dtype) / .bfloat16() cast floating-point
+        # buffers too (FP8 codes, float32 scales), and writing into those would store codes as floats or round
+        # the scales; otherwise reallocated
+        code = get_format(fmt).dtype
+        reuse = (all(t is not None and t.device == w.device for t in current) and current[0].shape == w.shape
+                 and (current[0].dtype, current[1].dtype, current[2].dtype) == (code, torch.float32, code))
         out = quantize_weight(fmt, w, out=current if reuse else None)
         for name, t in zip(_CACHE_BUFFERS, out):
             setattr(self, name, t)

@@ -183,3 +183,22 @@ def test_cuda_graphs_chosen_only_where_measured():
     assert _use_cuda_graphs(args(lowbit_cuda_graphs=True, device=torch.device("cpu")))
     assert not _use_cuda_graphs(args(lowbit_cuda_graphs=False))
 
+
+@pytest.mark.parametrize("cast", ["to_bf16", "to_fp32"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_cache_survives_module_dtype_casts(fmt, cast):
+    """``Module.to(dtype)`` / ``.bfloat16()`` also cast floating-point buffers: the FP8 codes and the float32
+    scales of the cache. The refresh must not write into such cast buffers (FP8: codes held as floats, refused
+    by the matmul; INT8: scales rounded to bf16) but reallocate them: same results as an uncached layer."""
+    src, dst = (torch.float32, torch.bfloat16) if cast == "to_bf16" else (torch.bfloat16, torch.float32)
+    lin = _layer(fmt, dtype=src)
+    x = torch.randn(3, 5, 64, dtype=src)
+    _run(lin, x)
+    lin = lin.to(dst) if cast == "to_fp32" else lin.bfloat16()
+    fresh = _layer(fmt, dtype=dst, cache=False)
+    fresh.load_state_dict(lin.state_dict())
+    got, ref = _run(lin, x.to(dst)), _run(fresh, x.to(dst))
+    code = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
+    assert (lin._wq.dtype, lin._wq_scale.dtype, lin._wq_t.dtype) == (code, torch.float32, code)
+    for name, g, r in zip(("y", "dx", "dw", "db"), got, ref):
+        assert torch.equal(g, r), name
