@@ -184,13 +184,15 @@ def test_cuda_graphs_chosen_only_where_measured():
     assert not _use_cuda_graphs(args(lowbit_cuda_graphs=False))
 
 
-@pytest.mark.parametrize("cast", ["to_bf16", "to_fp32"])
+@pytest.mark.parametrize("cast", ["to_bf16", "to_fp32", "bf16_again"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_cache_survives_module_dtype_casts(fmt, cast):
     """``Module.to(dtype)`` / ``.bfloat16()`` also cast floating-point buffers: the FP8 codes and the float32
     scales of the cache. The refresh must not write into such cast buffers (FP8: codes held as floats, refused
-    by the matmul; INT8: scales rounded to bf16) but reallocate them: same results as an uncached layer."""
-    src, dst = (torch.float32, torch.bfloat16) if cast == "to_bf16" else (torch.bfloat16, torch.float32)
+    by the matmul; INT8: scales rounded to bf16) but reallocate them, also when the cast left the weight itself
+    as it was (its version, storage and dtype unchanged): same results as an uncached layer."""
+    src, dst = {"to_bf16": (torch.float32, torch.bfloat16), "to_fp32": (torch.bfloat16, torch.float32),
+                "bf16_again": (torch.bfloat16, torch.bfloat16)}[cast]  # again: the weight unchanged, buffers cast
     lin = _layer(fmt, dtype=src)
     x = torch.randn(3, 5, 64, dtype=src)
     _run(lin, x)
