@@ -94,6 +94,20 @@ class LowBitAllGatherWeight(Tensor):
                               else new.requires_grad_(self.requires_grad))
         return memo[id(self)]
 
+    @property
+    def data(self):
+        return Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, new: Tensor) -> None:
+        """``param.data = t`` (accelerate's FSDP2 prepare upcasts trainable bf16 parameters to float32 this way)
+        replaces the outer tensor's metadata only; the held tensor, a Python attribute, must follow or the
+        wrapper would report float32 while holding (and FSDP2 sharding, the optimizer updating) the bf16 one."""
+        if not isinstance(new, LowBitAllGatherWeight):
+            new = LowBitAllGatherWeight(new.detach(), self._fmt)
+        Tensor.data.__set__(self, new)
+        self._tensor = new._tensor
+
     def data_ptr(self) -> int:
         """The held tensor's (a wrapper has no storage of its own: 0 for every weight). accelerate's FSDP2
         ``prepare`` maps the optimizer's parameters to the sharded ones by ``data_ptr()``; with 0 everywhere all
