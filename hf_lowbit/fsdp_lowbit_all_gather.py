@@ -18,7 +18,8 @@ the all-gather and hand the layer the gathered codes:
 The forward and both gradients are therefore bit-identical to FSDP2's default path (tests/_fsdp2_lowbit_all_gather.py).
 
 Not covered, refused with a message naming the flag: weights split unevenly across ranks (``N`` not a
-multiple of the shard count; those fall back to the ``param_dtype`` gather with a ``LowBitWarning``), layers
+multiple of the shard count; those fall back to the ``param_dtype`` gather with a ``LowBitWarning``; on a
+single rank, where FSDP2 gathers nothing and reads only the first input, every weight takes that path), layers
 with ``output`` or ``grad_input`` off (they need the weight itself), the layer's weight cache,
 ``torch.compile`` of the layer (the gathered subclass is not traceable), FSDP2's ``reshard_after_forward=<int>``.
 Not measured on GPUs. ``state_dict()`` holds plain tensors (a state-dict hook unwraps the wrapper).
@@ -119,6 +120,8 @@ class LowBitAllGatherWeight(Tensor):
         w = self._tensor
         param_dtype = mp_policy.param_dtype or w.dtype
         shards = mesh.size()
+        if shards == 1:  # FSDP2 gathers nothing on one rank and reads only the first input: the weight as is
+            return (w.to(param_dtype),), None
         if outer_size[0] % shards:  # FSDP2 demands padded-shard-sized inputs then: scales [rows] cannot be
             key = (tuple(outer_size), shards)
             if key not in _WARNED_UNEVEN:

@@ -109,3 +109,31 @@ def test_upcast_through_param_data_keeps_the_wrapper_consistent(fmt):
         ys.append((y, m[0].weight.grad))
     assert torch.equal(ys[0][0], ys[1][0]) and torch.equal(ys[0][1], ys[1][1])
     assert ys[1][1].dtype == torch.float32
+
+
+def test_single_rank_fsdp2_falls_back_to_the_plain_gather():
+    """One rank: FSDP2 all-gathers nothing and reads only the first all-gather input (torch 2.13's world-size-1
+    path), so codes + scales cannot reach the layer; the weight goes through as it is (before: a ValueError
+    unpacking the gathered outputs on the first forward). Same outputs and gradients as without the flag."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        res = []
+        for flag in (False, True):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(MixedPrecisionLinear(64, 128), torch.nn.GELU(), MixedPrecisionLinear(128, 32))
+            if flag:
+                enable_lowbit_all_gather(m)
+            for layer in (m[0], m[2]):
+                fully_shard(layer, mp_policy=mp)
+            fully_shard(m, mp_policy=mp)
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+            y = m(x)
+            y.float().square().mean().backward()
+            res.append((y, [p.grad.full_tensor() for p in m.parameters()]))
+        assert torch.equal(res[0][0], res[1][0]) and all(torch.equal(a, b) for a, b in zip(res[0][1], res[1][1]))
+    finally:
+        dist.destroy_process_group()
