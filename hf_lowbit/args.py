@@ -56,7 +56,8 @@ class LowBitArgumentsMixin:
         "INT8 mixed precision: round the backward's operands stochastically (the output gradient in both "
         "gradient matmuls, the input in the weight gradient) instead of to nearest, so their rounding is "
         "unbiased; the forward still rounds to nearest. The random numbers are drawn inside the quantization kernels "
-        "(no random tensor when compiled). Not yet measured on a GPU (docs/design.md).")})
+        "(no random tensor). On the H200 it cost speed (INT8 0.65x bf16 instead of 0.99x, all three matmuls) and "
+        "did not improve the loss (docs/benchmarks.md, 'The seed table').")})
     lowbit_cuda_graphs: bool | None = field(default=None, metadata={"help": (
         "Compile with CUDA graphs (torch_compile_mode='reduce-overhead'): at 1-2k-token micro-batches the "
         "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 full fine-tuning "

@@ -18,7 +18,8 @@ the all-gather and hand the layer the gathered codes:
 The forward and both gradients are therefore bit-identical to FSDP2's default path (tests/_fsdp2_lowbit_all_gather.py).
 
 Not covered, refused with a message naming the flag: weights split unevenly across ranks (``N`` not a
-multiple of the shard count; those fall back to the ``param_dtype`` gather with a ``LowBitWarning``), layers
+multiple of the shard count; those fall back to the ``param_dtype`` gather with a ``LowBitWarning``; on a
+single rank, where FSDP2 gathers nothing and reads only the first input, every weight takes that path), layers
 with ``output`` or ``grad_input`` off (they need the weight itself), the layer's weight cache,
 ``torch.compile`` of the layer (the gathered subclass is not traceable), FSDP2's ``reshard_after_forward=<int>``.
 Not measured on GPUs. ``state_dict()`` holds plain tensors (a state-dict hook unwraps the wrapper).
@@ -94,6 +95,20 @@ class LowBitAllGatherWeight(Tensor):
                               else new.requires_grad_(self.requires_grad))
         return memo[id(self)]
 
+    @property
+    def data(self):
+        return Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, new: Tensor) -> None:
+        """``param.data = t`` (accelerate's FSDP2 prepare upcasts trainable bf16 parameters to float32 this way)
+        replaces the outer tensor's metadata only; the held tensor, a Python attribute, must follow or the
+        wrapper would report float32 while holding (and FSDP2 sharding, the optimizer updating) the bf16 one."""
+        if not isinstance(new, LowBitAllGatherWeight):
+            new = LowBitAllGatherWeight(new.detach(), self._fmt)
+        Tensor.data.__set__(self, new)
+        self._tensor = new._tensor
+
     def data_ptr(self) -> int:
         """The held tensor's (a wrapper has no storage of its own: 0 for every weight). accelerate's FSDP2
         ``prepare`` maps the optimizer's parameters to the sharded ones by ``data_ptr()``; with 0 everywhere all
@@ -105,6 +120,8 @@ class LowBitAllGatherWeight(Tensor):
         w = self._tensor
         param_dtype = mp_policy.param_dtype or w.dtype
         shards = mesh.size()
+        if shards == 1:  # FSDP2 gathers nothing on one rank and reads only the first input: the weight as is
+            return (w.to(param_dtype),), None
         if outer_size[0] % shards:  # FSDP2 demands padded-shard-sized inputs then: scales [rows] cannot be
             key = (tuple(outer_size), shards)
             if key not in _WARNED_UNEVEN:

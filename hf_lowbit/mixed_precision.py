@@ -215,20 +215,32 @@ class MixedPrecisionLinear(nn.Linear):
     @torch.no_grad()
     def refresh_weight_cache(self, force: bool = False) -> bool:
         """Recompute the cached low-bit weight if the weight changed since (by its version counter, storage,
-        dtype, device; ``force``: regardless, e.g. after an optimizer step); return whether it did."""
+        dtype, device) or a module cast changed the cache buffers' dtypes (``force``: regardless, e.g. after an
+        optimizer step); return whether it did."""
         if not self.weight_cache or self.weight.device.type == "meta":
             return False
         key = self._weight_key()
-        if key == self._cache_key and not force:
+        intact = self._cache_intact()
+        if key == self._cache_key and intact and not force:
             return False
         w, fmt = self.weight.detach(), self.lowbit_config.format
         current = tuple(getattr(self, name) for name in _CACHE_BUFFERS)
-        reuse = current[0] is not None and current[0].device == w.device and current[0].shape == w.shape
+        # rewritten in place only if still of the right kind (else reallocated)
+        reuse = intact and all(t.device == w.device for t in current) and current[0].shape == w.shape
         out = quantize_weight(fmt, w, out=current if reuse else None)
         for name, t in zip(_CACHE_BUFFERS, out):
             setattr(self, name, t)
         self._cache_key = key
         return True
+
+    def _cache_intact(self) -> bool:
+        """Whether the cache buffers exist with their dtypes: ``Module.to(dtype)`` / ``.bfloat16()`` cast
+        floating-point buffers too (the FP8 codes, the float32 scales), even where the weight itself is left as
+        it was (then its key is unchanged); computing with, or writing into, such buffers would use codes held
+        as floats or scales rounded to bf16."""
+        code = get_format(self.lowbit_config.format).dtype
+        bufs = tuple(getattr(self, name) for name in _CACHE_BUFFERS)
+        return all(t is not None for t in bufs) and tuple(t.dtype for t in bufs) == (code, torch.float32, code)
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)

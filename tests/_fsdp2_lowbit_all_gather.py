@@ -12,7 +12,8 @@ FP8, fp32 master weights, bf16 ``param_dtype``, fp32 ``reduce_dtype``:
 * what ``fsdp_pre_all_gather`` hands FSDP2: 1 + 4/K bytes a weight, about half of bf16's 2;
 * ``state_dict()`` (sharded and unsharded), ``get_model_state_dict`` (full) and a DCP save/load hold plain
   tensors, and a DCP load into a flagged model keeps the flag working;
-* a weight whose rows do not split evenly falls back to the bf16 gather (a ``LowBitWarning``), same results.
+* a weight whose rows do not split evenly falls back to the bf16 gather (a ``LowBitWarning``), same outputs
+  and gradients.
 
     python tests/_fsdp2_lowbit_all_gather.py <free port>
 """
@@ -165,9 +166,15 @@ def run(rank: int, port: str) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lowbit = shard(lowbit, True)
+        torch.manual_seed(11 + rank)
         x = torch.randn(2, 8, 64)
-        y0, y1 = default(x), lowbit(x)
-    assert torch.equal(y0, y1)
+        x0, x1 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y0, y1 = default(x0), lowbit(x1)
+        y0.float().square().mean().backward()
+        y1.float().square().mean().backward()
+    assert torch.equal(y0, y1) and torch.equal(x0.grad, x1.grad)
+    for (n, a), b in zip(default.named_parameters(), lowbit.parameters()):  # reduce-scattered, fallback included
+        assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), n
     assert any(issubclass(w.category, LowBitWarning) and "lowbit_fsdp_lowbit_all_gather" in str(w.message)
                for w in caught), [str(w.message) for w in caught]
     if rank == 0:

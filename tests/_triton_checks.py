@@ -156,7 +156,7 @@ def check_quantize_t_stochastic(device: str) -> int:
         assert q.shape == (N, M) and q.is_contiguous() and torch.equal(s, sn), "scales differ from nearest's"
         y = xd.float().T / s[:, None]  # the kernel's y (IEEE division), before rounding
         assert ((q.float() == y.floor()) | (q.float() == y.ceil())).all(), f"{(M, N)} {dtype}: not floor/ceil"
-        assert (q[1] == 0).all() and q.abs().max() <= 127
+        assert (q[1] == 0).all() and q.min() >= -127  # (int8 abs(-128) is -128: abs().max() <= 127 always holds)
         assert torch.equal(q, sr(xd, seed=1)[0]), "not reproducible under torch.manual_seed"
         assert not torch.equal(q, sr(xd, seed=2)[0]) and not torch.equal(q, qn)
         n += 1
@@ -183,8 +183,48 @@ def check_quantize_t_stochastic(device: str) -> int:
     return n + 1
 
 
+def check_quantize_t_stochastic_saturates(device: str) -> int:
+    """Stochastic rounding at the top of the range: ``y = 127`` exactly (every element of a constant tensor) with
+    ``u`` within 2**-18 of 1, where float32's ``127 + u`` rounds to 128.0. The code must stay 127; without a
+    clamp after the floor it became 128 and wrapped to -128 in the int8 cast (the largest value of a row
+    flipped its sign). The torch seeds that draw such a ``u`` are found first with ``tl.rand`` itself, so the
+    check fails loudly, not vacuously, if none is found. Returns the number of checks."""
+    import triton
+    import triton.language as tl
+
+    from hf_lowbit.ops.triton_quant import quantize_t_triton
+
+    @triton.jit
+    def _rand(seed_ptr, out_ptr, S: tl.constexpr, O: tl.constexpr):
+        rows, cols = tl.program_id(0) * S + tl.arange(0, S), tl.arange(0, O)
+        seed = tl.load(seed_ptr + rows)
+        u = tl.rand(seed[:, None], rows[:, None].to(tl.int64) * 0 + cols[None, :].to(tl.int64))
+        tl.store(out_ptr + rows[:, None] * O + cols[None, :], u)
+
+    M, N, S = 16, 16, 16384  # the kernel's element index m * N + n: offsets 0 .. 255
+    seeds = []
+    for i in range(S):  # the seed quantize_t_triton draws after torch.manual_seed(i)
+        torch.manual_seed(i)
+        seeds.append(torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64, device=device))
+    u = torch.empty(S, M * N, device=device)
+    _rand[(S // 1024,)](torch.cat(seeds), u, S=1024, O=M * N)
+    hits = ((127.0 + u) == 128.0).any(1).nonzero().flatten().tolist()
+    assert hits, "no seed drew a u that rounds 127 + u up to 128: the check would be vacuous"
+    x = torch.full((M, N), 127.0, device=device)  # scale 1 exactly, y = 127 exactly
+    n = 0
+    for i in hits[:3]:
+        torch.manual_seed(i)
+        q, s = quantize_t_triton(x, torch.int8, 127.0, stochastic=True)
+        assert torch.equal(s, torch.ones(N, device=device))
+        assert (q == 127).all(), f"seed {i}: codes {q[q != 127].unique().tolist()} for y = 127"
+        n += 1
+    return n
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["stochastic"]:
         print("checked", check_quantize_t_stochastic("cpu"), "stochastic quantizations")
+    elif sys.argv[1:] == ["stochastic_saturates"]:
+        print("checked", check_quantize_t_stochastic_saturates("cpu"), "saturating stochastic quantizations")
     else:
         print("checked", check_int8_scaled_mm("cpu"), "matmuls and", check_quantize_t("cpu"), "quantizations")

@@ -82,3 +82,58 @@ def test_wrapped_layer_without_fsdp_is_unchanged(fmt):
         fresh[0].weight.zero_()
     fresh.load_state_dict(plain.state_dict())
     assert isinstance(fresh[0].weight, LowBitAllGatherWeight) and torch.equal(fresh(x), plain(x))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_upcast_through_param_data_keeps_the_wrapper_consistent(fmt):
+    """accelerate's FSDP2 prepare upcasts trainable low-precision parameters with ``param.data =
+    param.data.to(torch.float32)`` (mixed_precision != "no", e.g. a bf16 checkpoint under fsdp2.yaml). The
+    wrapper must then hold the float32 tensor (not only report float32 while its held tensor stays bf16: the
+    master weights would silently stay bf16), and compute as the plain layer upcast the same way."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(MixedPrecisionLinear.from_linear(torch.nn.Linear(64, 128, dtype=torch.bfloat16),
+                                                                MixedPrecisionConfig(fmt)))
+    wrapped = copy.deepcopy(plain)
+    enable_lowbit_all_gather(wrapped)
+    for m in (plain, wrapped):
+        for p in m.parameters():
+            p.data = p.data.to(torch.float32)
+    w = wrapped[0].weight
+    assert isinstance(w, LowBitAllGatherWeight) and w.dtype == w._tensor.dtype == torch.float32
+    assert w.data_ptr() == w._tensor.data_ptr()
+    x = torch.randn(3, 64)
+    ys = []
+    for m in (plain, wrapped):
+        y = m(x)
+        y.square().mean().backward()
+        ys.append((y, m[0].weight.grad))
+    assert torch.equal(ys[0][0], ys[1][0]) and torch.equal(ys[0][1], ys[1][1])
+    assert ys[1][1].dtype == torch.float32
+
+
+def test_single_rank_fsdp2_falls_back_to_the_plain_gather():
+    """One rank: FSDP2 all-gathers nothing and reads only the first all-gather input (torch 2.13's world-size-1
+    path), so codes + scales cannot reach the layer; the weight goes through as it is (before: a ValueError
+    unpacking the gathered outputs on the first forward). Same outputs and gradients as without the flag."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        res = []
+        for flag in (False, True):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(MixedPrecisionLinear(64, 128), torch.nn.GELU(), MixedPrecisionLinear(128, 32))
+            if flag:
+                enable_lowbit_all_gather(m)
+            for layer in (m[0], m[2]):
+                fully_shard(layer, mp_policy=mp)
+            fully_shard(m, mp_policy=mp)
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+            y = m(x)
+            y.float().square().mean().backward()
+            res.append((y, [p.grad.full_tensor() for p in m.parameters()]))
+        assert torch.equal(res[0][0], res[1][0]) and all(torch.equal(a, b) for a, b in zip(res[0][1], res[1][1]))
+    finally:
+        dist.destroy_process_group()

@@ -57,7 +57,8 @@ def test_cached_layer_is_bit_identical_to_uncached(fmt):
 @pytest.mark.parametrize("how", ["optimizer", "fused_optimizer", "in_place", "load_state_dict", "to_dtype"])
 def test_cache_is_never_stale(how):
     """After any change of the weight the next forward (eager or through refresh_weight_caches, as a
-    compiled run does) computes with the new weight: equal to a fresh layer holding the same weight."""
+    compiled run does) and its backward compute with the new weight: output and gradients equal to a fresh
+    layer holding the same weight."""
     lin = _layer("int8")
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     before = lin(x).detach()
@@ -65,6 +66,7 @@ def test_cache_is_never_stale(how):
         opt = torch.optim.AdamW(lin.parameters(), lr=0.1, fused=how == "fused_optimizer")
         lin(x).float().square().mean().backward()
         opt.step()
+        opt.zero_grad(set_to_none=True)
         fresh = _layer("int8", cache=False)
         fresh.load_state_dict(lin.state_dict())
         assert torch.equal(lin._wq, quantize_operand("int8", lin.weight.detach(), 1)[0])  # refreshed by the hook
@@ -81,9 +83,10 @@ def test_cache_is_never_stale(how):
         x = x.float()
     fresh = _layer("int8", dtype=lin.weight.dtype, cache=False)
     fresh.load_state_dict(lin.state_dict())
-    after = lin(x).detach()
-    assert not torch.equal(after.to(before.dtype), before)
-    assert torch.equal(after, fresh(x).detach())
+    got, ref = _run(lin, x), _run(fresh, x)  # the backward reads the cache too (scales, transposed codes)
+    assert not torch.equal(got[0].to(before.dtype), before)
+    for name, g, r in zip(("y", "dx", "dw", "db"), got, ref):
+        assert torch.equal(g, r), name
 
 
 def test_refresh_weight_caches_counts_only_stale_layers():
@@ -179,3 +182,25 @@ def test_cuda_graphs_chosen_only_where_measured():
     assert not _use_cuda_graphs(args(device=torch.device("cpu")))
     assert _use_cuda_graphs(args(lowbit_cuda_graphs=True, device=torch.device("cpu")))
     assert not _use_cuda_graphs(args(lowbit_cuda_graphs=False))
+
+
+@pytest.mark.parametrize("cast", ["to_bf16", "to_fp32", "bf16_again"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_cache_survives_module_dtype_casts(fmt, cast):
+    """``Module.to(dtype)`` / ``.bfloat16()`` also cast floating-point buffers: the FP8 codes and the float32
+    scales of the cache. The refresh must not write into such cast buffers (FP8: codes held as floats, refused
+    by the matmul; INT8: scales rounded to bf16) but reallocate them, also when the cast left the weight itself
+    as it was (its version, storage and dtype unchanged): same results as an uncached layer."""
+    src, dst = {"to_bf16": (torch.float32, torch.bfloat16), "to_fp32": (torch.bfloat16, torch.float32),
+                "bf16_again": (torch.bfloat16, torch.bfloat16)}[cast]  # again: the weight unchanged, buffers cast
+    lin = _layer(fmt, dtype=src)
+    x = torch.randn(3, 5, 64, dtype=src)
+    _run(lin, x)
+    lin = lin.to(dst) if cast == "to_fp32" else lin.bfloat16()
+    fresh = _layer(fmt, dtype=dst, cache=False)
+    fresh.load_state_dict(lin.state_dict())
+    got, ref = _run(lin, x.to(dst)), _run(fresh, x.to(dst))
+    code = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
+    assert (lin._wq.dtype, lin._wq_scale.dtype, lin._wq_t.dtype) == (code, torch.float32, code)
+    for name, g, r in zip(("y", "dx", "dw", "db"), got, ref):
+        assert torch.equal(g, r), name

@@ -73,9 +73,11 @@ def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, M, 
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[None, :]), -QMAX), QMAX)
     if STOCHASTIC:  # int8 only: floor(y + u), u ~ U[0, 1), so E[q] = y
         # Philox keyed by (seed, element index in x): counter-based, so the random numbers live in registers
-        # (no random tensor) and an element's draw does not depend on the tiling. |y| <= 127: no clamp needed.
+        # (no random tensor) and an element's draw does not depend on the tiling. The clamp is needed although
+        # |y| <= 127 and u < 1: float32's 127 + u rounds to 128.0 for u within 2**-18 of 1, and the int8 cast
+        # may wrap 128 to -128 (Triton's interpreter does); as the plain-torch reference, clamp after the floor.
         u = tl.rand(tl.load(seed_ptr), offs_m[:, None].to(tl.int64) * N + offs_n[None, :])
-        q = tl.floor(y + u).to(tl.int8)
+        q = tl.minimum(tl.floor(y + u), QMAX).to(tl.int8)
     elif IS_INT8:
         q = _rne(y).to(tl.int8)
     else:
