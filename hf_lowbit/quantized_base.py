@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from .compute import compute_dtype
-from .ops.int8 import int8_scaled_mm, quantize_int8
+from .ops import scaled_matmul_input_grad, scaled_matmul_quantized
+from .ops.int8 import quantize_int8
 from .ops.nf4 import BLOCK_SIZE, Nf4Data, check_nf4_shape, dequantize_nf4, quantize_nf4
 from .swap import LinearFilter, SwapReport, swap_linears
 
@@ -77,8 +78,7 @@ class _FrozenQuantizedLinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         if int8_output:
             qw, sw = _int8_weight(storage, tensors)
-            qx, sx = quantize_int8(x2, dim=1)
-            y = int8_scaled_mm(qx, qw, sx.reshape(-1), sw, dtype)
+            y = scaled_matmul_quantized("int8", x2, 1, qw, sw, dtype)
         else:
             y = x2.to(dtype) @ _dense_weight(storage, tensors, dtype).T
         if bias is not None:
@@ -95,15 +95,12 @@ class _FrozenQuantizedLinearFn(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         dx = db = None
         if ctx.needs_input_grad[0]:
-            if int8_grad_input:  # dX = dY·diag(s)·Wq: reduce over N with the same int8 weight
+            if int8_grad_input:  # dX = q(dY·diag(s))·Wq: reduce over N with the same int8 weight
                 qw, sw = _int8_weight(storage, tensors)
-                qg, sg = quantize_int8(g2.float() * sw, dim=1)
                 # INT8 tensor cores need the reduction dim (N here) contiguous: a transposed view runs
                 # several times slower (docs/benchmarks.md, "One linear layer"), so copy Wqᵀ K-contiguous
                 # (1 byte/param read+write per call) rather than keep a second copy resident.
-                qw_t = qw.T.contiguous()
-                ones = torch.ones(qw.shape[1], dtype=torch.float32, device=qw.device)
-                dx = int8_scaled_mm(qg, qw_t, sg.reshape(-1), ones, x_dtype)
+                dx = scaled_matmul_input_grad("int8", g2, qw.T.contiguous(), sw, x_dtype)
             else:
                 dx = (g2.to(dtype) @ _dense_weight(storage, tensors, dtype)).to(x_dtype)
             dx = dx.reshape(x_shape)
