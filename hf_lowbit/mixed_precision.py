@@ -78,41 +78,39 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
                 grad_input: bool, grad_weight: bool, cached: tuple[Tensor, ...] | None, sr: bool) -> Tensor:
         dtype = _compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
-        w_scale = qw_t = None
-        if cached is not None:
-            w_scale, qw_t = cached[1], cached[2]
-        # FSDP2's low-bit all-gather passes (q, s, None): the backward transposes the gathered codes, which
-        # FSDP2 re-gathers for it, instead of this keeping a transposed copy alive from forward to backward
-        ctx.transpose_codes = cached is not None and qw_t is None
-        if ctx.transpose_codes:
-            qw_t = cached[0]
-        if output and cached is not None:
-            y = scaled_matmul_quantized(fmt, x2, 1, cached[0], w_scale, dtype)
-        elif output:
-            qw, w_scale = quantize_operand(fmt, weight, 1)
+        qw = w_scale = qw_t = None
+        if cached is not None:  # qw_t None: FSDP2's low-bit all-gather, whose codes the backward transposes
+            qw, w_scale, qw_t = cached
+        if output:
+            if qw is None:
+                qw, w_scale = quantize_operand(fmt, weight, 1)
             y = scaled_matmul_quantized(fmt, x2, 1, qw, w_scale, dtype)
         else:
             y = x2.to(dtype) @ weight.to(dtype).T
         if bias is not None:
             y = y + bias.to(dtype)
-        # x is only needed for the weight gradient: a frozen weight (LoRA over this layer) does not keep it alive
+        # x is only needed for the weight gradient: a frozen weight (LoRA over this layer) does not keep it alive.
+        # The input gradient gets the weight's scales and transposed codes, or gathered codes to transpose
+        # (FSDP2 re-gathers them for the backward: no transposed copy alive from forward to backward), or
+        # neither: it re-encodes the weight from the scales (per-call codes are not kept either)
+        gathered = qw if cached is not None and qw_t is None else None
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight,
-                              w_scale if grad_input else None, qw_t if grad_input else None)
+                              *((w_scale, qw_t, gathered) if grad_input else (None, None, None)))
         ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype, x.shape, x.dtype, sr)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, weight, w_scale, qw_t = ctx.saved_tensors
+        x, weight, w_scale, qw_t, gathered = ctx.saved_tensors
         fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype, sr = ctx.flags
         g2 = grad_out.reshape(-1, weight.shape[0])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if grad_input:  # dX[M, K] = q(dY·diag(s))[M, N] · Wq[N, K], Wq taken as its transpose [K, N]
-                if qw_t is None:  # not cached: the forward's codes again, from its scales (no absmax pass)
+                if gathered is not None:  # the codes [N, K] as gathered by FSDP2 (see forward)
+                    qw_t = gathered.T.contiguous()
+                elif qw_t is None:  # not cached: the forward's codes again, from its scales (no absmax pass)
                     qw_t, w_scale = quantize_weight_t(fmt, weight, w_scale)
-                elif ctx.transpose_codes:  # the codes [N, K] as gathered by FSDP2 (see forward)
-                    qw_t = qw_t.T.contiguous()
                 dx = scaled_matmul_input_grad(fmt, g2, qw_t, w_scale, x_dtype, stochastic=sr)
             else:
                 dx = (g2.to(dtype) @ weight.to(dtype)).to(x_dtype)

@@ -29,10 +29,10 @@ def scaled_matmul(fmt: str, x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dt
 def quantize_operand(fmt: str, x: Tensor, dim: int, stochastic: bool = False) -> tuple[Tensor, Tensor]:
     """``x`` quantized along ``dim`` with its reduction dim contiguous: ``(q [other, dim], scale [other])``.
 
-    ``stochastic`` (INT8 only): stochastic rounding. The row layout is plain torch (under ``torch.compile``
-    Inductor draws the random numbers inside its fused quantization kernel); the column layout is
-    ``hf_lowbit::quantize_t``, whose Triton kernel draws them in registers. Neither materializes a random
-    tensor when compiled."""
+    ``stochastic`` (INT8 only): stochastic rounding. The column layout is ``hf_lowbit::quantize_t``, whose
+    Triton kernel draws the random numbers in registers; the row layout is plain torch (``torch.rand_like``,
+    which in a compiled layer cost memory on the H200 — the layer's own input gradient therefore rounds
+    through ``quantize_t`` instead, :func:`scaled_matmul_input_grad`)."""
     if stochastic and fmt != "int8":
         raise ValueError(f"stochastic rounding is implemented for INT8, not {fmt!r}")
     if dim == 0:
