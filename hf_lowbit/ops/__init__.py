@@ -96,16 +96,11 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None) 
         # wrap_triton's dispatch costs ~1 ms a launch, which made a refresh of 8 Llama-8B layers ~70 ms
         with set_wrap_triton_enabled(False):
             q, s = quantize_t_triton(w.T, f.dtype, f.qmax, out=None if out is None else out[:2])
-        qt = q.T.contiguous() if out is None else out[2].copy_(q.T)
-        return q, s, qt
-    q, s = quantize_operand(fmt, w, 1)
-    got = (q, s, q.T.contiguous())
-    if out is None:
-        return got
-    for dst, src in zip(out, got):
-        dst.copy_(src)
-    return out
-
+    else:
+        q, s = quantize_operand(fmt, w, 1)
+        if out is not None:
+            q, s = out[0].copy_(q), out[1].copy_(s)
+    return q, s, (q.T.contiguous() if out is None else out[2].copy_(q.T))
 
 __all__ = ["FORMATS", "Format", "get_format", "scaled_matmul", "scaled_matmul_quantized", "quantize_operand",
            "quantize_weight", "quantize_weight_t", "scaled_matmul_input_grad", "quantize_t"]
