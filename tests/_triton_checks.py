@@ -120,6 +120,14 @@ def check_quantize_t(device: str) -> int:
                     flips = (diff != 0).float().mean().item()  # != : a NaN (unwritten) counts  # bit for bit: the kernel's divisions are IEEE-rounded
                     assert flips == 0, f"{(M, N)} t={transposed} {dtype} {fmt}: {flips:.2e} differ, max {diff.max()}"
                     n += 1
+                    # both layouts from one pass (the weight cache's refresh): the same codes, and x's own layout
+                    with PoisonedAllocations() as poison:
+                        q2, s2, qx = quantize_t_triton(xd, qdtype, qmax, chunk_m=chunk, both_layouts=True)
+                    assert ((M, N), qdtype) in poison.shapes and qx.shape == (M, N) and qx.is_contiguous()
+                    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)), "both_layouts changed q"
+                    assert torch.equal(qx.view(torch.uint8), q.T.view(torch.uint8)), "qx is not q transposed"
+                    torch.testing.assert_close(s2, s, rtol=0, atol=0, equal_nan=True)
+                    n += 1
                 # row_mul: x * mul[:, None] quantized without materializing it (the input gradient's dY·diag(s))
                 mul = torch.logspace(-3, 2, M, device=device)
                 q, s = quantize_t_triton(xd, torch.int8, INT8_MAX, chunk_m=chunk, row_mul=mul)

@@ -93,14 +93,15 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None) 
 
         f = FORMATS[fmt]
         # eagerly (this runs outside compiled graphs, after optimizer steps) launch the kernels directly:
-        # wrap_triton's dispatch costs ~1 ms a launch, which made a refresh of 8 Llama-8B layers ~70 ms
+        # wrap_triton's dispatch costs ~1 ms a launch, which made a refresh of 8 Llama-8B layers ~70 ms. Both
+        # layouts come from one pass (the transposed codes are stored from the same registers)
         with set_wrap_triton_enabled(False):
-            q, s = quantize_t_triton(w.T, f.dtype, f.qmax, out=None if out is None else out[:2])
-    else:
-        q, s = quantize_operand(fmt, w, 1)
-        if out is not None:
-            q, s = out[0].copy_(q), out[1].copy_(s)
+            return quantize_t_triton(w.T, f.dtype, f.qmax, out=out, both_layouts=True)
+    q, s = quantize_operand(fmt, w, 1)
+    if out is not None:
+        q, s = out[0].copy_(q), out[1].copy_(s)
     return q, s, (q.T.contiguous() if out is None else out[2].copy_(q.T))
+
 
 __all__ = ["FORMATS", "Format", "get_format", "scaled_matmul", "scaled_matmul_quantized", "quantize_operand",
            "quantize_weight", "quantize_weight_t", "scaled_matmul_input_grad", "quantize_t"]

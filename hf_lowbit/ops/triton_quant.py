@@ -32,10 +32,12 @@ def _rne(y):
 @triton.jit
 def _col_amax_kernel(x_ptr, part_ptr, mul_ptr, M, N, stride_xm, stride_xn, HAS_MUL: tl.constexpr,
                      CHUNK_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The running maximum is kept per element of the tile and reduced across rows once, after the loop: a
+    # reduction along dim 0 per loaded tile (cross-thread shuffles through shared memory, twice with the NaN
+    # flag) made this kernel run at ~1.2 TB/s on the H200, slower than the quantize kernel that also writes.
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    nan = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for m0 in range(pid_m * CHUNK_M, tl.minimum(M, (pid_m + 1) * CHUNK_M), BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -43,16 +45,17 @@ def _col_amax_kernel(x_ptr, part_ptr, mul_ptr, M, N, stride_xm, stride_xn, HAS_M
         x = x.to(tl.float32)
         if HAS_MUL:
             x = x * tl.load(mul_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-        nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=0))
-    amax = tl.where(nan > 0, float("nan"), amax)
+        a = tl.abs(x)
+        acc = tl.where((a > acc) | (a != a), a, acc)  # a NaN, once in, stays (NaN > y is False)
+    nan = tl.max((acc != acc).to(tl.int32), axis=0)
+    amax = tl.where(nan > 0, float("nan"), tl.max(acc, axis=0))
     tl.store(part_ptr + pid_m * N + offs_n, amax, mask=offs_n < N)
 
 
 @triton.jit
-def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, M, N, n_chunks, stride_xm, stride_xn,
-                       QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MUL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qx_ptr, M, N, n_chunks, stride_xm,
+                       stride_xn, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr,
+                       HAS_MUL: tl.constexpr, BOTH_LAYOUTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,6 +91,8 @@ def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, M, 
         q = (_rne(y / step) * step).to(tl.float8e4nv)
     q_ptrs = q_ptr + offs_n[:, None] * M + offs_m[None, :]
     tl.store(q_ptrs, tl.trans(q), mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
+    if BOTH_LAYOUTS:  # the same codes in x's own layout, [M, N] contiguous, from the same registers
+        tl.store(qx_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
 
 
 def _chunk_rows(M: int, N: int, block_n: int) -> int:
@@ -101,17 +106,20 @@ def _chunk_rows(M: int, N: int, block_n: int) -> int:
 
 
 def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m: int | None = None,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      stochastic: bool = False, row_mul: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      out: tuple[torch.Tensor, ...] | None = None, stochastic: bool = False,
+                      row_mul: torch.Tensor | None = None, both_layouts: bool = False) -> tuple[torch.Tensor, ...]:
     """``x`` [M, N] (any strides) -> ``q`` [N, M] contiguous in ``qdtype``, ``scale`` [N] float32.
 
     ``chunk_m``: rows per partial absmax (a multiple of the row tile; default: sized to the shape). ``out``:
-    preallocated ``(q, scale)`` to write into (the weight cache refreshes its buffers in place, so CUDA graphs
-    that read them stay valid). Any ``x.T`` view works too: ``quantize_t_triton(w.T, ...)`` quantizes ``w``
-    per row and writes it ``[rows, cols]`` contiguous. ``stochastic`` (int8): stochastic rounding; its seed is
-    one int64 drawn with ``torch.randint`` on ``x``'s device, so it follows ``torch.manual_seed`` and, under
-    ``torch.compile``, stays a device tensor in the graph (no host sync, CUDA-graph safe). ``row_mul`` [M]
-    (float32): quantize ``x * row_mul[:, None]`` (product in float32) without writing that product anywhere."""
+    preallocated ``(q, scale)`` (``(q, scale, qx)`` with ``both_layouts``) to write into (the weight cache
+    refreshes its buffers in place, so CUDA graphs that read them stay valid). Any ``x.T`` view works too:
+    ``quantize_t_triton(w.T, ...)`` quantizes ``w`` per row and writes it ``[rows, cols]`` contiguous.
+    ``both_layouts``: also return the same codes in ``x``'s own layout, ``qx`` [M, N] contiguous, stored from the
+    same registers (the weight cache's two layouts from one pass, instead of a transposing copy after it).
+    ``stochastic`` (int8): stochastic rounding; its seed is one int64 drawn with ``torch.randint`` on ``x``'s
+    device, so it follows ``torch.manual_seed`` and, under ``torch.compile``, stays a device tensor in the graph
+    (no host sync, CUDA-graph safe). ``row_mul`` [M] (float32): quantize ``x * row_mul[:, None]`` (product in
+    float32) without writing that product anywhere."""
     M, N = x.shape
     small = x.device.type == "cpu"  # the interpreter: small tiles
     # 64x64 tiles, 4 warps: measured on the H200 at 0.13 ms mean per call in the bench; 32x256 with
@@ -124,11 +132,14 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     if out is None:
         q = torch.empty((N, M), dtype=qdtype, device=x.device)
         scale = torch.empty((N,), dtype=torch.float32, device=x.device)
+        qx = torch.empty((M, N), dtype=qdtype, device=x.device) if both_layouts else None
     else:
-        q, scale = out
+        q, scale, qx = (*out, None) if len(out) == 2 else out
         if q.shape != (N, M) or not q.is_contiguous() or q.dtype != qdtype or scale.shape != (N,) \
-                or scale.dtype != torch.float32:
-            raise ValueError(f"quantize_t_triton: out must be ({N}x{M} contiguous {qdtype}, {N} float32)")
+                or scale.dtype != torch.float32 or (qx is None) == both_layouts or (
+                both_layouts and (qx.shape != (M, N) or not qx.is_contiguous() or qx.dtype != qdtype)):
+            raise ValueError(f"quantize_t_triton: out must be ({N}x{M} contiguous {qdtype}, {N} float32"
+                             + (f", {M}x{N} contiguous {qdtype})" if both_layouts else ")"))
     if row_mul is not None and (row_mul.shape != (M,) or row_mul.dtype != torch.float32):
         raise ValueError(f"quantize_t_triton: row_mul must be {M} float32 values, got {tuple(row_mul.shape)} {row_mul.dtype}")
     mul = part if row_mul is None else row_mul  # never read without HAS_MUL
@@ -137,10 +148,12 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
     if stochastic and qdtype != torch.int8:
         raise ValueError(f"quantize_t_triton: stochastic rounding is implemented for int8, not {qdtype}")
-    # the nearest path never reads seed_ptr (STOCHASTIC is a constexpr): any tensor will do there
+    # the nearest path never reads seed_ptr (STOCHASTIC is a constexpr): any tensor will do there; nor qx_ptr
+    # without BOTH_LAYOUTS
     seed = torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device) if stochastic else part
     bm, bn = (16, 16) if small else (128, 64)
     wrap_triton(_quantize_t_kernel)[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x, part, q, scale, seed, mul, M, N, n_chunks, x.stride(0), x.stride(1), QMAX=qmax,
-        IS_INT8=qdtype == torch.int8, STOCHASTIC=stochastic, HAS_MUL=row_mul is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4 if small else 8)
-    return q, scale
+        x, part, q, scale, seed, mul, q if qx is None else qx, M, N, n_chunks, x.stride(0), x.stride(1), QMAX=qmax,
+        IS_INT8=qdtype == torch.int8, STOCHASTIC=stochastic, HAS_MUL=row_mul is not None,
+        BOTH_LAYOUTS=both_layouts, BLOCK_M=bm, BLOCK_N=bn, num_warps=4 if small else 8)
+    return (q, scale, qx) if both_layouts else (q, scale)
