@@ -7,8 +7,9 @@ For the seven linears of a Llama-8B-shaped layer and the three matmuls of each (
 ``dY·W``, wgrad ``dYᵀ·X``), on operands already quantized and laid out as training feeds them (reduction
 dim contiguous), it times: cuBLAS bf16; our Triton INT8 kernel with the scales in its epilogue
 (launched directly, after autotuning, as Inductor's generated code launches it); cuBLAS INT8 (``torch._int_mm``) followed by the scale
-multiply, compiled together; cuBLAS FP8 row-wise (``torch._scaled_mm``). Kernel time only (CUDA events,
-median of 20), one run, so the columns compare.
+multiply, compiled together; cuBLAS FP8 row-wise (``torch._scaled_mm``). GPU time only (10 calls captured in a
+CUDA graph, median of 10 replays: with events around single calls a first run timed the Python launch as much as
+these ~0.1 ms kernels), one run, so the columns compare.
 
 ``--sweep``: also times every tile configuration in ``SWEEP`` (a superset of the kernel's autotune list) on each
 matmul, launched directly without the autotuner, to see which tiles the list lacks. ``--quant``: also times the
@@ -29,7 +30,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import median_ms, write_results  # noqa: E402
+from benchmarks.common import graph_ms, write_results  # noqa: E402
 from hf_lowbit.ops.fp8 import FP8_DTYPE  # noqa: E402
 from hf_lowbit.ops.triton_int8 import _configs, _int8_scaled_mm_kernel, int8_scaled_mm_triton  # noqa: E402
 from hf_lowbit.ops.triton_quant import quantize_t_triton  # noqa: E402
@@ -70,7 +71,7 @@ def _sweep(qa, qb, sa, sb) -> dict:
                                             num_warps=w, num_stages=st)
         key = f"{bm}x{bn}x{bk}/w{w}/s{st}" + ("" if (bm, bn, bk, w, st) in listed else " (new)")
         try:
-            res[key] = median_ms(launch)
+            res[key] = graph_ms(launch)
         except Exception as e:  # noqa: BLE001 - too much shared memory for this tile: record why, go on
             res[key] = None
             print(f"  {key}: {type(e).__name__}", flush=True)
@@ -89,11 +90,11 @@ def _quant_rows(tokens: int) -> list[dict]:
         for what, shape in (("X (wgrad)", (tokens, k_in)), ("dY (wgrad)", (tokens, n_out))):
             x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
             with set_wrap_triton_enabled(False):
-                ms = median_ms(lambda: quantize_t_triton(x, torch.int8, 127.0))
+                ms = graph_ms(lambda: quantize_t_triton(x, torch.int8, 127.0))
             rows.append({"linear": name, "operand": what, "shape": list(shape), "ms": ms,
                          "gb_s": x.numel() * 3 / ms / 1e6})
         w = torch.randn(n_out, k_in, device="cuda", dtype=torch.bfloat16)
-        ms = median_ms(lambda: quantize_weight("int8", w))
+        ms = graph_ms(lambda: quantize_weight("int8", w))
         rows.append({"linear": name, "operand": "W (cache refresh, both layouts)", "shape": [n_out, k_in], "ms": ms,
                      "gb_s": w.numel() * 4 / ms / 1e6})
         print(rows[-3:], flush=True)
@@ -125,12 +126,12 @@ def main():
             qb = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
             sa, sb = torch.rand(m, device=dev) + 0.5, torch.rand(n, device=dev) + 0.5
             fa, fb = x.to(FP8_DTYPE), w.to(FP8_DTYPE)
-            t = {"bf16": median_ms(lambda: x @ w.T),
-                 "triton_int8": median_ms(lambda: _direct(int8_scaled_mm_triton, qa, qb, sa, sb, torch.bfloat16)),
-                 "cublas_int8": median_ms(lambda: int_mm(qa, qb.T, sa, sb)),
-                 "cublas_fp8": median_ms(lambda: torch._scaled_mm(fa, fb.T, scale_a=sa[:, None], scale_b=sb[None, :],
+            t = {"bf16": graph_ms(lambda: x @ w.T),
+                 "triton_int8": graph_ms(lambda: _direct(int8_scaled_mm_triton, qa, qb, sa, sb, torch.bfloat16)),
+                 "cublas_int8": graph_ms(lambda: int_mm(qa, qb.T, sa, sb)),
+                 "cublas_fp8": graph_ms(lambda: torch._scaled_mm(fa, fb.T, scale_a=sa[:, None], scale_b=sb[None, :],
                                                                   out_dtype=torch.bfloat16))}
-            for key in totals:
+            for key in t:
                 totals[key] += t[key]
             rows.append({"linear": name, "matmul": mm, "m": m, "n": n, "k": k, **{f"{k_}_ms": v for k_, v in t.items()},
                          "tops": {k_: 2 * m * n * k / v / 1e9 for k_, v in t.items()}})

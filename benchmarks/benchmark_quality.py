@@ -90,7 +90,8 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
     if not late:
         lr = (getattr(a, "lora_lr", None) or a.lr) if lora else a.lr
     warmup = 1 if late else a.warmup
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0 if lora else 0.1, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0 if lora else 0.1, betas=(0.9, 0.95),
+                            fused=torch.device(a.device).type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / max(steps, 1)))))
     order = torch.Generator().manual_seed(a.seed + (1 if lora or late else 0))  # a new batch order after pre-training
@@ -149,6 +150,15 @@ def _train_in_processes(recipes: list[str]) -> dict[str, dict]:
     return rows
 
 
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="bf16,int8,fp8")
@@ -173,6 +183,10 @@ def main():
     p.add_argument("--parallel", action="store_true",
                    help="train the full fine-tuning recipes at once, each in its own process on the same device "
                         "(a model of this size leaves most of an H200 idle; the losses do not depend on it)")
+    p.add_argument("--corpus_packages", default="",
+                   help="comma-separated installed packages whose docstrings join the corpus (e.g. "
+                        "torch,transformers,sympy,numpy,networkx: ~5M more tokens, for long runs that would "
+                        "otherwise repeat the standard library's ~0.46M)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--plot", default=None, help="PNG of the loss curves (needs matplotlib)")
@@ -181,7 +195,11 @@ def main():
     if unknown:
         raise SystemExit(f"--recipes: unknown {unknown}; choose from {', '.join([*RECIPES, *LORA_RECIPES])}")
 
-    docs = python_docs_corpus()
+    packages = tuple(x for x in a.corpus_packages.split(",") if x)
+    try:
+        docs = python_docs_corpus(packages=packages)
+    except ValueError as e:
+        raise SystemExit(f"--corpus_packages: {e}") from None
     if a.max_docs:
         docs = docs[: a.max_docs]
     train_docs, eval_docs = split_records(docs, 0.1, a.seed)
@@ -227,7 +245,8 @@ def main():
     meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
             "python": platform.python_version(), "command": " ".join(sys.argv),
             "corpus": {"documents": len(docs), "train_tokens": train_blocks.numel(),
-                       "eval_tokens": eval_blocks.numel()},
+                       "eval_tokens": eval_blocks.numel(), "chars": sum(map(len, docs)),
+                       "packages": {n: _version(n) for n in packages}},
             "pretrained_eval_loss": None if pre is None else pre["eval_loss"],
             "lora_task": ({"name": a.lora_task, "train_tokens": task["train"].numel(), "eval_tokens": task["eval"].numel(),
                            "learn_bar": a.learn_bar} if task else None),

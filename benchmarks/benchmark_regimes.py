@@ -41,7 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FULL = "bf16,int8,fp8,torchao_float8"
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
-    "layers_b1": ("layers", 1, 1, "default", FULL, []),
+    # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
+    "layers_b1": ("layers", 1, 1, "default", FULL + ",int8_cache,fp8_cache", []),
     "layers_b1_ro": ("layers", 1, 1, "reduce-overhead", "bf16,int8,fp8", []),
     "layers_b1_quick": ("layers", 1, 1, "default", "bf16,int8,fp8", []),  # layers_b1 without the peer: ~2 min
     "layers_b1_ga8": ("layers", 1, 8, "default", "bf16,int8,fp8", []),
