@@ -219,6 +219,8 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
             raise RuntimeError(f"recipe {recipe!r} is not active: up_proj is {type(mod).__name__} over {type(base).__name__}")
         return
     mod = model.model.layers[0].mlp.up_proj
+    if recipe.endswith("_cache") and not getattr(mod, "weight_cache", False):
+        raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")
     weight = getattr(mod.weight, "_data", mod.weight)
     x = torch.randn(256, mod.in_features, device=device, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -11,13 +11,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_benchmark_train_smoke_on_cpu(tmp_path):
     out = tmp_path / "train.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu", "--no_compile",
-           "--recipes", "bf16,int8,fp8", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv_heads", "2",
-           "--vocab", "96", "--layers", "2", "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "2",
-           "--json", str(out)]
+           "--recipes", "bf16,int8,fp8,int8_cache", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+           "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--batch", "2", "--seq", "32", "--warmup", "1",
+           "--steps", "2", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["recipe"] for r in rows] == ["bf16", "int8", "fp8"]
+    assert [r["recipe"] for r in rows] == ["bf16", "int8", "fp8", "int8_cache"]
+    # the weight cache changes where the codes are computed, not which: the same losses as INT8 without it
+    assert rows[3]["losses"] == rows[1]["losses"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     # same init and data: the low-bit recipes start from bf16's loss
     assert all(abs(r["first_loss"] - rows[0]["first_loss"]) < 0.05 for r in rows)
@@ -76,6 +78,22 @@ def test_python_docs_corpus_is_real_prose():
     docs = python_docs_corpus()
     assert len(docs) > 1000 and sum(map(len, docs)) > 1_000_000
     assert any("division" in d.lower() for d in docs) and all(len(d) >= 200 for d in docs[100:])
+
+
+def test_python_docs_corpus_packages(tmp_path):
+    """``packages`` adds an installed package's docstrings, each once; a package that is not installed is refused
+    (a long run must not silently train on less text than it asked for)."""
+    import pytest
+
+    from benchmarks.corpus import python_docs_corpus
+
+    base = python_docs_corpus()
+    more = python_docs_corpus(packages=("peft",))
+    assert more[:len(base)] == base and len(more) > len(base) + 100
+    added = more[len(base):]
+    assert len(set(added)) == len(added) and any("adapter" in d.lower() for d in added)
+    with pytest.raises(ValueError, match="'no_such_package_hf_lowbit' is not installed"):
+        python_docs_corpus(packages=("no_such_package_hf_lowbit",))
 
 
 def test_benchmark_refuses_a_recipe_that_is_not_active():
