@@ -14,7 +14,7 @@ these ~0.1 ms kernels), one run, so the columns compare.
 ``--sweep``: also times every tile configuration in ``SWEEP`` (a superset of the kernel's autotune list) on each
 matmul, launched directly without the autotuner, to see which tiles the list lacks. ``--quant``: also times the
 quantization kernels on the shapes training feeds them (``quantize_t`` on each weight-gradient operand, the
-weight cache's one-pass refresh on each weight), as the bandwidth of the bytes they must move (read once, write
+weight cache's refresh of both layouts on each weight), as the bandwidth of the bytes they must move (read once, write
 once).
 """
 
@@ -79,7 +79,7 @@ def _sweep(qa, qb, sa, sb) -> dict:
 
 
 def _quant_rows(tokens: int) -> list[dict]:
-    """quantize_t on each weight-gradient operand and the one-pass weight refresh on each weight: ms and the
+    """quantize_t on each weight-gradient operand and the weight refresh (both layouts) on each weight: ms and the
     bandwidth of the minimal traffic (bf16 read once, codes written once per layout)."""
     from torch._library.triton import set_wrap_triton_enabled
 

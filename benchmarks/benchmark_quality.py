@@ -54,7 +54,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from hf_lowbit import LowBitTrainingArguments, prepare_model  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
-from benchmarks.corpus import build_bpe_tokenizer, python_docs_corpus  # noqa: E402
+from benchmarks.corpus import build_bpe_tokenizer, package_sources, python_docs_corpus  # noqa: E402
 from hf_lowbit.data import arithmetic_records, pack, split_records  # noqa: E402
 
 RECIPES = {"bf16": {}, "int8": {"int8_mixed_precision": True}, "fp8": {"fp8_mixed_precision": True},
@@ -134,9 +134,9 @@ def arithmetic_task(tok, a, n_eval: int = 500) -> dict:
     return {"train": pack(text(train), tok, a.seq).blocks, "eval": pack(text(held_out), tok, a.seq).blocks}
 
 
-def _train_in_processes(recipes: list[str]) -> dict[str, dict]:
-    """Run this script once per recipe, all at once, and return each one's row (``--parallel``)."""
-    import json
+def _start_processes(recipes: list[str]):
+    """Start this script once per recipe, all at once (``--parallel``); :func:`_collect` waits for them. Started
+    before the parent builds its corpus, so that work runs beside the children's instead of before them."""
     import subprocess
 
     argv = [x for x in sys.argv[1:] if x != "--parallel"]
@@ -144,15 +144,23 @@ def _train_in_processes(recipes: list[str]) -> dict[str, dict]:
         while flag in argv:
             i = argv.index(flag)
             del argv[i:i + 2]
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = {r: subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--recipes", r,
-                                      "--json", os.path.join(tmp, f"{r}.json")]) for r in recipes}
+    tmp = tempfile.TemporaryDirectory()
+    procs = {r: subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--recipes", r,
+                                  "--json", os.path.join(tmp.name, f"{r}.json")]) for r in recipes}
+    return procs, tmp
+
+
+def _collect(procs: dict, tmp) -> dict[str, dict]:
+    """Each started recipe's row (see :func:`_start_processes`)."""
+    import json
+
+    with tmp:
         failed = [r for r, proc in procs.items() if proc.wait() != 0]
         if failed:
             raise SystemExit(f"--parallel: the process of recipe(s) {failed} failed (its output is above)")
         rows = {}
-        for r in recipes:
-            with open(os.path.join(tmp, f"{r}.json")) as f:
+        for r in procs:
+            with open(os.path.join(tmp.name, f"{r}.json")) as f:
                 rows[r] = json.load(f)["rows"][0]
     return rows
 
@@ -202,11 +210,16 @@ def main():
     if unknown:
         raise SystemExit(f"--recipes: unknown {unknown}; choose from {', '.join([*RECIPES, *LORA_RECIPES])}")
 
+    recipes = a.recipes.split(",")
     packages = tuple(x for x in a.corpus_packages.split(",") if x)
     try:
-        docs = python_docs_corpus(packages=packages)
+        package_sources(packages)
     except ValueError as e:
         raise SystemExit(f"--corpus_packages: {e}") from None
+    started = None
+    if a.parallel and sum(r in RECIPES for r in recipes) > 1:
+        started = _start_processes([r for r in recipes if r in RECIPES])
+    docs = python_docs_corpus(packages=packages)
     if a.max_docs:
         docs = docs[: a.max_docs]
     train_docs, eval_docs = split_records(docs, 0.1, a.seed)
@@ -214,7 +227,6 @@ def main():
     train_blocks = pack(train_docs, tok, a.seq).blocks
     eval_blocks = pack(eval_docs, tok, a.seq).blocks
     pretrained = None
-    recipes = a.recipes.split(",")
     task = {}
     pre = None
     if any(r in LORA_RECIPES for r in recipes) or a.late_lr:
@@ -227,9 +239,7 @@ def main():
             task = arithmetic_task(tok, a)
         recipes = [r for r in recipes if r not in LORA_RECIPES] + ["lora_untrained"] + [r for r in recipes if r in LORA_RECIPES]
     rows = []
-    parallel = {}
-    if a.parallel and sum(r in RECIPES for r in recipes) > 1:
-        parallel = _train_in_processes([r for r in recipes if r in RECIPES])
+    parallel = _collect(*started) if started else {}
     for r in recipes:
         if r in parallel:
             rows.append(parallel[r])

@@ -9,7 +9,8 @@ every ratio is to the bf16 record of the same micro-batch, accumulation, path an
 same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
 
 * ``layers_b1``, ``layers_b1_ga8``, ``layers_b8``: the hand loop, each decoder layer compiled with
-  torch.compile's default mode; ``*_ro``: the same with ``mode="reduce-overhead"`` (CUDA graphs) for
+  torch.compile's default mode (``layers_b1`` also runs ``int8_cache`` / ``fp8_cache``: the weight cache on
+  without accumulation, which ``LowBitTrainer`` does not do); ``*_ro``: the same with ``mode="reduce-overhead"`` (CUDA graphs) for
   every recipe alike;
 * ``trainer_b1_ga8``, ``trainer_b8``: stock ``Trainer`` (bf16, torchao float8) vs ``LowBitTrainer``
   (int8, fp8), the same ``TrainingArguments`` (``torch_compile=True, bf16=True``, fused AdamW);
@@ -44,7 +45,8 @@ BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
     "layers_b1": ("layers", 1, 1, "default", FULL + ",int8_cache,fp8_cache", []),
     "layers_b1_ro": ("layers", 1, 1, "reduce-overhead", "bf16,int8,fp8", []),
-    "layers_b1_quick": ("layers", 1, 1, "default", "bf16,int8,fp8", []),  # layers_b1 without the peer: ~2 min
+    "layers_b1_quick": ("layers", 1, 1, "default", "bf16,int8,fp8", []),  # layers_b1 without the peer and the
+    # *_cache recipes: ~2 min
     "layers_b1_ga8": ("layers", 1, 8, "default", "bf16,int8,fp8", []),
     "layers_b1_ga8_ro": ("layers", 1, 8, "reduce-overhead", "bf16,int8,fp8", []),
     "layers_b8": ("layers", 8, 1, "default", FULL, []),

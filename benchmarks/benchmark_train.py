@@ -48,11 +48,10 @@ INT8_VARIANTS = {
     "int8_fwd_gi": dict(lowbit_grad_weight=False),
     "int8_fwd_gi_sr": dict(lowbit_grad_weight=False, lowbit_stochastic_rounding=True),
     "int8_sr": dict(lowbit_stochastic_rounding=True),
-    # the weight cache on whatever the accumulation (LowBitTrainer turns it on only with accumulation)
-    "int8_cache": dict(lowbit_weight_cache=True),
 }
-FP8_VARIANTS = {"fp8_cache": dict(lowbit_weight_cache=True)}
-FULL_RECIPES = RECIPES + tuple(INT8_VARIANTS) + tuple(FP8_VARIANTS)  # full fine-tunes: compared with bf16
+# INT8 / FP8 with the weight cache on whatever the accumulation (LowBitTrainer turns it on only with accumulation)
+CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
+FULL_RECIPES = RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS)  # full fine-tunes: compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
 # INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
@@ -126,11 +125,11 @@ def _bnb_nf4_lora(model, r: int):
 
 def mixed_precision_args(recipe: str) -> dict:
     """The ``LowBitTrainingArguments`` fields of our INT8/FP8 recipe ``recipe`` (``int8``, ``fp8``, INT8_VARIANTS,
-    FP8_VARIANTS)."""
+    CACHE_VARIANTS)."""
     if recipe in INT8_VARIANTS:
         return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
-    if recipe in FP8_VARIANTS:
-        return {"fp8_mixed_precision": True, **FP8_VARIANTS[recipe]}
+    if recipe in CACHE_VARIANTS:
+        return {f"{CACHE_VARIANTS[recipe]}_mixed_precision": True, "lowbit_weight_cache": True}
     return {f"{recipe}_mixed_precision": True}
 
 
@@ -160,7 +159,7 @@ def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = Fal
 
     if recipe == "bf16":
         return
-    if recipe in ("int8", "fp8", *INT8_VARIANTS, *FP8_VARIANTS):
+    if recipe in ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS):
         from hf_lowbit import LowBitTrainingArguments, prepare_model
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -240,7 +239,7 @@ def build_model(a, device: str, weight_cache: bool = False):
                          use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", "int8", "fp8", *INT8_VARIANTS, *FP8_VARIANTS,
+    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", "int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS,
                                                               *_LORA_ARGS):
         return model  # the Trainer path: LowBitTrainer swaps and wraps (stock Trainer for bf16)
     if a.recipe in LORA_RECIPES:
@@ -305,7 +304,7 @@ def trainer_worker(a) -> dict:
                     if key in logs and state.global_step > a.warmup:
                         values.append(logs[key])
 
-    ours = a.recipe in ("int8", "fp8", *INT8_VARIANTS, *FP8_VARIANTS, *_LORA_ARGS)
+    ours = a.recipe in ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, *_LORA_ARGS)
     common = dict(output_dir=tempfile.mkdtemp(), report_to="none", per_device_train_batch_size=a.batch,
                   gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=getattr(a, "lr", 1e-5),
                   optim="adamw_torch_fused", bf16=True, torch_compile=not a.no_compile, logging_steps=1,

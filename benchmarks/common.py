@@ -54,7 +54,11 @@ def graph_ms(fn: Callable[[], object], reps: int = 10, inner: int = 10) -> float
     """Median milliseconds of one ``fn()`` on the GPU alone: ``inner`` calls captured in one CUDA graph (after a
     warm-up call, which autotunes), replayed ``reps`` times. Kernels of ~0.1 ms are shorter than a Python launch,
     so timing calls with events around them (:func:`median_ms`) measured the host as much as the kernel."""
-    fn()
+    side = torch.cuda.Stream()  # warm up (autotune, compile) on a side stream, as CUDA-graph capture recommends
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 
 def _docstrings(root, min_chars: int, skip: set[str]) -> list[str]:
-    """Module, class and function docstrings of the ``*.py`` files under ``root`` (parsed, never imported)."""
+    """Module, class and function docstrings of the ``*.py`` files under ``root`` (a directory, or one file;
+    parsed, never imported)."""
     import ast
 
     docs = []
-    for path in sorted(root.rglob("*.py")):
-        if skip & set(path.relative_to(root).parts):
+    for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
+        if root.is_dir() and skip & set(path.relative_to(root).parts):
             continue
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -27,6 +28,26 @@ def _docstrings(root, min_chars: int, skip: set[str]) -> list[str]:
     return docs
 
 
+def package_sources(packages: tuple[str, ...]) -> list[tuple[str, list]]:
+    """``(name, [paths])`` of each installed package's sources: its directories (namespace packages may have
+    several), or the one file of a single-module package. ``ValueError`` naming the first that is not installed."""
+    import importlib.util
+    from pathlib import Path
+
+    out = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            raise ValueError(f"package {name!r} is not installed")
+        if spec.submodule_search_locations:
+            out.append((name, [Path(p) for p in spec.submodule_search_locations]))
+        elif spec.origin and spec.origin.endswith(".py"):
+            out.append((name, [Path(spec.origin)]))
+        else:
+            raise ValueError(f"package {name!r} has no Python sources to read (origin {spec.origin!r})")
+    return out
+
+
 def python_docs_corpus(min_chars: int = 200, packages: tuple[str, ...] = ()) -> list[str]:
     """English prose every CPython installation ships: the ``pydoc`` topic pages plus the module,
     class and function docstrings of the standard library (read with ``ast``; nothing is imported
@@ -37,7 +58,6 @@ def python_docs_corpus(min_chars: int = 200, packages: tuple[str, ...] = ()) -> 
     once (libraries repeat argument docs verbatim); deterministic for given package versions. A package that
     is not installed is an error: a run must not silently train on less text than asked.
     """
-    import importlib.util
     import sysconfig
     from pathlib import Path
 
@@ -46,11 +66,9 @@ def python_docs_corpus(min_chars: int = 200, packages: tuple[str, ...] = ()) -> 
     docs = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
     skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "ensurepip"}
     docs += _docstrings(Path(sysconfig.get_paths()["stdlib"]), min_chars, skip)
-    for name in packages:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            raise ValueError(f"python_docs_corpus: package {name!r} is not installed")
-        docs += list(dict.fromkeys(_docstrings(Path(spec.origin).parent, min_chars, {"test", "tests", "testing"})))
+    for _, paths in package_sources(packages):
+        found = [d for p in paths for d in _docstrings(p, min_chars, {"test", "tests", "testing"})]
+        docs += list(dict.fromkeys(found))
     return docs
 
 

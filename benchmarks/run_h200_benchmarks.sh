@@ -4,7 +4,8 @@
 #   BLOCKS=... bash benchmarks/run_h200_benchmarks.sh regimes OUTDIR  # 1x2048 / 8x2048, grad accumulation, layers and
 #                                                            # Trainer paths, QLoRA vs bitsandbytes (docs/benchmarks.md "Regimes")
 #   bash benchmarks/run_h200_benchmarks.sh train   OUTDIR   # 8-layer bench, 7 recipes + profile (~50-70 s each, ~6 min)
-#   bash benchmarks/run_h200_benchmarks.sh kernels OUTDIR   # linear + per-layout matmuls (~4 min)
+#   bash benchmarks/run_h200_benchmarks.sh kernels OUTDIR   # linear + per-layout matmuls (~4 min) + mm_backends with
+#                                                            # --sweep --quant (~1 min on the H200)
 #   bash benchmarks/run_h200_benchmarks.sh quality OUTDIR   # 300-step loss curves bf16/INT8/FP8 (> 170 s: give it ~5 min)
 #   bash benchmarks/run_h200_benchmarks.sh quality_parity OUTDIR  # issue 14's loss parity: 143M Llama, 1,500 steps,
 #                                                            # bf16/INT8/FP8 at once on one GPU; INT8/FP8 did not finish
@@ -29,7 +30,7 @@
 # Export HF_LOWBIT_COMMIT (the commit you measure) in the device command: the copied tree's git metadata there
 # is the session's starting commit. On the lent H200, carry torchao's wheel (.whl/) and set PYTHONPATH to where it was installed.
 set -euo pipefail
-stage=${1:?stage: cuda_tests, regimes, train, kernels, quality, quality_parity, seed_table, sr_quality, qat, fsdp2 or qlora_*}
+stage=${1:?stage: cuda_tests, regimes, train, kernels, quality, quality_parity, seed_table, sr_quality, qat, fsdp2, fsdp2_regimes or qlora_*}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -107,5 +108,5 @@ case "$stage" in
         --batch "${BATCH:?BATCH}" --grad_accum "${GA:?GA}" --recipes "${RECIPES:?RECIPES}" --warmup 3 --steps 5 \
         --json "$out/fsdp2_regimes_h200x2.json" --markdown "$out/fsdp2_regimes_h200x2.md" \
         --plot "$out/fsdp2_regimes_h200x2.png" ;;
-  *) echo "unknown stage $stage (cuda_tests, train, kernels, quality, quality_parity, seed_table, sr_quality, fsdp2, fsdp2_regimes, qlora_train, qlora_train_noautocast, qat, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (cuda_tests, regimes, train, kernels, quality, quality_parity, seed_table, sr_quality, fsdp2, fsdp2_regimes, qlora_train, qlora_train_noautocast, qat, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
 esac

@@ -127,6 +127,12 @@ def check_quantize_t(device: str) -> int:
                     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)), "both_layouts changed q"
                     assert torch.equal(qx.view(torch.uint8), q.T.view(torch.uint8)), "qx is not q transposed"
                     torch.testing.assert_close(s2, s, rtol=0, atol=0, equal_nan=True)
+                    # in place into preallocated buffers (every weight-cache refresh after the first)
+                    bufs = (torch.empty_like(q2), torch.empty_like(s2), torch.empty_like(qx))
+                    got = quantize_t_triton(xd, qdtype, qmax, chunk_m=chunk, out=bufs, both_layouts=True)
+                    assert all(g is b for g, b in zip(got, bufs))
+                    assert torch.equal(bufs[0].view(torch.uint8), q.view(torch.uint8))
+                    assert torch.equal(bufs[2].view(torch.uint8), qx.view(torch.uint8))
                     n += 1
                 # row_mul: x * mul[:, None] quantized without materializing it (the input gradient's dY·diag(s))
                 mul = torch.logspace(-3, 2, M, device=device)
@@ -135,6 +141,18 @@ def check_quantize_t(device: str) -> int:
                 torch.testing.assert_close(s[ok].cpu(), rs[ok], rtol=0, atol=0)
                 assert torch.equal(q[ok].cpu(), rq[ok]), f"row_mul {(M, N)} t={transposed} {dtype}"
                 n += 1
+    # preallocated buffers must match what is asked: both layouts need three, one layout two, right shapes
+    x = torch.randn(8, 6, device=device)
+    q, s, qx = (torch.empty(6, 8, dtype=torch.int8, device=device), torch.empty(6, device=device),
+                torch.empty(8, 6, dtype=torch.int8, device=device))
+    for out, both in (((q, s), True), ((q, s, qx), False), ((q, s, qx.T.contiguous()), True),
+                      ((q, s, qx.float()), True)):
+        try:
+            quantize_t_triton(x, torch.int8, INT8_MAX, out=out, both_layouts=both)
+        except ValueError as e:
+            assert "out must be" in str(e)
+        else:
+            raise AssertionError(f"out of {len(out)} tensors with both_layouts={both} was accepted")
     return n
 
 
@@ -215,8 +233,9 @@ def check_quantize_t_stochastic_saturates(device: str) -> int:
         torch.manual_seed(i)
         seeds.append(torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64, device=device))
     u = torch.empty(S, M * N, device=device)
-    # 16 seeds a program on the GPU: a 1024 x 256 tile of Philox draws kept the CUDA compile busy past the H200
-    # call's limit; the interpreter runs programs one after another, so there few large ones are faster
+    # 16 seeds a program on the GPU: with a 1024 x 256 tile of Philox draws this test did not finish within two
+    # H200 slots (most likely its CUDA compile); the interpreter runs programs one after another, so there few
+    # large ones are faster
     tile = 1024 if device == "cpu" else 16
     _rand[(S // tile,)](torch.cat(seeds), u, S=tile, O=M * N)
     hits = ((127.0 + u) == 128.0).any(1).nonzero().flatten().tolist()

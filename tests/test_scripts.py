@@ -72,6 +72,26 @@ def test_benchmark_quality_smoke_on_cpu(tmp_path):
     assert data["meta"]["corpus"]["train_tokens"] > 0 and data["meta"]["corpus"]["eval_tokens"] > 0
 
 
+def test_benchmark_quality_parallel_with_packages_on_cpu(tmp_path):
+    """``--parallel`` (one process per recipe, as the H200 parity stage runs it) with ``--corpus_packages``: the
+    children train (their progress lines show) and their rows come back in order; a package that is not
+    installed stops the run before any child starts."""
+    out = tmp_path / "quality.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_quality.py"), "--device", "cpu", "--parallel",
+           "--recipes", "bf16,int8", "--corpus_packages", "typing_extensions", "--layers", "1", "--hidden", "64",
+           "--intermediate", "128", "--heads", "4", "--kv_heads", "2", "--seq", "64", "--batch", "4", "--steps", "3",
+           "--warmup", "1", "--vocab", "400", "--min_features", "16", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["recipe"] for r in data["rows"]] == ["bf16", "int8"]
+    assert list(data["meta"]["corpus"]["packages"]) == ["typing_extensions"]
+    assert all(len(r["losses"]) == 3 for r in data["rows"]) and "[int8] step 3/3" in proc.stdout
+    bad = subprocess.run(cmd[:-2] + ["--corpus_packages", "no_such_package_hf_lowbit"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert bad.returncode != 0 and "--corpus_packages: package 'no_such_package_hf_lowbit' is not installed" in bad.stderr
+
+
 def test_python_docs_corpus_is_real_prose():
     from benchmarks.corpus import python_docs_corpus
 
@@ -94,6 +114,9 @@ def test_python_docs_corpus_packages(tmp_path):
     assert len(set(added)) == len(added) and any("adapter" in d.lower() for d in added)
     with pytest.raises(ValueError, match="'no_such_package_hf_lowbit' is not installed"):
         python_docs_corpus(packages=("no_such_package_hf_lowbit",))
+    # a single-module package is read alone, not the directory it sits in (site-packages)
+    single = python_docs_corpus(packages=("typing_extensions",))[len(base):]
+    assert 0 < len(single) < 400
 
 
 def test_benchmark_refuses_a_recipe_that_is_not_active():
