@@ -88,7 +88,13 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
 
             peft_config = LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear")
         model = prepare_model(model, args, peft_config)
-    fwd = torch.compile(model) if a.compile else model
+    fwd = model
+    if a.compile_layers:  # one compiled graph per decoder layer, compiled once and reused (Inductor's cache)
+        from benchmarks.benchmark_train import compile_layers
+
+        compile_layers(model, a.layers)
+    elif a.compile:
+        fwd = torch.compile(model)
     params = [p for p in model.parameters() if p.requires_grad]
     if not late:
         lr = (getattr(a, "lora_lr", None) or a.lr) if lora else a.lr
@@ -195,6 +201,10 @@ def main():
                    help="a LoRA recipe learns when its held-out loss is this fraction below the untrained adapter's")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (as in real training)")
+    p.add_argument("--compile_layers", action="store_true",
+                   help="torch.compile each decoder layer instead of the whole model: one layer's compile, reused "
+                        "(compiled whole, a 12-layer model's INT8 run of 1,500 steps did not finish in 330 s on "
+                        "the H200; why was not measured)")
     p.add_argument("--parallel", action="store_true",
                    help="train the full fine-tuning recipes at once, each in its own process on the same device "
                         "(a model of this size leaves most of an H200 idle; the losses do not depend on it)")

@@ -8,8 +8,9 @@
 #                                                            # --sweep --quant (~1 min on the H200)
 #   bash benchmarks/run_h200_benchmarks.sh quality OUTDIR   # 300-step loss curves bf16/INT8/FP8 (> 170 s: give it ~5 min)
 #   bash benchmarks/run_h200_benchmarks.sh quality_parity OUTDIR  # issue 14's loss parity: 143M Llama, 1,500 steps,
-#                                                            # bf16/INT8/FP8 at once on one GPU; INT8/FP8 did not finish
-#                                                            # in 330 s beside the CUDA tests: run it alone in a call
+#                                                            # bf16/INT8/FP8 at once on one GPU, each layer compiled; compiled
+#                                                            # whole, INT8 did not finish in 330 s beside the CUDA tests:
+#                                                            # run it alone in a call
 #   BATCH=16 bash benchmarks/run_h200_benchmarks.sh seed_table OUTDIR  # issue 18's seed table: TinyLlama-1.1B shape,
 #                                                            # 16x2048 real-text tokens, bf16 + 5 INT8 rows (~7-8 min)
 #   bash benchmarks/run_h200_benchmarks.sh sr_quality OUTDIR   # bf16 / INT8 / INT8+SR late in training: 300 bf16 steps,
@@ -58,7 +59,7 @@ case "$stage" in
     python3 benchmarks/benchmark_quality.py --compile --json "$out/quality_h200.json" \
         --markdown "$out/quality_h200.md" --plot "$out/quality_h200.png" ;;
   quality_parity)  # the corpus adds installed packages' docstrings (~5.6M tokens) so 1,500 steps do not repeat it
-    timeout 570 python3 benchmarks/benchmark_quality.py --compile --parallel --corpus_packages torch,transformers,sympy,networkx,numpy \
+    timeout 570 python3 benchmarks/benchmark_quality.py --compile_layers --parallel --corpus_packages torch,transformers,sympy,networkx,numpy \
         --layers 12 --hidden 1024 --intermediate 2816 --heads 16 --kv_heads 4 --seq 256 --batch 8 --steps 1500 \
         --warmup 100 --lr 3e-4 --json "$out/quality_parity_h200.json" --markdown "$out/quality_parity_h200.md" \
         --plot "$out/quality_parity_h200.png" ;;
