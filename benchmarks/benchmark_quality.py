@@ -89,7 +89,7 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
             peft_config = LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear")
         model = prepare_model(model, args, peft_config)
     fwd = model
-    if a.compile_layers:  # one compiled graph per decoder layer, compiled once and reused (Inductor's cache)
+    if getattr(a, "compile_layers", False):  # one compiled graph per decoder layer, compiled once and reused (Inductor's cache)
         from benchmarks.benchmark_train import compile_layers
 
         compile_layers(model, a.layers)
