@@ -51,6 +51,7 @@ INT8_VARIANTS = {
 }
 # INT8 / FP8 with the weight cache on whatever the accumulation (LowBitTrainer turns it on only with accumulation)
 CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
+OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS)  # full fine-tunes through hf_lowbit's recipes
 FULL_RECIPES = RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS)  # full fine-tunes: compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
@@ -159,7 +160,7 @@ def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = Fal
 
     if recipe == "bf16":
         return
-    if recipe in ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS):
+    if recipe in OURS:
         from hf_lowbit import LowBitTrainingArguments, prepare_model
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -239,8 +240,7 @@ def build_model(a, device: str, weight_cache: bool = False):
                          use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", "int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS,
-                                                              *_LORA_ARGS):
+    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", *OURS, *_LORA_ARGS):
         return model  # the Trainer path: LowBitTrainer swaps and wraps (stock Trainer for bf16)
     if a.recipe in LORA_RECIPES:
         model = apply_lora_recipe(model, a.recipe, a.min_features, a.lora_r)
@@ -270,6 +270,10 @@ def compile_layers(model, n_layers: int, forward_only: bool = False, mode: str |
             layer.compile(mode=mode)
 
 
+# the flags trainer_worker reads beyond the model's, with main()'s defaults
+TRAINER_DEFAULTS = dict(lr=1e-5, liger="off", data=None, compile_mode="default", no_cuda_graphs=False)
+
+
 def trainer_worker(a) -> dict:
     """The user's path: stock ``Trainer`` (bf16, peers) or ``LowBitTrainer`` (ours) with the same
     ``TrainingArguments`` (torch_compile, bf16, fused AdamW, gradient accumulation); whatever compile
@@ -281,13 +285,16 @@ def trainer_worker(a) -> dict:
     from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
     from hf_lowbit.throughput import model_flops, peak_tflops
 
+    for name, default in TRAINER_DEFAULTS.items():  # callers other than main() (benchmark_fsdp2) set fewer flags
+        if not hasattr(a, name):
+            setattr(a, name, default)
     model = build_model(a, a.device)
     cuda = a.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch._dynamo.config.cache_size_limit = max(64, 2 * a.layers)
     gen = torch.Generator().manual_seed(0)
     total = a.warmup + a.steps
-    ids = load_blocks(a) if getattr(a, "data", None) else torch.randint(0, a.vocab, (4 * a.batch, a.seq), generator=gen)
+    ids = load_blocks(a) if a.data else torch.randint(0, a.vocab, (4 * a.batch, a.seq), generator=gen)
     data = [{"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]} for i in range(total * a.batch * a.grad_accum)]
     times, losses, logged = {}, [], {"train_mfu": [], "train_tokens_per_second": []}
 
@@ -304,19 +311,19 @@ def trainer_worker(a) -> dict:
                     if key in logs and state.global_step > a.warmup:
                         values.append(logs[key])
 
-    ours = a.recipe in ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, *_LORA_ARGS)
+    ours = a.recipe in (*OURS, *_LORA_ARGS)
     common = dict(output_dir=tempfile.mkdtemp(), report_to="none", per_device_train_batch_size=a.batch,
-                  gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=getattr(a, "lr", 1e-5),
+                  gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=a.lr,
                   optim="adamw_torch_fused", bf16=True, torch_compile=not a.no_compile, logging_steps=1,
                   save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True, seed=0,
-                  lr_scheduler_type="constant", use_cpu=not cuda, use_liger_kernel=getattr(a, "liger", "off") == "on")
-    if getattr(a, "compile_mode", "default") != "default":
+                  lr_scheduler_type="constant", use_cpu=not cuda, use_liger_kernel=a.liger == "on")
+    if a.compile_mode != "default":
         common["torch_compile_mode"] = a.compile_mode
     if ours:
         lora = a.recipe in _LORA_ARGS  # LoRA r on every decoder linear, through LowBitTrainer's peft_config
         recipe_args = _LORA_ARGS[a.recipe] if lora else mixed_precision_args(a.recipe)
         args = LowBitTrainingArguments(**common, lowbit_min_features=a.min_features,
-                                       lowbit_cuda_graphs=False if getattr(a, "no_cuda_graphs", False) else None,
+                                       lowbit_cuda_graphs=False if a.no_cuda_graphs else None,
                                        **recipe_args)
         peft_config = None
         if lora:

@@ -277,6 +277,22 @@ def test_benchmark_fsdp2_smoke_on_cpu(tmp_path):
     assert "| int8 | 2 |" in proc.stdout
 
 
+def test_benchmark_fsdp2_trainer_path_smoke_on_cpu(tmp_path):
+    """benchmarks/benchmark_fsdp2.py --path trainer (the fsdp2_regimes stage): LowBitTrainer under FSDP2 in 2 gloo
+    processes, with gradient accumulation; the sharded run keeps the weight cache off."""
+    out = tmp_path / "fsdp2_trainer.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_fsdp2.py"), "--path", "trainer", "--device", "cpu",
+           "--no_compile", "--gpus", "2", "--recipes", "int8", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+           "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--batch", "1", "--grad_accum", "2", "--seq", "32",
+           "--warmup", "1", "--steps", "2", "--min_features", "16", "--timeout", "300", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=700, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert all("error" not in r for r in rows), rows
+    assert [(r["recipe"], r["gpus"], r["path"], r["grad_accum"]) for r in rows] == [("int8", 2, "trainer", 2)]
+    assert rows[0]["tok_s"] > 0 and rows[0]["chosen"]["weight_cache"] is False
+
+
 def test_results_name_the_commit_measured(tmp_path, monkeypatch):
     """Every benchmark JSON (bench.write_results) and its markdown header record the commit of the code measured."""
     from benchmarks.common import git_commit, write_results
