@@ -89,7 +89,7 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
             peft_config = LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear")
         model = prepare_model(model, args, peft_config)
     fwd = model
-    if getattr(a, "compile_layers", False):  # one compiled graph per decoder layer, compiled once and reused (Inductor's cache)
+    if a.compile_layers:  # one compiled graph per decoder layer, compiled once and reused (Inductor's cache)
         from benchmarks.benchmark_train import compile_layers
 
         compile_layers(model, a.layers)
@@ -97,7 +97,7 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
         fwd = torch.compile(model)
     params = [p for p in model.parameters() if p.requires_grad]
     if not late:
-        lr = (getattr(a, "lora_lr", None) or a.lr) if lora else a.lr
+        lr = (a.lora_lr or a.lr) if lora else a.lr
     warmup = 1 if late else a.warmup
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0 if lora else 0.1, betas=(0.9, 0.95),
                             fused=torch.device(a.device).type == "cuda")
@@ -147,6 +147,7 @@ def _start_processes(recipes: list[str]):
 
     argv = [x for x in sys.argv[1:] if x != "--parallel"]
     for flag in ("--recipes", "--json", "--markdown", "--plot"):  # drop these and their values
+        argv = [x for x in argv if not x.startswith(flag + "=")]
         while flag in argv:
             i = argv.index(flag)
             del argv[i:i + 2]
@@ -156,19 +157,34 @@ def _start_processes(recipes: list[str]):
     return procs, tmp
 
 
-def _collect(procs: dict, tmp) -> dict[str, dict]:
-    """Each started recipe's row (see :func:`_start_processes`)."""
+def _collect(procs: dict, tmp) -> tuple[dict[str, dict], dict]:
+    """Each started recipe's row (see :func:`_start_processes`), and the first one's ``meta``."""
     import json
 
     with tmp:
         failed = [r for r, proc in procs.items() if proc.wait() != 0]
         if failed:
             raise SystemExit(f"--parallel: the process of recipe(s) {failed} failed (its output is above)")
-        rows = {}
+        rows, meta = {}, None
         for r in procs:
             with open(os.path.join(tmp.name, f"{r}.json")) as f:
-                rows[r] = json.load(f)["rows"][0]
-    return rows
+                data = json.load(f)
+            rows[r], meta = data["rows"][0], meta or data["meta"]
+    return rows, meta
+
+
+def _corpus(a, packages: tuple[str, ...]):
+    """The tokenizer, the train and held-out blocks, and their ``meta["corpus"]`` record."""
+    docs = python_docs_corpus(packages=packages)
+    if a.max_docs:
+        docs = docs[: a.max_docs]
+    train_docs, eval_docs = split_records(docs, 0.1, a.seed)
+    tok = build_bpe_tokenizer(train_docs, a.vocab)
+    train_blocks = pack(train_docs, tok, a.seq).blocks
+    eval_blocks = pack(eval_docs, tok, a.seq).blocks
+    meta = {"documents": len(docs), "train_tokens": train_blocks.numel(), "eval_tokens": eval_blocks.numel(),
+            "chars": sum(map(len, docs)), "packages": {n: _version(n) for n in packages}}
+    return tok, train_blocks, eval_blocks, meta
 
 
 def _version(package: str) -> str:
@@ -229,37 +245,37 @@ def main():
     started = None
     if a.parallel and sum(r in RECIPES for r in recipes) > 1:
         started = _start_processes([r for r in recipes if r in RECIPES])
-    docs = python_docs_corpus(packages=packages)
-    if a.max_docs:
-        docs = docs[: a.max_docs]
-    train_docs, eval_docs = split_records(docs, 0.1, a.seed)
-    tok = build_bpe_tokenizer(train_docs, a.vocab)
-    train_blocks = pack(train_docs, tok, a.seq).blocks
-    eval_blocks = pack(eval_docs, tok, a.seq).blocks
-    pretrained = None
-    task = {}
-    pre = None
-    if any(r in LORA_RECIPES for r in recipes) or a.late_lr:
-        pre = train_one("bf16", a, train_blocks, eval_blocks, len(tok), steps=a.pretrain_steps, keep_state=True)
-        pretrained = pre.pop("state")
-        print(f"pre-trained base: {a.pretrain_steps} steps, held-out loss {pre['eval_loss']:.4f}", flush=True)
-    if any(r in LORA_RECIPES for r in recipes):
-        task = {"train": train_blocks, "eval": eval_blocks}
-        if a.lora_task == "arithmetic":
-            task = arithmetic_task(tok, a)
-        recipes = [r for r in recipes if r not in LORA_RECIPES] + ["lora_untrained"] + [r for r in recipes if r in LORA_RECIPES]
-    rows = []
-    parallel = _collect(*started) if started else {}
-    for r in recipes:
-        if r in parallel:
-            rows.append(parallel[r])
-        elif r in LORA_RECIPES or r == "lora_untrained":  # the untrained adapter: B = 0, i.e. the base itself
-            rows.append(train_one("lora_bf16" if r == "lora_untrained" else r, a, task["train"], task["eval"], len(tok),
-                                  init_state=pretrained, steps=0 if r == "lora_untrained" else None))
-            rows[-1]["recipe"] = r
-        else:
-            rows.append(train_one(r, a, train_blocks, eval_blocks, len(tok), init_state=pretrained if a.late_lr else None,
-                                  lr=a.late_lr))
+    pre = task = None
+    if started and all(r in RECIPES for r in recipes):  # every recipe trains in a child, on the children's corpus
+        parallel, child_meta = _collect(*started)
+        rows, corpus_meta = [parallel[r] for r in recipes], child_meta["corpus"]
+        pre_eval = child_meta["pretrained_eval_loss"]
+    else:
+        tok, train_blocks, eval_blocks, corpus_meta = _corpus(a, packages)
+        pretrained = None
+        if any(r in LORA_RECIPES for r in recipes) or a.late_lr:
+            pre = train_one("bf16", a, train_blocks, eval_blocks, len(tok), steps=a.pretrain_steps, keep_state=True)
+            pretrained = pre.pop("state")
+            print(f"pre-trained base: {a.pretrain_steps} steps, held-out loss {pre['eval_loss']:.4f}", flush=True)
+        pre_eval = None if pre is None else pre["eval_loss"]
+        if any(r in LORA_RECIPES for r in recipes):
+            task = {"train": train_blocks, "eval": eval_blocks}
+            if a.lora_task == "arithmetic":
+                task = arithmetic_task(tok, a)
+            recipes = ([r for r in recipes if r not in LORA_RECIPES] + ["lora_untrained"]
+                       + [r for r in recipes if r in LORA_RECIPES])
+        rows = []
+        parallel = _collect(*started)[0] if started else {}
+        for r in recipes:
+            if r in parallel:
+                rows.append(parallel[r])
+            elif r in LORA_RECIPES or r == "lora_untrained":  # the untrained adapter: B = 0, i.e. the base itself
+                rows.append(train_one("lora_bf16" if r == "lora_untrained" else r, a, task["train"], task["eval"],
+                                      len(tok), init_state=pretrained, steps=0 if r == "lora_untrained" else None))
+                rows[-1]["recipe"] = r
+            else:
+                rows.append(train_one(r, a, train_blocks, eval_blocks, len(tok),
+                                      init_state=pretrained if a.late_lr else None, lr=a.late_lr))
     untrained = next((x for x in rows if x["recipe"] == "lora_untrained"), None)
     for r in rows:  # full fine-tunes vs bf16, LoRA recipes vs lora_bf16
         base = next((x for x in rows if x["recipe"] == ("lora_bf16" if r["recipe"] in LORA_RECIPES else "bf16")), None)
@@ -271,10 +287,7 @@ def main():
             r["learns"] = r["eval_loss_vs_untrained"] <= -a.learn_bar
     meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
             "python": platform.python_version(), "command": " ".join(sys.argv),
-            "corpus": {"documents": len(docs), "train_tokens": train_blocks.numel(),
-                       "eval_tokens": eval_blocks.numel(), "chars": sum(map(len, docs)),
-                       "packages": {n: _version(n) for n in packages}},
-            "pretrained_eval_loss": None if pre is None else pre["eval_loss"],
+            "corpus": corpus_meta, "pretrained_eval_loss": pre_eval,
             "lora_task": ({"name": a.lora_task, "train_tokens": task["train"].numel(), "eval_tokens": task["eval"].numel(),
                            "learn_bar": a.learn_bar} if task else None),
             "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "plot")}}

@@ -220,7 +220,8 @@ def test_benchmark_quality_lora_recipes_in_process():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     a = argparse.Namespace(seed=0, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, seq=32, device="cpu",
-                           min_features=16, compile=False, lr=1e-3, warmup=1, steps=3, batch=4, lora_r=4)
+                           min_features=16, compile=False, compile_layers=False, lr=1e-3, lora_lr=None, warmup=1, steps=3,
+                           batch=4, lora_r=4)
     gen = torch.Generator().manual_seed(0)
     train, held_out = torch.randint(0, 64, (16, 32), generator=gen), torch.randint(0, 64, (4, 32), generator=gen)
     pre = bench.train_one("bf16", a, train, held_out, 64, steps=3, keep_state=True)
