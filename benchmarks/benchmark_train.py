@@ -449,7 +449,8 @@ def main():
                    help="forward under bf16 autocast, as Trainer(bf16=True) runs it (PEFT's float32 adapters compute in bf16)")
     p.add_argument("--path", choices=("layers", "trainer"), default="layers",
                    help="layers: a hand loop over the model with each decoder layer compiled; trainer: stock Trainer "
-                        "(bf16, peers) vs LowBitTrainer (int8, fp8), same TrainingArguments, whole-model compile")
+                        "(bf16, peers) vs LowBitTrainer (our recipes: int8, fp8, their variants, LoRA), same TrainingArguments, "
+                        "whole-model compile")
     p.add_argument("--compile_mode", default="default", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                    help="torch.compile mode, for every recipe alike (trainer path: default lets LowBitTrainer choose)")
     p.add_argument("--liger", nargs="?", const="on", default="off", choices=("off", "on", "both"),
