@@ -28,9 +28,9 @@ def _docstrings(root, min_chars: int, skip: set[str]) -> list[str]:
     return docs
 
 
-def package_sources(packages: tuple[str, ...]) -> list[tuple[str, list]]:
-    """``(name, [paths])`` of each installed package's sources: its directories (namespace packages may have
-    several), or the one file of a single-module package. ``ValueError`` naming the first that is not installed."""
+def package_sources(packages: tuple[str, ...]) -> list[list]:
+    """The source paths of each installed package: its directories (namespace packages may have several), or
+    the one file of a single-module package. ``ValueError`` naming the first that is not installed."""
     import importlib.util
     from pathlib import Path
 
@@ -40,9 +40,9 @@ def package_sources(packages: tuple[str, ...]) -> list[tuple[str, list]]:
         if spec is None:
             raise ValueError(f"package {name!r} is not installed")
         if spec.submodule_search_locations:
-            out.append((name, [Path(p) for p in spec.submodule_search_locations]))
+            out.append([Path(p) for p in spec.submodule_search_locations])
         elif spec.origin and spec.origin.endswith(".py"):
-            out.append((name, [Path(spec.origin)]))
+            out.append([Path(spec.origin)])
         else:
             raise ValueError(f"package {name!r} has no Python sources to read (origin {spec.origin!r})")
     return out
@@ -63,10 +63,11 @@ def python_docs_corpus(min_chars: int = 200, packages: tuple[str, ...] = ()) -> 
 
     import pydoc_data.topics
 
+    sources = package_sources(packages)  # a name that is not installed fails before the parsing
     docs = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
     skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "ensurepip"}
     docs += _docstrings(Path(sysconfig.get_paths()["stdlib"]), min_chars, skip)
-    for _, paths in package_sources(packages):
+    for paths in sources:
         found = [d for p in paths for d in _docstrings(p, min_chars, {"test", "tests", "testing"})]
         docs += list(dict.fromkeys(found))
     return docs

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -80,7 +82,7 @@ def test_benchmark_quality_parallel_with_packages_on_cpu(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_quality.py"), "--device", "cpu", "--parallel",
            "--recipes", "bf16,int8", "--corpus_packages", "typing_extensions", "--layers", "1", "--hidden", "64",
            "--intermediate", "128", "--heads", "4", "--kv_heads", "2", "--seq", "64", "--batch", "4", "--steps", "3",
-           "--warmup", "1", "--vocab", "400", "--min_features", "16", "--json", str(out)]
+           "--warmup", "1", "--vocab", "400", "--max_docs", "150", "--min_features", "16", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -90,24 +92,29 @@ def test_benchmark_quality_parallel_with_packages_on_cpu(tmp_path):
     bad = subprocess.run(cmd[:-2] + ["--corpus_packages", "no_such_package_hf_lowbit"], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert bad.returncode != 0 and "--corpus_packages: package 'no_such_package_hf_lowbit' is not installed" in bad.stderr
+    assert bad.stderr.count("--corpus_packages:") == 1  # said once: no child was started to say it again
 
 
-def test_python_docs_corpus_is_real_prose():
+@pytest.fixture(scope="module")
+def stdlib_corpus():
+    """The standard library's corpus, parsed once for the tests that read it (~4 s a parse)."""
     from benchmarks.corpus import python_docs_corpus
 
-    docs = python_docs_corpus()
+    return python_docs_corpus()
+
+
+def test_python_docs_corpus_is_real_prose(stdlib_corpus):
+    docs = stdlib_corpus
     assert len(docs) > 1000 and sum(map(len, docs)) > 1_000_000
     assert any("division" in d.lower() for d in docs) and all(len(d) >= 200 for d in docs[100:])
 
 
-def test_python_docs_corpus_packages(tmp_path):
+def test_python_docs_corpus_packages(stdlib_corpus):
     """``packages`` adds an installed package's docstrings, each once; a package that is not installed is refused
     (a long run must not silently train on less text than it asked for)."""
-    import pytest
-
     from benchmarks.corpus import python_docs_corpus
 
-    base = python_docs_corpus()
+    base = stdlib_corpus
     more = python_docs_corpus(packages=("peft",))
     assert more[:len(base)] == base and len(more) > len(base) + 100
     added = more[len(base):]
@@ -122,7 +129,6 @@ def test_python_docs_corpus_packages(tmp_path):
 def test_benchmark_refuses_a_recipe_that_is_not_active():
     import importlib.util
 
-    import pytest
     from conftest import tiny_model
 
     spec = importlib.util.spec_from_file_location("benchmark_train", os.path.join(ROOT, "benchmarks", "benchmark_train.py"))
