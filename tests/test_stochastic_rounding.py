@@ -115,7 +115,7 @@ def test_triton_stochastic_column_kernel_cuda_same_memory_as_nearest():
 
     from hf_lowbit.ops.triton_quant import quantize_t_triton
 
-    assert check_quantize_t_stochastic("cuda") > 0
+    assert check_quantize_t_stochastic("cuda") == 5  # 4 shapes + the unbiasedness check
     x = torch.randn(16384, 5632, device="cuda", dtype=torch.bfloat16)
     peak = {}
     for sr in (False, True) * 2:  # the second round counts

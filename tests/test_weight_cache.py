@@ -159,9 +159,12 @@ def test_small_micro_batch_warning_only_without_accumulation():
     assert found(8) == []
 
 
-def test_cuda_graphs_chosen_only_where_measured():
+def test_cuda_graphs_chosen_only_where_measured(monkeypatch):
     """LowBitTrainer's automatic CUDA graphs: INT8/FP8 full fine-tuning, compiled without a mode, one CUDA
-    device, nothing sharded; never for LoRA/QLoRA (not measured), never over an explicit choice."""
+    device, nothing sharded (by the arguments or an accelerate launch's environment); never for LoRA/QLoRA (not
+    measured), never over an explicit choice."""
+    for var in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(var, raising=False)
     from types import SimpleNamespace
 
     from hf_lowbit.trainer import _use_cuda_graphs
@@ -179,6 +182,11 @@ def test_cuda_graphs_chosen_only_where_measured():
     assert not _use_cuda_graphs(args(torch_compile=False))
     assert not _use_cuda_graphs(args(torch_compile_mode="max-autotune"))
     assert not _use_cuda_graphs(args(fsdp=["full_shard"]))
+    assert not _use_cuda_graphs(args(deepspeed="ds_config.json"))
+    for var in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.setenv(var, "true")
+        assert not _use_cuda_graphs(args()), var
+        monkeypatch.delenv(var)
     assert not _use_cuda_graphs(args(device=torch.device("cpu")))
     assert _use_cuda_graphs(args(lowbit_cuda_graphs=True, device=torch.device("cpu")))
     assert not _use_cuda_graphs(args(lowbit_cuda_graphs=False))
