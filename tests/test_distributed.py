@@ -83,9 +83,7 @@ def one_process(tmp_path_factory):
 
 def test_lowbit_linear_under_fully_shard():
     """fully_shard's DTensor parameters reach the INT8/FP8 Function as plain all-gathered tensors."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_fsdp2_lowbit_linear.py"), str(_free_port())],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0 and "fully_shard OK" in proc.stdout, proc.stderr[-3000:]
+    _run_script("_fsdp2_lowbit_linear.py", "fully_shard OK")
 
 
 @pytest.mark.skipif(not fsdp2_shards_integer_params(), reason="this torch's fully_shard cannot shard integer "
@@ -93,25 +91,19 @@ def test_lowbit_linear_under_fully_shard():
 def test_quantized_bases_under_fully_shard_with_bf16_mixed_precision():
     """FSDP2's bf16 param_dtype casts floating parameters it shards: the bases' float scales must not be
     cast (they are buffers), so a sharded NF4 / INT8 base equals the unsharded one bit for bit."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_fsdp2_quantized_base.py"), str(_free_port())],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0 and "bf16 mixed precision OK" in proc.stdout, proc.stderr[-3000:]
+    _run_script("_fsdp2_quantized_base.py", "bf16 mixed precision OK")
 
 
 def test_quantized_bases_sharded_in_a_float_carrier_as_on_torch_2_11():
     """torch < 2.13 cannot shard integer parameters: the bases' codes travel in a floating-point carrier of
     FSDP2's param_dtype instead; 2 ranks, bit-identical to the unsharded integer module."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_fsdp2_quantized_base_carrier.py"),
-                           str(_free_port())], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0 and "float carrier under fully_shard (2 ranks) OK" in proc.stdout, proc.stderr[-3000:]
+    _run_script("_fsdp2_quantized_base_carrier.py", "float carrier under fully_shard (2 ranks) OK")
 
 
 def test_lowbit_all_gather_under_fully_shard():
     """lowbit_fsdp_lowbit_all_gather: weights all-gathered as INT8/FP8 codes + row scales (~0.53x bf16's bytes),
     bit-identical to FSDP2's bf16 gather and to unsharded per-call quantization; plain state dicts, DCP round trip."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_fsdp2_lowbit_all_gather.py"), str(_free_port())],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0 and "low-bit all-gather under fully_shard (2 ranks) OK" in proc.stdout, proc.stderr[-3000:]
+    _run_script("_fsdp2_lowbit_all_gather.py", "low-bit all-gather under fully_shard (2 ranks) OK")
 
 
 def test_trainer_lowbit_all_gather_matches_the_bf16_gather(tmp_path):
@@ -122,14 +114,8 @@ def test_trainer_lowbit_all_gather_matches_the_bf16_gather(tmp_path):
               "--save_strategy", "no", *RECIPES["int8_mixed_precision"]]  # later flags win
     runs = common + ["--output_dir", str(tmp_path / "off"), "---"] + common + [
         "--lowbit_fsdp_lowbit_all_gather", "True", "--output_dir", str(tmp_path / "on")]
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", ACCELERATE_TORCH_DEVICE="cpu", OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           os.path.join(ROOT, "accelerate_configs", "fsdp2.yaml"), "--num_processes", str(PROCESSES),
-           "--mixed_precision", "no", "--main_process_port", str(_free_port()),
-           os.path.join(ROOT, "tests", "_dist_sft.py"), *runs]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _accelerate("fsdp2", runs, timeout=300)
+    assert proc.returncode == 0, _errors(proc.stderr)
     assert "lowbit_fsdp_lowbit_all_gather: 14 layers all-gather" in proc.stdout, proc.stdout[-3000:]
     metrics = [json.load(open(tmp_path / d / "sft_metrics.json")) for d in ("off", "on")]
     assert all(m["distributed_type"] == "FSDP" and m["num_processes"] == 2 for m in metrics)
@@ -147,14 +133,33 @@ def _launch(config: str, tmp_path) -> subprocess.CompletedProcess:
     first, first_flags = next(iter(RECIPES.items()))
     runs += RUN + first_flags + per_rank + ["--output_dir", str(tmp_path / "resumed"),
                                             "--resume_from_checkpoint", str(tmp_path / first / "checkpoint-2")]
-    # ACCELERATE_USE_CPU: gloo processes from the config's (torchrun) launcher. ACCELERATE_TORCH_DEVICE=cpu:
-    # the Trainer maps a resumed DDP optimizer state to args.device, and "cpu:0" is not a location torch.load knows.
+    return _accelerate(config, runs, timeout=600)
+
+
+def _accelerate(config: str, runs: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """``tests/_dist_sft.py runs`` under ``accelerate launch`` with ``accelerate_configs/<config>.yaml``, in
+    PROCESSES gloo processes. ACCELERATE_USE_CPU: gloo processes from the config's (torchrun) launcher.
+    ACCELERATE_TORCH_DEVICE=cpu: the Trainer maps a resumed DDP optimizer state to args.device, and "cpu:0" is
+    not a location torch.load knows."""
     env = dict(os.environ, ACCELERATE_USE_CPU="1", ACCELERATE_TORCH_DEVICE="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"), "--num_processes", str(PROCESSES),
            "--mixed_precision", "no", "--main_process_port", str(_free_port()), os.path.join(ROOT, "tests", "_dist_sft.py"), *runs]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def _errors(stderr: str) -> str:
+    """The end of ``stderr`` without the warnings FSDP2 repeats per parameter, so the error that failed shows."""
+    noise = ("UserWarning", "warnings.warn", "returned a view tensor")
+    return "\n".join(line for line in stderr.splitlines() if not any(n in line for n in noise))[-3000:]
+
+
+def _run_script(name: str, marker: str) -> None:
+    """``tests/<name> PORT`` (a 2-process gloo check); it must exit 0 and print ``marker``."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", name), str(_free_port())],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and marker in proc.stdout, _errors(proc.stderr) + proc.stdout[-1000:]
 
 
 @pytest.mark.slow
