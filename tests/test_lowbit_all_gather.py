@@ -3,6 +3,7 @@ run by tests/test_distributed.py): argument validation, refusals naming the flag
 without FSDP2 computing exactly what it did before, with a plain state dict."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -77,6 +78,10 @@ def test_wrapped_layer_without_fsdp_is_unchanged(fmt):
     assert isinstance(wrapped[0].weight, LowBitAllGatherWeight)
     sd = wrapped.state_dict()
     assert type(sd["0.weight"]) is torch.Tensor and torch.equal(sd["0.weight"], plain.state_dict()["0.weight"])
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=True)["0.weight"], sd["0.weight"])  # refuses leaked subclasses
     fresh = copy.deepcopy(wrapped)
     with torch.no_grad():
         fresh[0].weight.zero_()
