@@ -35,6 +35,18 @@ def tiny_model(arch: str = "llama", seed: int = 0, **kw):
     return AutoModelForCausalLM.from_config(tiny_config(arch, **kw))
 
 
+def save_tiny_model(path, tokenizer, max_positions: int, seed: int | None = None):
+    """A tiny ``scripts/sft.py`` Llama (``hf_lowbit.sft.tiny_llama_config``) for ``tokenizer``, saved with it at
+    ``path`` (a model directory ``--model_name_or_path`` can load); ``seed``: seed its init first."""
+    from hf_lowbit.sft import tiny_llama_config
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(tiny_llama_config(len(tokenizer), max_positions)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def arithmetic_blocks(n_blocks: int, block: int = 32):
     """A packed dataset of ``n_blocks`` blocks of generated addition problems (ARITH_TOKENIZER)."""
     from hf_lowbit.data import arithmetic_records, format_records, pack

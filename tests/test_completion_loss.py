@@ -124,16 +124,12 @@ def test_flag_defaults():
 
 
 def test_sft_run_computes_the_loss_on_completions_only(tmp_path):
-    from transformers import AutoModelForCausalLM
+    from conftest import ARITH_TOKENIZER, save_tiny_model
 
-    from hf_lowbit.data import ARITHMETIC_CHARS
-    from hf_lowbit.sft import main, tiny_llama_config
+    from hf_lowbit.sft import main
 
-    tok = build_char_tokenizer(ARITHMETIC_CHARS)
-    model_dir = tmp_path / "model"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_llama_config(len(tok), 32)).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    tok = ARITH_TOKENIZER
+    model_dir = save_tiny_model(tmp_path / "model", tok, 32, seed=0)
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"{i}+{i}=", "completion": str(2 * i)}) for i in range(300)))
 

@@ -11,6 +11,7 @@ import torch
 from hf_lowbit import packing
 from hf_lowbit.data import (ARITHMETIC_CHARS, DataFormatError, build_char_tokenizer, format_records, load_records,
                             pack)
+from conftest import save_tiny_model
 
 TOK = build_char_tokenizer(ARITHMETIC_CHARS)
 
@@ -112,14 +113,7 @@ def test_token_files_bin_and_npy(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from hf_lowbit.sft import tiny_llama_config
-
-    d = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_llama_config(len(TOK), 16)).save_pretrained(d)
-    TOK.save_pretrained(d)
+    d = save_tiny_model(tmp_path_factory.mktemp("model"), TOK, 16, seed=0)
     return str(d)
 
 

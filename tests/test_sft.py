@@ -12,6 +12,7 @@ import torch
 from hf_lowbit.data import (DataFormatError, arithmetic_records, build_char_tokenizer, format_record, load_records,
                             pack, ARITHMETIC_CHARS)
 from hf_lowbit.sft import main
+from conftest import save_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = build_char_tokenizer(ARITHMETIC_CHARS)
@@ -69,12 +70,7 @@ def test_malformed_files_name_file_and_record(tmp_path):
 
 
 def test_local_dataset_run_reports_bad_record(tmp_path):
-    from transformers import AutoModelForCausalLM
-    from hf_lowbit.sft import tiny_llama_config
-
-    model_dir = tmp_path / "model"
-    AutoModelForCausalLM.from_config(tiny_llama_config(len(TOK), 32)).save_pretrained(model_dir)
-    TOK.save_pretrained(model_dir)
+    model_dir = save_tiny_model(tmp_path / "model", TOK, 32)
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) for i in range(50))
                     + '\n{"question": "?"}\n')
@@ -84,12 +80,7 @@ def test_local_dataset_run_reports_bad_record(tmp_path):
 
 
 def test_local_dataset_end_to_end(tmp_path):
-    from transformers import AutoModelForCausalLM
-    from hf_lowbit.sft import tiny_llama_config
-
-    model_dir = tmp_path / "model"
-    AutoModelForCausalLM.from_config(tiny_llama_config(len(TOK), 32)).save_pretrained(model_dir)
-    TOK.save_pretrained(model_dir)
+    model_dir = save_tiny_model(tmp_path / "model", TOK, 32)
     data = tmp_path / "d.json"
     data.write_text(json.dumps([{"text": f"{i}+{i}={2 * i}"} for i in range(200)]))
     metrics = main(["--model_name_or_path", str(model_dir), "--dataset", str(data), "--output_dir", str(tmp_path / "o"),
