@@ -51,7 +51,7 @@ FIT_GIB = 100.0
 
 
 def shape_params(hidden, intermediate, layers, kv_dim, vocab):
-    """(linear parameters, other parameters, row length K of the linears ~ hidden)."""
+    """(linear parameters, other parameters, layers)."""
     per_layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * intermediate
     return per_layer * layers, 2 * vocab * hidden + (2 * layers + 1) * hidden, layers
 
@@ -90,7 +90,7 @@ def measured_compute_ms(p_linear_other: float) -> dict:
             opt = opt_1gpu if not row["recipe"].startswith("lora") else 0.0  # adapters' AdamW: negligible
             out["1x2048"][row["recipe"]] = (row["step_ms"] - opt) / row["grad_accum"]
     for row in load("fsdp2_b4_h200x2.json"):
-        exposed = comm_ms(2, 8192, "bf16", "llama8b") / 32  # one layer's comm, as in step_ms
+        exposed = comm_ms(2, "bf16", "llama8b") / 32  # one layer's comm, as in step_ms
         out["4x2048"][row["recipe"]] = row["step_ms"] - opt_1gpu / 2 - exposed
     return out
 
@@ -103,7 +103,7 @@ def link_gbs(n: int) -> float:
     return (NVLINK_GBS if n <= GPUS_PER_NODE else IB_GBS) * EFFICIENCY
 
 
-def comm_ms(n: int, tokens: int, recipe: str, shape: str) -> float:
+def comm_ms(n: int, recipe: str, shape: str) -> float:
     """All-gathers (x2) and reduce-scatter of one micro-batch, per GPU, ms (independent of tokens)."""
     if n == 1:
         return 0.0
@@ -124,7 +124,7 @@ def step_ms(n, micro_tokens, grad_accum, recipe, shape, compute):
         return None
     p8_lin, _, _ = shape_params(**SHAPES["llama8b"])
     c *= p_lin / p8_lin
-    comm = comm_ms(n, micro_tokens, recipe, shape)
+    comm = comm_ms(n, recipe, shape)
     trainable = p_lin + p_other if RECIPES[recipe][2] == "all" else 0.0
     return grad_accum * (max(c, comm) + comm / layers) + optimizer_ms(trainable) / n, c, comm
 
