@@ -19,13 +19,17 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   recipe run without and then with ``use_liger_kernel=True`` (``liger`` in the records; ``vs_bf16`` is to bf16
   without Liger, ``vs_no_liger`` to the same recipe without it): what Liger's kernels (norms, SwiGLU, RoPE,
   fused LM head + loss) add to each recipe, measured in the same run;
-* ``qlora_b8``, ``qlora_b1``: LoRA r16 on every decoder linear under bf16 autocast, over a bf16 base,
-  our NF4 + INT8 base, and PEFT + bitsandbytes NF4 (double quant, bf16 compute).
+* ``qlora_b8``, ``qlora_b1`` (+ a kernel profile), ``qlora_b1_ro`` (CUDA graphs): LoRA r16 on every decoder
+  linear under bf16 autocast, over a bf16 base, our NF4 + INT8 and INT8 + INT8 bases, and PEFT + bitsandbytes NF4
+  (double quant, bf16 compute);
+* ``qlora_trainer_b1_ga8``, ``qlora_trainer_b8`` (``_gc``: gradient checkpointing on): the same recipes through
+  the Trainer: stock ``Trainer`` + PEFT LoRA over a bf16 base or bitsandbytes, ``LowBitTrainer(peft_config=...)``
+  for ours, the same ``TrainingArguments``.
 
 Records: ``recipe, micro_batch_tokens, grad_accum, path, compile_mode, tok_s, vs_bf16, peak_gib,
-mem_vs_bf16, first_loss, last_loss, graphs, graph_breaks`` (+ for the trainer path: what LowBitTrainer chose,
+mem_vs_bf16, first_loss, last_loss, graphs, graph_breaks, timed_recompiles, gradient_checkpointing`` (+ for the trainer path: what LowBitTrainer chose,
 ``liger``, ``vs_no_liger``, ``mfu`` over the timed steps for every recipe, and LowBitTrainer's own logged
-``train_mfu`` / ``train_tokens_per_second`` as ``logged_mfu`` / ``logged_tok_s``). ``vs_bf16`` of LoRA rows is to LoRA over a bf16 base.
+``train_mfu`` / ``train_tokens_per_second`` as ``logged_mfu`` / ``logged_tok_s``). ``vs_bf16`` of LoRA rows is to LoRA over a bf16 base (also as ``vs_lora_bf16``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 FULL = "bf16,int8,fp8,torchao_float8"
+QLORA = "lora_bf16,lora_nf4_int8,lora_int8_int8,lora_bnb_nf4"  # LoRA r16 on every decoder linear
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -58,9 +63,16 @@ BLOCKS = {
     "trainer_b1_ga8_liger": ("trainer", 1, 8, "default", "bf16,int8", ["--liger", "both"]),
     "trainer_b1_ga8_liger_fp8": ("trainer", 1, 8, "default", "bf16,fp8", ["--liger", "both"]),
     "trainer_b8_liger": ("trainer", 8, 1, "default", "bf16,int8", ["--liger", "both"]),
-    "qlora_b8": ("layers", 8, 1, "default", "lora_bf16,lora_nf4_int8,lora_bnb_nf4", ["--autocast"]),
-    "qlora_b1": ("layers", 1, 1, "default", "lora_bf16,lora_nf4_int8,lora_bnb_nf4", ["--autocast"]),
-    "qlora_b1_ro": ("layers", 1, 1, "reduce-overhead", "lora_bf16,lora_nf4_int8,lora_int8_int8", ["--autocast"]),
+    "qlora_b8": ("layers", 8, 1, "default", QLORA, ["--autocast"]),
+    # 30 timed steps (~1 s; 10 steps of ~35 ms were too few to tell two runs apart) and a kernel profile
+    "qlora_b1": ("layers", 1, 1, "default", QLORA, ["--autocast", "--steps", "30", "--profile"]),
+    "qlora_b1_ro": ("layers", 1, 1, "reduce-overhead", "lora_bf16,lora_nf4_int8,lora_int8_int8",
+                    ["--autocast", "--steps", "30"]),
+    # the user's path: stock Trainer + PEFT LoRA (bf16 base, bitsandbytes) vs LowBitTrainer (ours), same arguments
+    "qlora_trainer_b1_ga8": ("trainer", 1, 8, "default", QLORA, []),
+    "qlora_trainer_b8": ("trainer", 8, 1, "default", QLORA, []),
+    "qlora_trainer_b1_ga8_gc": ("trainer", 1, 8, "default", QLORA, ["--grad_checkpointing"]),
+    "qlora_trainer_b8_gc": ("trainer", 8, 1, "default", QLORA, ["--grad_checkpointing"]),
 }
 
 
@@ -91,14 +103,18 @@ def block_records(name: str, data: dict) -> list[dict]:
     for r in data["rows"]:
         rec = {"block": name, "recipe": r["recipe"] + (" + liger" if r.get("liger") else ""),
                "micro_batch_tokens": batch * seq, "grad_accum": ga,
-               "path": path, "compile_mode": mode, "commit": data["meta"].get("commit")}
+               "path": path, "compile_mode": mode, "gradient_checkpointing": bool(config.get("grad_checkpointing")),
+               "commit": data["meta"].get("commit")}
         if "error" in r:
             rec["error"] = r["error"][-600:]
         else:
             rec.update(tok_s=r["tokens_per_s"], vs_bf16=r.get("vs_bf16"), peak_gib=r["peak_mem_gib"],
                        mem_vs_bf16=r.get("mem_vs_bf16"), step_ms=r["step_ms"], warmup_s=r["warmup_s"],
                        first_loss=r["first_loss"], last_loss=r["last_loss"], graphs=r["compiled_graphs"],
-                       graph_breaks=r["graph_breaks"], chosen=r.get("chosen"), profile=r.get("profile"))
+                       graph_breaks=r["graph_breaks"], chosen=r.get("chosen"), profile=r.get("profile"),
+                       timed_recompiles=r.get("timed_recompiles"), step_ms_median=r.get("step_ms_median"))
+            if r["recipe"].startswith("lora_"):  # LoRA rows: the reference is LoRA on a bf16 base
+                rec["vs_lora_bf16"] = r.get("vs_bf16")
             if path == "trainer":
                 rec.update(liger=bool(r.get("liger")), vs_no_liger=r.get("vs_no_liger"), mfu=r.get("mfu"),
                            logged_mfu=r.get("logged_mfu"), logged_tok_s=r.get("logged_tok_s"))

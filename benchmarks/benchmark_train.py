@@ -64,6 +64,7 @@ _LORA_ARGS = {"lora_bf16": {}, "lora_nf4": dict(lora_base_quant="nf4"),
               "lora_nf4_int8": dict(lora_base_quant="nf4", int8_mixed_precision=True),
               "lora_nf4_int8cache": dict(lora_base_quant="nf4", int8_mixed_precision=True, lora_base_int8_cache=True),
               "lora_int8_int8": dict(lora_base_quant="int8", int8_mixed_precision=True)}
+OURS_LORA = tuple(r for r in _LORA_ARGS if r != "lora_bf16")  # through LowBitTrainer on the trainer path
 
 
 def _torchao_nf4_lora(model, r: int, int8: bool):
@@ -240,8 +241,12 @@ def build_model(a, device: str, weight_cache: bool = False):
                          use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", *OURS, *_LORA_ARGS):
+    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", *OURS, *OURS_LORA):
         return model  # the Trainer path: LowBitTrainer swaps and wraps (stock Trainer for bf16)
+    if getattr(a, "path", "layers") == "trainer" and a.recipe == "lora_bf16":
+        from peft import LoraConfig, get_peft_model  # what a stock Trainer user runs: PEFT's own LoRA
+
+        return get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear"))
     if a.recipe in LORA_RECIPES:
         model = apply_lora_recipe(model, a.recipe, a.min_features, a.lora_r)
     else:
@@ -296,13 +301,14 @@ def trainer_worker(a) -> dict:
     total = a.warmup + a.steps
     ids = load_blocks(a) if a.data else torch.randint(0, a.vocab, (4 * a.batch, a.seq), generator=gen)
     data = [{"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]} for i in range(total * a.batch * a.grad_accum)]
-    times, losses, logged = {}, [], {"train_mfu": [], "train_tokens_per_second": []}
+    times, graphs, losses, logged = {}, {}, [], {"train_mfu": [], "train_tokens_per_second": []}
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             if state.global_step in (a.warmup, total):
                 sync()
                 times[state.global_step] = time.perf_counter()
+                graphs[state.global_step] = counters["stats"]["unique_graphs"]
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -311,16 +317,18 @@ def trainer_worker(a) -> dict:
                     if key in logs and state.global_step > a.warmup:
                         values.append(logs[key])
 
-    ours = a.recipe in (*OURS, *_LORA_ARGS)
+    ours = a.recipe in (*OURS, *OURS_LORA)  # LoRA on a bf16 base and the peers: stock Trainer
     common = dict(output_dir=tempfile.mkdtemp(), report_to="none", per_device_train_batch_size=a.batch,
                   gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=a.lr,
                   optim="adamw_torch_fused", bf16=True, torch_compile=not a.no_compile, logging_steps=1,
                   save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True, seed=0,
-                  lr_scheduler_type="constant", use_cpu=not cuda, use_liger_kernel=a.liger == "on")
+                  lr_scheduler_type="constant", use_cpu=not cuda, use_liger_kernel=a.liger == "on",
+                  gradient_checkpointing=a.grad_checkpointing,
+                  gradient_checkpointing_kwargs={"use_reentrant": False} if a.grad_checkpointing else None)
     if a.compile_mode != "default":
         common["torch_compile_mode"] = a.compile_mode
     if ours:
-        lora = a.recipe in _LORA_ARGS  # LoRA r on every decoder linear, through LowBitTrainer's peft_config
+        lora = a.recipe in OURS_LORA  # LoRA r on every decoder linear, through LowBitTrainer's peft_config
         recipe_args = _LORA_ARGS[a.recipe] if lora else mixed_precision_args(a.recipe)
         args = LowBitTrainingArguments(**common, lowbit_min_features=a.min_features,
                                        lowbit_cuda_graphs=False if a.no_cuda_graphs else None,
@@ -354,7 +362,8 @@ def trainer_worker(a) -> dict:
             "mfu": (per_token + per_token_seq * a.seq) * tokens / elapsed / (peak * 1e12) if peak else None,
             "logged_mfu": mean(logged["train_mfu"]), "logged_tok_s": mean(logged["train_tokens_per_second"]),
             "compiled_graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values()), "chosen": chosen, "profile": None}
+            "graph_breaks": sum(counters["graph_break"].values()), "chosen": chosen, "profile": None,
+            "timed_recompiles": graphs[total] - graphs[a.warmup]}
 
 
 def load_blocks(a):
@@ -411,10 +420,19 @@ def worker(a) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     sync()
+    graphs_warm = counters["stats"]["unique_graphs"]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(a.steps + 1)] if cuda else []
     t0 = time.perf_counter()
-    timed = [step(a.warmup + i) for i in range(a.steps)]  # the batches after the warm-up's
+    timed = []
+    for i in range(a.steps):  # the batches after the warm-up's
+        if cuda:
+            events[i].record()
+        timed.append(step(a.warmup + i))
+    if cuda:
+        events[-1].record()
     sync()
     elapsed = time.perf_counter() - t0
+    step_times = sorted(events[i].elapsed_time(events[i + 1]) for i in range(a.steps)) if cuda else []
     losses += [t.item() for t in timed]
     profile = None
     if a.profile and cuda:
@@ -426,7 +444,10 @@ def worker(a) -> dict:
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
             "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
             "compiled_graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values()), "profile": profile}
+            "graph_breaks": sum(counters["graph_break"].values()), "profile": profile,
+            "timed_recompiles": counters["stats"]["unique_graphs"] - graphs_warm,
+            "step_ms_median": step_times[len(step_times) // 2] if step_times else None,
+            "step_ms_range": [step_times[0], step_times[-1]] if step_times else None}
 
 
 def main():

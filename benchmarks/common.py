@@ -146,6 +146,8 @@ def write_results(data: dict, table: list[str], header: str, json_path: str | No
 _CATEGORIES = (
     ("int8 matmul (ours, Triton)", ("_int8_scaled_mm_kernel",)),
     ("quantize_t (ours, Triton)", ("_col_amax_kernel", "_quantize_t_kernel")),
+    ("nf4 -> int8 (ours, Triton)", ("_nf4_to_int8_kernel",)),
+    ("nf4 dequantize (bitsandbytes)", ("kdequantize",)),
     ("Inductor fused: norms, activations, quantize", ("triton_",)),
     ("attention (flash / cuDNN SDPA)", ("flash", "fmha", "sdpa", "attention")),
     ("fp8 matmul (cuBLAS)", ("_qqtst_", "qqtst", "f8f8", "e4m3", "fp8")),

@@ -3,6 +3,8 @@
 #   bash benchmarks/run_h200_benchmarks.sh cuda_tests OUTDIR # every test with "cuda" in its id, fast ones first (~4-5 min: autotune)
 #   BLOCKS=... bash benchmarks/run_h200_benchmarks.sh regimes OUTDIR  # 1x2048 / 8x2048, grad accumulation, layers and
 #                                                            # Trainer paths, QLoRA vs bitsandbytes (docs/benchmarks.md "Regimes")
+#   BLOCKS=... bash benchmarks/run_h200_benchmarks.sh qlora_regimes OUTDIR  # QLoRA vs LoRA on bf16 vs bitsandbytes,
+#                                                            # layers and Trainer paths (docs/benchmarks.md "QLoRA regimes")
 #   bash benchmarks/run_h200_benchmarks.sh train   OUTDIR   # 8-layer bench, 7 recipes + profile (~50-70 s each, ~6 min)
 #   bash benchmarks/run_h200_benchmarks.sh kernels OUTDIR   # linear + per-layout matmuls (~4 min) + mm_backends with
 #                                                            # --sweep --quant (~1 min on the H200)
@@ -31,7 +33,7 @@
 # Export HF_LOWBIT_COMMIT (the commit you measure) in the device command: the copied tree's git metadata there
 # is the session's starting commit. On the lent H200, carry torchao's wheel (.whl/) and set PYTHONPATH to where it was installed.
 set -euo pipefail
-stage=${1:?stage: cuda_tests, regimes, train, kernels, quality, quality_parity, seed_table, sr_quality, qat, fsdp2, fsdp2_regimes or qlora_*}
+stage=${1:?stage: cuda_tests, regimes, qlora_regimes, train, kernels, quality, quality_parity, seed_table, sr_quality, qat, fsdp2, fsdp2_regimes or qlora_*}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -46,6 +48,11 @@ case "$stage" in
            # the *_liger blocks (~5 min each) need liger-kernel: carry its wheel in .whl/ like torchao's
     python3 benchmarks/benchmark_regimes.py --timeout 240 --blocks "${BLOCKS:-all}" --keep_dir "$out" \
         --json "$out/regimes_h200.json" --markdown "$out/regimes_h200.md" ;;
+  qlora_regimes)  # issue 24: LoRA r16 over a bf16 base / our NF4+INT8 and INT8+INT8 bases / PEFT + bitsandbytes (carry
+                  # its wheel), layers and Trainer paths; BLOCKS: a subset of the qlora_* blocks (~4-5 min per block)
+    python3 benchmarks/benchmark_regimes.py --timeout 200 --keep_dir "$out" \
+        --blocks "${BLOCKS:-qlora_b1,qlora_trainer_b1_ga8,qlora_trainer_b8,qlora_trainer_b1_ga8_gc,qlora_trainer_b8_gc}" \
+        --json "$out/qlora_regimes_h200.json" --markdown "$out/qlora_regimes_h200.md" ;;
   train)
     python3 benchmarks/benchmark_train.py --timeout 110 --profile --json "$out/train_h200.json" --markdown "$out/train_h200.md"
     python3 benchmarks/plot_benchmark.py "$out/train_h200.json" "$out/train_h200.png" ;;
@@ -109,5 +116,5 @@ case "$stage" in
         --batch "${BATCH:?BATCH}" --grad_accum "${GA:?GA}" --recipes "${RECIPES:?RECIPES}" --warmup 3 --steps 5 \
         --json "$out/fsdp2_regimes_h200x2.json" --markdown "$out/fsdp2_regimes_h200x2.md" \
         --plot "$out/fsdp2_regimes_h200x2.png" ;;
-  *) echo "unknown stage $stage (cuda_tests, regimes, train, kernels, quality, quality_parity, seed_table, sr_quality, fsdp2, fsdp2_regimes, qlora_train, qlora_train_noautocast, qat, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (cuda_tests, regimes, qlora_regimes, train, kernels, quality, quality_parity, seed_table, sr_quality, fsdp2, fsdp2_regimes, qlora_train, qlora_train_noautocast, qat, qlora_memory, qlora_nf4, qlora_quality)" >&2; exit 2 ;;
 esac

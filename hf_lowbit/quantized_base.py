@@ -17,9 +17,9 @@ nothing per call for backward but the stored tensors (no dequantized copy lives 
 * INT8 compute (``MixedPrecisionConfig(format="int8")``), with the weight as int8 per output channel
   ``W ≈ diag(s)·Wq``: forward ``Y = q(X)·Wqᵀ`` (X quantized per token); backward folds ``s`` into
   the gradient, ``dX = q(dY·diag(s))·Wq``, so the *same* int8 weight serves both matmuls. An
-  ``Int8Linear`` stores ``Wq`` and ``s`` and never requantizes; an ``Nf4Linear`` either dequantizes
-  and quantizes per call (memory-lean) or keeps an INT8 copy computed once (``int8_cache``: faster,
-  +1 byte/parameter).
+  ``Int8Linear`` stores ``Wq`` and ``s`` and never requantizes; an ``Nf4Linear`` decodes its 4-bit codes
+  straight into the INT8 operand per call, in the layout each matmul needs (``ops.nf4.nf4_to_int8``: one
+  pass over the codes, no bf16 weight), or keeps an INT8 copy computed once (``int8_cache``: +1 byte/parameter).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from .compute import compute_dtype
 from .ops import scaled_matmul_input_grad, scaled_matmul_quantized
 from .ops.int8 import quantize_int8
-from .ops.nf4 import BLOCK_SIZE, Nf4Data, check_nf4_shape, dequantize_nf4, quantize_nf4
+from .ops.nf4 import BLOCK_SIZE, Nf4Data, check_nf4_shape, dequantize_nf4, nf4_to_int8, quantize_nf4
 from .swap import LinearFilter, SwapReport, swap_linears
 
 if TYPE_CHECKING:  # only the annotations name it: mixed_precision imports this module
@@ -49,12 +49,13 @@ def _frozen(t: Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def _int8_weight(storage: str, tensors: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-    """(int8 ``[N, K]``, float32 scale ``[N]``) of the stored weight, per output channel."""
+def _int8_weight(storage: str, tensors: tuple[Tensor, ...], transposed: bool = False) -> tuple[Tensor, Tensor]:
+    """(int8 ``[N, K]``, float32 scale ``[N]``) of the stored weight, per output channel; with ``transposed`` the
+    codes come ``[K, N]`` contiguous (the input gradient's operand: INT8 tensor cores need the reduction dim, N
+    there, contiguous; a transposed view ran several times slower, docs/benchmarks.md "One linear layer")."""
     if storage == "int8":
-        return tensors[0], tensors[1].float()
-    q, s = quantize_int8(dequantize_nf4(Nf4Data(*tensors)), dim=1)
-    return q, s.reshape(-1)
+        return (tensors[0].T.contiguous() if transposed else tensors[0]), tensors[1].float()
+    return nf4_to_int8(Nf4Data(*tensors), transposed)  # one pass over the 4-bit codes into either layout
 
 
 def _dense_weight(storage: str, tensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
@@ -95,12 +96,10 @@ class _FrozenQuantizedLinearFn(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         dx = db = None
         if ctx.needs_input_grad[0]:
-            if int8_grad_input:  # dX = q(dY·diag(s))·Wq: reduce over N with the same int8 weight
-                qw, sw = _int8_weight(storage, tensors)
-                # INT8 tensor cores need the reduction dim (N here) contiguous: a transposed view runs
-                # several times slower (docs/benchmarks.md, "One linear layer"), so copy Wqᵀ K-contiguous
-                # (1 byte/param read+write per call) rather than keep a second copy resident.
-                dx = scaled_matmul_input_grad("int8", g2, qw.T.contiguous(), sw, x_dtype)
+            if int8_grad_input:  # dX = q(dY·diag(s))·Wq: reduce over N with the same int8 weight, made
+                # again here in its transposed layout rather than kept from the forward (+1 byte/param resident)
+                qw_t, sw = _int8_weight(storage, tensors, transposed=True)
+                dx = scaled_matmul_input_grad("int8", g2, qw_t, sw, x_dtype)
             else:
                 dx = (g2.to(dtype) @ _dense_weight(storage, tensors, dtype)).to(x_dtype)
             dx = dx.reshape(x_shape)

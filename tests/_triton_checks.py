@@ -251,9 +251,50 @@ def check_quantize_t_stochastic_saturates(device: str) -> int:
     return n
 
 
+def check_nf4_to_int8(device: str) -> int:
+    """The NF4 → INT8 decode kernel against its plain-torch reference, bit for bit, in both layouts, every weight
+    dtype, shapes that are not multiples of the tiles (an all-zero block and row included), all of q written;
+    and against the longer way round (dequantize to the weight dtype, quantize per row): the same row scales
+    and every code within one step (the reference rounds once, that way rounds twice). Returns the number of
+    checks."""
+    from hf_lowbit.ops.int8 import quantize_int8
+    from hf_lowbit.ops.nf4 import (dequantize_nf4, nf4_int8_multipliers, nf4_lut, nf4_to_int8, nf4_to_int8_reference,
+                                   quantize_nf4)
+    from hf_lowbit.ops.triton_nf4 import nf4_to_int8_triton
+
+    shapes = [(37, 192), (16, 128), (70, 320)] + ([(4096, 14336), (1030, 4160)] if device == "cuda" else [])
+    n = 0
+    for N, K in shapes:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            w = (torch.randn(N, K, device=device) * 0.05).to(dtype)
+            w[3, :64] = 0  # an all-zero block
+            w[5] = 0  # an all-zero row
+            data = quantize_nf4(w)
+            mul, scale = nf4_int8_multipliers(data)
+            lut = nf4_lut(dtype, device)
+            for transposed in (False, True):
+                ref = nf4_to_int8_reference(data.codes.cpu(), mul.cpu(), lut.cpu(), transposed)
+                with PoisonedAllocations() as poison:  # q starts as -128, which the kernel never writes
+                    q = nf4_to_int8_triton(data.codes, mul, lut, transposed)
+                assert (tuple(ref.shape), torch.int8) in poison.shapes and q.is_contiguous()
+                assert torch.equal(q.cpu(), ref), f"{(N, K)} {dtype} transposed={transposed}: " \
+                    f"{(q.cpu() != ref).sum().item()} codes differ"
+                n += 1
+            q_old, s_old = quantize_int8(dequantize_nf4(data), dim=1)
+            q, s = nf4_to_int8(data)
+            rows = torch.arange(N, device=device) != 5  # an all-zero row: its double-quantized absmaxes are the
+            # mean's rounding residue, not 0, so its scale differs (tiny either way: its codes are all 0)
+            assert torch.equal(s[rows], s_old.reshape(-1)[rows]), f"{(N, K)} {dtype}: row scales differ"
+            assert (q.int() - q_old.int()).abs().max().item() <= 1 and (q[5] == 0).all()
+            n += 1
+    return n
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["stochastic"]:
         print("checked", check_quantize_t_stochastic("cpu"), "stochastic quantizations")
+    elif sys.argv[1:] == ["nf4"]:
+        print("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes")
     elif sys.argv[1:] == ["stochastic_saturates"]:
         print("checked", check_quantize_t_stochastic_saturates("cpu"), "saturating stochastic quantizations")
     else:

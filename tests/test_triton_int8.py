@@ -1,4 +1,5 @@
-"""The Triton INT8 matmul against the exact integer reference: interpreted on CPU, compiled on CUDA."""
+"""The Triton kernels (INT8 matmul, quantize_t, NF4 → INT8) against their references: interpreted on CPU, compiled
+on CUDA."""
 
 import functools
 import os
@@ -75,3 +76,14 @@ def test_triton_quantize_t_cuda():
     from _triton_checks import check_quantize_t
 
     assert check_quantize_t("cuda") > 0
+
+
+def test_triton_nf4_to_int8_interpreted():
+    assert "checked 27 NF4 -> INT8 decodes" in run_interpreted("nf4")
+
+
+@pytest.mark.cuda
+def test_triton_nf4_to_int8_cuda():
+    from _triton_checks import check_nf4_to_int8
+
+    assert check_nf4_to_int8("cuda") == 45

@@ -9,6 +9,10 @@ with torchao's ``to_nf4`` (tests/test_qlora.py), with one documented difference:
 gets code 7 (exactly 0) where torchao divides 0/0 and stores whichever index ``min`` returns for NaN.
 The last group may hold fewer than 256 blocks here (torchao asserts ``n_blocks % 256 == 0``).
 
+INT8 compute reads the codes directly (:func:`nf4_to_int8`): each becomes ``round(level · absmax_block / row_scale)``
+with the row's INT8 scale taken from its block absmaxes (a row's largest magnitude is its largest block absmax:
+each block holds a ±1 code at its absmax), one pass over the 4-bit codes into either layout of the INT8 operand.
+
 Memory: torchao materializes ``x / absmax``, a uint8 code per element and two shifted halves (about
 3x the input at peak). Here the nearest-level search is one ``bucketize`` over 15 precomputed
 thresholds (:func:`nf4_thresholds`, exact for the input dtype), ``chunk_numel`` elements at a time,
@@ -152,6 +156,81 @@ def dequantize_nf4_scales(data: Nf4Data, scaler_block_size: int = SCALER_BLOCK_S
     group = torch.arange(n_blocks, device=scales.device) // scaler_block_size
     flat = scales.reshape(-1) / data.scale_factor[group]
     return (flat.to(data.scale_mean.dtype) + data.scale_mean).view(scales.shape)
+
+
+_LUTS: dict[tuple[torch.dtype, str], Tensor] = {}
+# the levels rounded to each weight dtype, as Python floats (exact in float32): made here, at import, so that
+# nothing is computed from tensors while torch.compile traces nf4_lut
+_LUT_VALUES = {dt: [float(v) for v in torch.tensor(NF4_LEVELS, dtype=dt).float()]
+               for dt in (torch.bfloat16, torch.float16, torch.float32)}
+
+
+def nf4_lut(dtype: torch.dtype, device) -> Tensor:
+    """The 16 levels rounded to the weight's ``dtype`` (what :func:`dequantize_nf4` multiplies), as float32 on
+    ``device``: the table the NF4 → INT8 kernel gathers from.
+
+    Eagerly a tensor made once per (dtype, device); while ``torch.compile`` traces, the same values built on the
+    device from Python constants (one tiny fused kernel, no host copy inside the graph, CUDA-graph safe)."""
+    if dtype not in _LUT_VALUES:  # another floating dtype: made once, eagerly
+        _LUT_VALUES[dtype] = [float(v) for v in nf4_levels(dtype, "cpu").float()]
+    values = _LUT_VALUES[dtype]
+    if torch.compiler.is_compiling():
+        index = torch.arange(16, device=device)
+        lut = torch.full((16,), values[15], dtype=torch.float32, device=device)
+        for i in range(15):
+            lut = torch.where(index == i, values[i], lut)
+        return lut
+    key = (dtype, str(device))
+    if key not in _LUTS:
+        _LUTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return _LUTS[key]
+
+
+def nf4_int8_multipliers(data: Nf4Data) -> tuple[Tensor, Tensor]:
+    """``(mul [rows, cols // 64], scale [rows])``, float32: the INT8 row scales of the weight ``data`` stores and,
+    per 64-element block, the block absmax over its row's scale, so that ``code · scale ≈ level · absmax``.
+
+    Reads only the double-quantized block scales (1/64 of the weight): a row's largest magnitude is its largest
+    block absmax (the quantizer stores ±1 at each block's absmax; for other codes the scale is merely no tighter,
+    never clipping). Plain torch: Inductor fuses it into one small kernel."""
+    absmax = dequantize_nf4_scales(data).float()
+    scale = absmax.abs().amax(1).clamp(min=1e-30) / 127.0  # clamp keeps NaN, as quantize_int8
+    return absmax / scale[:, None], scale
+
+
+def nf4_to_int8_reference(codes: Tensor, mul: Tensor, lut: Tensor, transposed: bool = False) -> Tensor:
+    """Plain-torch ``clamp(round(lut[code] · mul[block]), ±127)`` as int8 ``[rows, cols]`` (``[cols, rows]``
+    contiguous if ``transposed``): what the Triton kernel computes, bit for bit (IEEE float32 products)."""
+    rows = codes.shape[0]
+    mul = mul.repeat_interleave(BLOCK_SIZE, dim=1)
+    if transposed:  # unpacked from the transposed bytes: a compiled graph then shares no intermediate with the
+        # forward's unpacking (on CPU, where these ops are visible, it kept one alive until the backward)
+        c = codes.T
+        idx, mul = torch.stack([c >> 4, c & 15], dim=1).view(-1, rows), mul.T
+    else:
+        idx = torch.stack([codes >> 4, codes & 15], dim=-1).view(rows, -1)
+    return (lut[idx.long()] * mul).round().clamp(-127, 127).to(torch.int8).contiguous()
+
+
+@torch.library.triton_op("hf_lowbit::nf4_to_int8", mutates_args=())
+def nf4_to_int8_op(codes: Tensor, mul: Tensor, lut: Tensor, transposed: bool) -> Tensor:
+    """The INT8 operand of NF4 ``codes`` (see :func:`nf4_to_int8`): Triton on CUDA, the reference elsewhere."""
+    if codes.device.type == "cuda":
+        from .triton_nf4 import nf4_to_int8_triton
+
+        return nf4_to_int8_triton(codes, mul, lut, transposed)
+    return nf4_to_int8_reference(codes, mul, lut, transposed)
+
+
+def nf4_to_int8(data: Nf4Data, transposed: bool = False, multipliers: tuple[Tensor, Tensor] | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """The weight ``data`` stores as the INT8 matmul operand, per output row: ``(q, scale)`` with
+    ``W ≈ diag(scale) · q`` — ``q`` int8 ``[rows, cols]``, or ``[cols, rows]`` contiguous with ``transposed`` (the
+    input gradient's operand) — in one pass over the 4-bit codes (no bf16 weight, no absmax pass over it).
+    ``multipliers``: :func:`nf4_int8_multipliers`'s result when the caller already has it."""
+    mul, scale = multipliers if multipliers is not None else nf4_int8_multipliers(data)
+    lut = nf4_lut(data.scale_mean.dtype, data.codes.device)
+    return nf4_to_int8_op(data.codes, mul.contiguous(), lut, transposed), scale
 
 
 def dequantize_nf4(data: Nf4Data, dtype: torch.dtype | None = None,
