@@ -60,8 +60,8 @@ class LowBitArgumentsMixin:
         "did not improve the loss (docs/benchmarks.md, 'The seed table').")})
     lowbit_cuda_graphs: bool | None = field(default=None, metadata={"help": (
         "Compile with CUDA graphs (torch_compile_mode='reduce-overhead'): at 1-2k-token micro-batches the "
-        "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 full fine-tuning "
-        "(no LoRA) with torch_compile=True, no torch_compile_mode given, on a CUDA device, without FSDP or "
+        "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 compute (full "
+        "fine-tuning, LoRA and QLoRA) with torch_compile=True, no torch_compile_mode given, on a CUDA device, without FSDP or "
         "DeepSpeed.")})
     qat_scheme: str | None = field(default=None, metadata={"help": (
         "Quantization-aware training: fake-quantize the linears during training, then convert with "

@@ -243,12 +243,12 @@ class LowBitTrainer(LowBitTrainerMixin, Trainer):
 def _use_cuda_graphs(args: LowBitArgumentsMixin, adapters: bool = False) -> bool:
     """Whether this run compiles with CUDA graphs (see ``LowBitArgumentsMixin.lowbit_cuda_graphs``).
 
-    Automatically only for full fine-tuning with INT8/FP8 compute: the setup measured on the H200
-    (docs/benchmarks.md "Regimes"); LoRA / QLoRA under CUDA graphs has not been, so ``adapters`` keeps it off
-    unless asked for."""
+    Automatically wherever INT8/FP8 compute runs, full fine-tuning and LoRA / QLoRA alike (``adapters``): at
+    1-2k-token micro-batches both steps wait on kernel launches (measured on the H200: docs/benchmarks.md
+    "Regimes" and "QLoRA regimes"); a QLoRA base computing in bf16 is not low-bit compute and keeps it off."""
     if args.lowbit_cuda_graphs is not None:
         return args.lowbit_cuda_graphs
-    low_bit_compute = bool(args.lowbit_recipes) and not adapters and not args.lora_base_quant
+    low_bit_compute = bool(args.lowbit_recipes)
     # FSDP / DeepSpeed (from the arguments or an accelerate launch config): their hooks and collectives
     # run between the graphs, and the graphs would capture parameters that the wrappers swap
     sharded = bool(args.fsdp) or bool(args.deepspeed) or any(

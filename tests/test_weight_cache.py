@@ -160,9 +160,9 @@ def test_small_micro_batch_warning_only_without_accumulation():
 
 
 def test_cuda_graphs_chosen_only_where_measured(monkeypatch):
-    """LowBitTrainer's automatic CUDA graphs: INT8/FP8 full fine-tuning, compiled without a mode, one CUDA
-    device, nothing sharded (by the arguments or an accelerate launch's environment); never for LoRA/QLoRA (not
-    measured), never over an explicit choice."""
+    """LowBitTrainer's automatic CUDA graphs: INT8/FP8 compute (full fine-tuning, LoRA, QLoRA), compiled without a
+    mode, one CUDA device, nothing sharded (by the arguments or an accelerate launch's environment); never for a
+    QLoRA base computing in bf16, never over an explicit choice."""
     for var in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
         monkeypatch.delenv(var, raising=False)
     from types import SimpleNamespace
@@ -176,8 +176,9 @@ def test_cuda_graphs_chosen_only_where_measured(monkeypatch):
         return SimpleNamespace(**base)
 
     assert _use_cuda_graphs(args())
-    assert not _use_cuda_graphs(args(), adapters=True)
-    assert not _use_cuda_graphs(args(lora_base_quant="nf4"))
+    assert _use_cuda_graphs(args(), adapters=True)  # LoRA / QLoRA with INT8 compute
+    assert _use_cuda_graphs(args(lora_base_quant="nf4"), adapters=True)
+    assert not _use_cuda_graphs(args(lora_base_quant="nf4", lowbit_recipes=[]), adapters=True)  # bf16 compute
     assert not _use_cuda_graphs(args(lowbit_recipes=[]))
     assert not _use_cuda_graphs(args(torch_compile=False))
     assert not _use_cuda_graphs(args(torch_compile_mode="max-autotune"))
