@@ -5,8 +5,9 @@
         --markdown docs/results/nf4_decode_h200.md
 
 For each of a Llama-8B layer's weight shapes, GPU time (``triton.testing.do_bench``, median) of: ``kernel`` /
-``kernel_t``: the decode kernel alone (row-major / transposed output; multipliers made beforehand); ``ours``: ``hf_lowbit.ops.nf4.nf4_to_int8`` (row-major, the forward's operand) and ``ours_t`` (transposed, the input
-gradient's), multipliers included; ``two_step``: dequantize to bf16 then quantize per row (compiled), the way
+``kernel_t``: the decode kernel alone (row-major / transposed output; multipliers made beforehand), launched
+directly as Inductor's generated code launches it; ``ours``: ``hf_lowbit.ops.nf4.nf4_to_int8`` (row-major, the forward's operand) and ``ours_t`` (transposed, the input
+gradient's), with the multipliers computed eagerly (several small kernels, fused into one under compile); ``two_step``: dequantize to bf16 then quantize per row (compiled), the way
 hf_lowbit did it before; ``bnb``: bitsandbytes' ``dequantize_4bit`` to bf16 (what its QLoRA runs before every bf16
 matmul), when installed; ``copy``: a device copy of the INT8 weight (bandwidth reference). GB/s counts the bytes
 each must move (codes + scales read, output written). ``--device cpu`` smoke-tests the script (reference only).
@@ -26,6 +27,7 @@ SHAPES = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336))  # q/o, k/v,
 
 def bench(shapes, device: str) -> list[dict]:
     import torch
+    from torch._library.triton import set_wrap_triton_enabled
 
     from hf_lowbit.ops.int8 import quantize_int8
     from hf_lowbit.ops.nf4 import (dequantize_nf4, nf4_int8_multipliers, nf4_lut, nf4_to_int8, nf4_to_int8_op,
@@ -71,7 +73,11 @@ def bench(shapes, device: str) -> list[dict]:
             qw, state = bnbf.quantize_4bit(w, quant_type="nf4", compress_statistics=True)
             cases["bnb"] = (lambda: bnbf.dequantize_4bit(qw, state, quant_type="nf4"), qw.numel() + 2 * n * k)
         for name, (fn, nbytes) in cases.items():
-            us = timed(fn)
+            # eagerly a triton_op goes through wrap_triton's dispatch, tens of µs on the host a call (on the H200
+            # run of 5b3e153 a 4M-weight decode read ~40 µs, launch-bound): launch the kernels directly, as the
+            # code Inductor generates does
+            with set_wrap_triton_enabled(False):
+                us = timed(fn)
             rows.append({"shape": [n, k], "method": name, "us": us, "gb_s": nbytes / us / 1e3})
             print(rows[-1], flush=True)
     return rows

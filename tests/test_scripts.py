@@ -215,6 +215,19 @@ def test_benchmark_nf4_workers_on_cpu():
     assert load["swapped"] == 7 and load["nf4_model_gib"] < load["checkpoint_gib"]
 
 
+def test_benchmark_nf4_decode_on_cpu():
+    """benchmark_nf4_decode.py in process on tiny shapes: every method timed, bytes counted (no speed asserted)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_nf4_decode",
+                                                  os.path.join(ROOT, "benchmarks", "benchmark_nf4_decode.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.bench(((32, 128),), "cpu")
+    assert [r["method"] for r in rows] == ["kernel", "kernel_t", "ours", "ours_t", "two_step", "copy"]
+    assert all(r["us"] > 0 and r["gb_s"] > 0 for r in rows)
+
+
 def test_benchmark_quality_lora_recipes_in_process():
     """The lora_* recipes of benchmark_quality.py on random tokens: a bf16 pre-trained base, then LoRA over it."""
     import argparse
