@@ -25,6 +25,7 @@ from conftest import snr_db
 from torch import nn
 
 from hf_lowbit import Int8Linear, MixedPrecisionConfig, Nf4Linear, mixed_precision_linear
+from hf_lowbit.ops.nf4 import Nf4Data, dequantize_nf4_scales, nf4_levels
 from hf_lowbit.qat import QATConfig, qat_linear
 
 M, K, N = 512, 256, 384  # tokens, in_features, out_features
@@ -181,10 +182,15 @@ def test_qlora_base_output_and_input_grad_on_heterogeneous_operands(cls, compute
     else:
         if cls is Int8Linear:
             q8, s = base.qweight.double(), base.scale.double()
-        else:  # the INT8 requantization of the dequantized NF4 weight, per out-channel
-            wq = sim_quant(base.dequantize().double(), "int8", 1)
-            s = base.dequantize().abs().amax(1).float().double() / 127
-            q8 = (wq / s[:, None]).round()
+        else:  # NF4 codes straight to INT8, per out-channel (docs/qlora.md "Compute"): each weight's level (in the
+            # weight's dtype) times its block's stored absmax, over the row scale = the largest block absmax / 127,
+            # rounded once
+            codes = base.qweight
+            idx = torch.stack([codes >> 4, codes & 15], dim=-1).view(codes.shape[0], -1).long()
+            absmax = dequantize_nf4_scales(Nf4Data(*base._stored())).double()
+            w = nf4_levels(base.compute_dtype, "cpu").double()[idx] * absmax.repeat_interleave(64, dim=1)
+            s = absmax.abs().amax(1) / 127
+            q8 = (w / s[:, None]).round()
         contract = {"y": sim_quant(X, "int8", 1) @ (q8 * s[:, None]).T + B,
                     "dx": sim_quant(G * s, "int8", 1) @ q8}
     for name, got in (("y", y.detach()), ("dx", x.grad)):
