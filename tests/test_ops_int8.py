@@ -45,6 +45,28 @@ def test_int8_mm_reference_exact(shape):
     assert torch.equal(int8_mm_reference(a, b), (a.long() @ b.long().T).int())
 
 
+@pytest.mark.parametrize("K", [4096, 14336])
+def test_int8_mm_reference_exact_where_a_float32_sum_would_round(K):
+    """The reference sums int8 products in float32 chunks. float32 holds integers exactly only up to 2**24, and
+    127**2 * K passes that beyond K = 1040 (128**2 * K beyond 1024 with the op's -128), so a longer chunk rounds. Random codes cannot show it (their sums stay
+    near sqrt(K) * 127**2, far below 2**24), so rows here have products of one sign and full size: codes of
+    +-127 with matching signs (every product 127**2, odd: the total of 1041 or more is odd and above 2**24, which
+    float32 cannot hold whatever the summation order, so any chunk longer than 1040 rounds it), codes in
+    [100, 127] (sums past 2**24 after ~1,300 terms, odd half of the time), and 1024 products (-128)**2 = 2**14
+    followed by others (outside the quantizer's codes, allowed by the op: any chunk past 1024 rounds there). Bit for bit against an int64 sum (|sum| <= 128**2 * 14336 < 2**31: int32 holds it)."""
+    g = torch.Generator().manual_seed(K)
+    sign = torch.randint(0, 2, (K,), generator=g) * 2 - 1
+    a = (torch.randint(100, 128, (6, K), generator=g) * sign).to(torch.int8)
+    b = (torch.randint(100, 128, (5, K), generator=g) * sign).to(torch.int8)
+    b[1] = -b[1]  # negative sums
+    a[2, :1024], b[2, :1024] = -128, -128
+    a[3], b[3] = (127 * sign).to(torch.int8), (127 * sign).to(torch.int8)
+    exact = a.long() @ b.long().T
+    assert exact.abs().max() > 2 ** 24 and (exact % 2).any()  # the operands do reach float32's rounding
+    assert torch.equal(int8_mm_reference(a, b).long(), exact)
+    assert torch.equal(int8_mm_reference(a.T.contiguous().T, b), exact.int())  # strided K: the same sums
+
+
 def test_scaled_mm_transposed_views_and_dtypes():
     a = torch.randint(-127, 128, (48, 40), dtype=torch.int8).T  # [40, 48] with K stride != 1
     b = torch.randint(-127, 128, (48, 24), dtype=torch.int8).T  # [24, 48]
