@@ -3,8 +3,9 @@
 The model is converted (:func:`hf_lowbit.qat.convert_qat`: torchao tensor subclasses, e.g.
 ``IntxUnpackedToInt8Tensor`` for 8da4w), given a ``TorchAoConfig`` quantization config and an
 ``hf_quantizer`` so that ``save_pretrained`` flattens the subclasses into ``model.safetensors`` with
-torchao's metadata, and written with the tokenizer files and a model card into a temporary
-directory beside ``path`` that is renamed to ``path`` only when everything is written. Loading needs
+torchao's metadata, and written with the tokenizer files and a model card into ``.tmp-<name>`` beside
+``path``, swapped in only when everything is written (:mod:`hf_lowbit.atomic`; the next export removes what
+a killed one left there). Loading needs
 only ``AutoModelForCausalLM.from_pretrained(path)`` (transformers >= 5 with torchao installed).
 """
 
@@ -14,11 +15,11 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import types
 
 from torch import nn
 
+from . import atomic
 from .qat import QATConfig, QATLinear, _torchao_fake_quantized_types, convert_qat
 
 MODEL_CARD = """---
@@ -53,7 +54,8 @@ def save_quantized(model: nn.Module, path: str, config: QATConfig, tokenizer=Non
     ``model`` is converted in place (it then computes with torchao's quantized weights, as the
     saved checkpoint does); a PEFT model is merged and unloaded first (LoRA folded into the base).
     ``path`` must not exist or be an empty directory, or a checkpoint directory written by this function
-    before (replaced as a whole). Returns the names of the files written.
+    before (replaced as a whole, in one step: a process killed at any moment leaves the old or the new
+    export). Returns the names of the files written.
     """
     from transformers import TorchAoConfig
     from transformers.quantizers.auto import AutoHfQuantizer
@@ -77,9 +79,9 @@ def save_quantized(model: nn.Module, path: str, config: QATConfig, tokenizer=Non
     if os.path.exists(path) and os.listdir(path) and not _is_export(path):
         raise FileExistsError(f"save_quantized: {path} exists and is neither empty nor an earlier save_quantized "
                               "output; choose a new path")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
+    tmp = atomic.staging_dir(path)  # .tmp-<name> beside path; renamed to path only when complete
+    atomic.clear(tmp, tmp + ".old")  # left by a save_quantized killed before it finished
+    os.makedirs(tmp)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
@@ -92,41 +94,13 @@ def save_quantized(model: nn.Module, path: str, config: QATConfig, tokenizer=Non
                                       group_size=config.group_size, base_config=type(config.base_config()).__name__,
                                       n_converted=len(converted), dtype=dtype,
                                       kept=", ".join(f"`{k}`" for k in kept) or "none"))
-        if os.path.exists(path):  # replace an earlier export: one atomic exchange where the OS has it
-            if _exchange(tmp, path):
-                shutil.rmtree(tmp)  # now the earlier export
-            else:
-                old = path + ".old-" + os.path.basename(tmp)
-                os.rename(path, old)
-                os.rename(tmp, path)
-                shutil.rmtree(old)
-        else:
-            os.rename(tmp, path)
+        atomic.replace_dir(tmp, path)  # an earlier export is swapped out in one step where the OS can
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     model.push_to_hub = types.MethodType(
         lambda self, repo_id, **kw: push_quantized_to_hub(path, repo_id, **kw), model)
     return sorted(os.listdir(path))
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``), so that a process killed
-    at any moment leaves either the old or the new export at ``b``, never neither. False where the OS or
-    file system does not offer it (the caller then renames twice)."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    AT_FDCWD, RENAME_EXCHANGE = -100, 2
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    return renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0
 
 
 def push_quantized_to_hub(path: str, repo_id: str, *, token=None, private: bool | None = None,
