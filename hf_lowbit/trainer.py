@@ -7,12 +7,14 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import shutil
 import warnings
 
 import torch
 from transformers import Trainer
 
+from . import atomic
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments
 from .distributed import prepare_integer_params_for_fsdp2, prepare_lowbit_all_gather, unsharded_copy
 from .export import merge_lora, save_quantized
@@ -25,6 +27,8 @@ from .validation import LowBitWarning, check_training_setup
 
 DATA_STATE_NAME = "hf_lowbit_data_state.json"
 _SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
+# what an interrupted checkpoint save or rotation leaves in the run directory (removed by the next save)
+_STALE_CHECKPOINT = re.compile(r"^\.tmp-checkpoint-\d+(\.old)?$")
 
 
 class LowBitTrainerMixin:
@@ -138,20 +142,48 @@ class LowBitTrainerMixin:
         self.lowbit_throughput.reset()
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    # ------------------------------------------------------------------ checkpoints that survive a kill
+    # ------------------------------------------------------------------ saves that survive a kill
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``, written to ``<output_dir>/.tmp-model`` and moved in with the config last
+        (:func:`hf_lowbit.atomic.publish_files`): killed at any moment, ``output_dir`` holds the previous model,
+        the new one, or no ``config.json`` (no model) beside the ``.tmp-model`` that the next save removes.
+        Checkpoints (``_internal_call``) are staged whole by ``_save_checkpoint``. Under FSDP or DeepSpeed
+        every process writes its part, so every process must call it, as for the Trainer's own."""
+        if _internal_call:
+            return super().save_model(output_dir, _internal_call=True)
+        target = output_dir if output_dir is not None else self.args.output_dir
+        staging = os.path.join(target, atomic.MODEL_STAGING)
+        collective = self.is_fsdp_enabled or self.is_deepspeed_enabled  # all ranks write (sharded states)
+        if self.args.should_save:
+            atomic.clear(staging)  # left by a save killed before it finished
+            os.makedirs(target, exist_ok=True)
+        if collective:
+            self.accelerator.wait_for_everyone()
+        super().save_model(staging, _internal_call=True)  # no push yet: the files are not in place
+        if collective:
+            self.accelerator.wait_for_everyone()
+        if self.args.should_save and os.path.isdir(staging):
+            atomic.publish_files(staging, target)
+        if collective:
+            self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     def _save_checkpoint(self, model, trial):
-        """Write ``checkpoint-N`` under ``.tmp-checkpoint-N/`` and rename it into place once complete: a
+        """Write ``checkpoint-N`` under ``.tmp-checkpoint-N/`` and swap it into place once complete: a
         process killed mid-save leaves the previous checkpoint the last one (``get_last_checkpoint`` and
-        ``resume_from_checkpoint=True`` see only complete ones). A streaming train dataset's position is
-        saved with it (``hf_lowbit_data_state.json``) so resuming continues the stream where it was."""
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+        ``resume_from_checkpoint=True`` see only complete ones), and the next checkpoint save removes what it
+        left. Checkpoints over ``save_total_limit`` are renamed away before they are deleted, so none is ever
+        half deleted. A streaming train dataset's position is saved with it (``hf_lowbit_data_state.json``)
+        so resuming continues the stream where it was."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging = os.path.join(run_dir, f".tmp-{name}")
+        staging = os.path.join(run_dir, atomic.TMP + name)
         main = self.args.should_save
-        if main:
-            shutil.rmtree(staging, ignore_errors=True)  # left by a killed run
+        if main and os.path.isdir(run_dir):  # what killed saves left: staged and parked checkpoints
+            atomic.clear(*(os.path.join(run_dir, d) for d in os.listdir(run_dir) if _STALE_CHECKPOINT.match(d)))
         self.accelerator.wait_for_everyone()
         self._get_output_dir = lambda trial=None: staging  # every rank writes its part into the staging dir
         try:
@@ -166,17 +198,32 @@ class LowBitTrainerMixin:
                 json.dump(self.train_dataset.position(consumed), f)
         self.accelerator.wait_for_everyone()
         if main:
-            if os.path.exists(final):  # the same step saved again (a resumed run)
-                shutil.rmtree(final)
-            os.rename(staged, final)
-            shutil.rmtree(staging, ignore_errors=True)
             best = self.state.best_model_checkpoint
             if best and best.startswith(staging):
                 self.state.best_model_checkpoint = run_dir + best[len(staging):]
-                self.state.save_to_json(os.path.join(final, "trainer_state.json"))
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+                self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+            atomic.replace_dir(staged, final)  # the same step saved again (a resumed run) is swapped out whole
+            shutil.rmtree(staging, ignore_errors=True)
+            self._rotate_checkpoints_atomically(run_dir)
         self.accelerator.wait_for_everyone()
+
+    def _rotate_checkpoints_atomically(self, run_dir: str) -> None:
+        """``save_total_limit``: delete the oldest checkpoints (by modification time: a resumed run's new ones
+        count as newest) but the newest and the best, each renamed to ``.tmp-checkpoint-N.old`` first."""
+        from transformers.trainer_utils import sort_checkpoints
+
+        limit = self.args.save_total_limit
+        if not limit or limit <= 0:
+            return
+        found = [os.path.normpath(c) for c in sort_checkpoints(run_dir, use_mtime=True)]
+        best = self.state.best_model_checkpoint
+        keep = {found[-1]} | ({os.path.normpath(best)} if best else set())
+        doomed = [c for c in found if c not in keep][:max(0, len(found) - max(limit, len(keep)))]
+        for path in doomed:
+            parked = atomic.staging_dir(path) + ".old"
+            atomic.clear(parked)
+            os.rename(path, parked)
+            shutil.rmtree(parked)
 
     def _seek_data(self, resume_from_checkpoint) -> None:
         """Put a streaming train dataset where the checkpoint left it; the Trainer then skips no batches."""
