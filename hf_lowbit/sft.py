@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import re
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 
+from . import atomic
 from .args import LowBitTrainingArguments
 from .data import ARITHMETIC_CHARS, DataFormatError, arithmetic_records, build_char_tokenizer, completion_accuracy
 
@@ -260,6 +260,10 @@ def build_parser(show_all: bool = False) -> HfArgumentParser:
         if action.dest == "output_dir":  # TrainingArguments' None becomes trainer_output/ in its __post_init__
             action.help = "Where the final model, sft_metrics.json and checkpoints are written."
             action.default = "trainer_output"
+        if action.dest == "resume_from_checkpoint":
+            action.help = ("A checkpoint-N directory to resume from; True: the last complete checkpoint in "
+                           "--output_dir; False: start over. Unset: the last complete checkpoint in --output_dir if "
+                           "there is one (a killed run goes on when the same command runs again), else start over.")
     other = parser.add_argument_group("all other TrainingArguments (transformers)")
     for action in list(default_group._group_actions):
         if action.dest in ("help", "help_all"):
@@ -298,6 +302,7 @@ def parse_args(argv: list[str] | None = None):
         dests = {a.dest for a in parser._actions}
         raise UsageError(_flag_message(str(e).strip().splitlines()[0], dests)) from None
     check_training_values(train_args, data_args, embedded)
+    train_args.resume_from_checkpoint = resume_checkpoint(train_args.resume_from_checkpoint, train_args.output_dir)
     if not ({"dataloader_pin_memory", "no_dataloader_pin_memory"} & given) and not torch.cuda.is_available():
         train_args.dataloader_pin_memory = False  # nothing to pin to: spare the DataLoader's warning
     return model_args, data_args, lora_args, train_args, embedded
@@ -325,6 +330,32 @@ def check_training_values(args: LowBitTrainingArguments, data_args: DataArgument
     if data_args.streaming and args.dataloader_num_workers > 1:
         raise UsageError("--streaming with --dataloader_num_workers > 1: each worker would read the whole stream; "
                          "use 0 or 1 (--dataset_num_proc does not apply to a stream)")
+
+
+def resume_checkpoint(value: str | None, output_dir: str) -> str | None:
+    """The checkpoint directory a run resumes from (None: it starts over), for ``--resume_from_checkpoint value``.
+
+    Unset, the last complete ``checkpoint-N`` in ``output_dir`` (checkpoints are renamed into place only once
+    written, so a killed save is never one), else none: running the same command again after a kill goes on
+    from the last checkpoint. ``True``/``False`` ask for the last one / none, anything else is a checkpoint
+    directory, which must hold a ``trainer_state.json``."""
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if value is None:
+        return last
+    if value.lower() in ("false", "no", "none"):
+        return None
+    if value.lower() in ("true", "yes", "last"):
+        if last is None:
+            raise UsageError(f"--resume_from_checkpoint {value}: no checkpoint in --output_dir {output_dir}; "
+                             "leave the flag out to start over")
+        return last
+    if not os.path.isfile(os.path.join(value, TRAINER_STATE_NAME)):
+        raise UsageError(f"--resume_from_checkpoint {value}: not a Trainer checkpoint (no {TRAINER_STATE_NAME}); "
+                         "give a checkpoint-N directory, True for the last one in --output_dir, or False")
+    return value
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -445,6 +476,9 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = LowBitTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                             processing_class=tokenizer, callbacks=[timer := StepTimeCallback()],
                             peft_config=lora_args.peft_config(args))
+    if args.resume_from_checkpoint and trainer.is_world_process_zero():
+        print(f"[hf_lowbit] resuming from {args.resume_from_checkpoint} (--resume_from_checkpoint False starts over)",
+              flush=True)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     model.config.use_cache = True  # the saved config serves inference
 
@@ -476,8 +510,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.save_quantized(quantized_dir)
         metrics["quantized_dir"] = quantized_dir
     if trainer.is_world_process_zero():
-        with open(os.path.join(args.output_dir, "sft_metrics.json"), "w") as f:
-            json.dump(metrics, f, indent=2)
+        atomic.write_json(os.path.join(args.output_dir, "sft_metrics.json"), metrics)
         print("[hf_lowbit] final: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in metrics.items() if not isinstance(v, list)))
         print(f"[hf_lowbit] model and tokenizer saved to {args.output_dir}")
