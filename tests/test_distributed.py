@@ -4,16 +4,18 @@ For each config, one ``accelerate launch`` (tests/_dist_sft.py) runs scripts/sft
 default for every recipe in ``RECIPES`` (4 steps, 2 processes x 4 blocks, checkpoint every 2 steps)
 and resumes the first recipe from its step-2 checkpoint. Compared with one process x 8 blocks:
 
-* step 1 (same weights, same 8 blocks): equal within ``STEP1_ATOL`` -- only reduction order differs.
-  (``accelerate launch --cpu --num_processes 2`` starts ONE process; CPU multi-process needs the
+* step 1 (same weights, same 8 blocks): equal within ``STEP1_ATOL`` -- only the order of the loss's float32
+  sums differs. (``accelerate launch --cpu --num_processes 2`` starts ONE process; CPU multi-process needs the
   config's torchrun launcher with ``ACCELERATE_USE_CPU=1``. A wrong data split shows here at once.)
-* later steps: within ``LATER_ATOL``. INT8/FP8 quantize the weight-gradient matmul dW = dYᵀ·X per
-  feature across the tokens *of each process*, so each rank's scales differ from the single process's
-  and the averaged gradients differ by quantization noise (with --lowbit_grad_weight False the runs
-  agree to 2e-6; measured here: INT8 <= 1e-4, FP8 <= 1.4e-3 by step 4).
-* FSDP2 vs DDP: the same per-rank computation, so within ``STEP1_ATOL`` at every step (QAT: at step 1;
-  later within ``CROSS_CONFIG_ATOL``, since fake quantization turns reduction-order noise into int4 code flips).
-* resume from the step-2 checkpoint (sharded for FSDP2): steps 3-4 equal the uninterrupted run.
+* later steps: within ``later_atol`` (derived there: 10% of the loss's descent since step 1). INT8/FP8 quantize
+  the weight-gradient matmul dW = dYᵀ·X per feature across the tokens *of each process*, so each rank's
+  scales differ from the single process's.
+* FSDP2 vs DDP: within ``STEP1_ATOL`` at step 1 only. Later they differ as two runs of different reduction
+  orders do: a one-ulp difference in an updated weight can flip one INT8 code (or QAT's int4 code), which
+  moves a loss by more than any float32 rounding bound (seen: 7.5e-5 at step 4). Both are within ``later_atol``
+  of the single process, so within twice that of each other; no tighter bound holds.
+* resume from the step-2 checkpoint (sharded for FSDP2): steps 3-4 equal the uninterrupted run
+  (one process count, the same arithmetic on restored state; measured bit-identical).
 """
 
 import json
@@ -43,11 +45,21 @@ RECIPES = {
 REPORT = {"lora_int8_base": "lora_base_quant"}  # recipe -> the swap report it prints (default: its own name)
 CONFIGS = {"ddp": "MULTI_CPU", "fsdp2": "FSDP"}  # config file -> accelerate's distributed type
 STEPS, GLOBAL_BATCH, PROCESSES = 4, 8, 2
+# Step 1: the loss is a mean of 8 x 32 token losses (~2.8 each), summed pairwise or by blocks in float32 in
+# either layout; each way errs by at most log2(256) * 2**-24 * 2.8 = 1.3e-6, so two ways differ by < 3e-6 (1e-5).
 STEP1_ATOL = 1e-5
-LATER_ATOL = 5e-3
-# DDP vs FSDP2 after step 1: QAT rounds each weight to a 16-level int4 grid in every forward, so a
-# reduction-order difference of ~1e-7 in an updated weight can flip its code (measured 2.4e-4 at step 3)
-CROSS_CONFIG_ATOL = {"qat": LATER_ATOL}
+# Later steps: a quantized dW carries a relative error of at most 4.8% (FP8's 26.4 dB floor in test_numerics;
+# INT8's 29.0 dB: 3.5%), placed differently in the two runs (per-process scales, other rounding flips), so to
+# first order the two runs' updates move the loss by amounts that differ by up to 2 * 4.8% < 10% of what the
+# updates move it: by step k the runs may differ by 10% of the single process's descent since step 1.
+DESCENT_FRACTION = 0.1
+
+
+def later_atol(ref: list[float], k: int) -> float:
+    """How far a run may be from the single-process losses ``ref`` at step ``k + 1`` (see DESCENT_FRACTION)."""
+    return STEP1_ATOL + DESCENT_FRACTION * max(abs(ref[0] - r) for r in ref[: k + 1])
+
+
 RUN = ["--max_steps", str(STEPS), "--logging_steps", "1", "--block_size", "32", "--arithmetic_train_records", "400",
        "--arithmetic_eval_records", "4", "--eval_strategy", "no", "--lr_scheduler_type", "constant",
        "--warmup_steps", "0", "--report_to", "none", "--disable_tqdm", "True", "--seed", "0"]
@@ -174,7 +186,7 @@ def test_two_processes_match_one_and_resume(config, one_process, tmp_path):
         ref = one_process[recipe]
         assert len(losses) == len(ref) == STEPS
         assert abs(losses[0] - ref[0]) <= STEP1_ATOL, (recipe, losses, ref)
-        assert max(abs(a - b) for a, b in zip(losses, ref)) <= LATER_ATOL, (recipe, losses, ref)
+        assert all(abs(a - b) <= later_atol(ref, k) for k, (a, b) in enumerate(zip(losses, ref))), (recipe, losses, ref)
         # the swap report prints on rank 0 only (the first recipe also prints for the resumed run)
         report = REPORT.get(recipe, recipe)
         printed = sum(REPORT.get(r, r) == report for r in RECIPES) + (report == next(iter(RECIPES)))
@@ -198,14 +210,11 @@ def test_two_processes_match_one_and_resume(config, one_process, tmp_path):
     _, resumed = _losses(tmp_path / "resumed")
     assert not (tmp_path / "resumed" / "checkpoint-2").exists()  # it started at step 2, not from scratch
     full = run_losses[next(iter(RECIPES))]
-    assert max(abs(a - b) for a, b in zip(resumed, full)) <= 1e-6, (resumed, full)
+    assert resumed == full, (resumed, full)  # steps 1-2 from the checkpoint, 3-4 recomputed from its state: exact
 
-    # FSDP2 computes on each rank what DDP does (only the gradient reduction differs): when both
-    # configs ran in this session, their losses agree at every step, not just within LATER_ATOL.
+    # FSDP2 computes on each rank what DDP does: with the configs that ran in this session, step-1
+    # losses agree as float32 sums in two orders do. Later steps: see the module docstring (no tighter bound holds).
     _LOSSES[config] = run_losses
-    if set(_LOSSES) == set(CONFIGS):
+    for other, losses in _LOSSES.items():
         for recipe in RECIPES:
-            ddp, fsdp = _LOSSES["ddp"][recipe], _LOSSES["fsdp2"][recipe]
-            assert abs(ddp[0] - fsdp[0]) <= STEP1_ATOL, (recipe, ddp, fsdp)
-            atol = CROSS_CONFIG_ATOL.get(recipe, STEP1_ATOL)
-            assert max(abs(a - b) for a, b in zip(ddp, fsdp)) <= atol, (recipe, ddp, fsdp)
+            assert abs(losses[recipe][0] - run_losses[recipe][0]) <= STEP1_ATOL, (recipe, other, config)
