@@ -17,7 +17,7 @@ from .qat import QATConfig, QATLinear, convert_qat, convert_to_qat, prepare_qat,
 from .quantized_base import Int8Linear, Nf4Linear, QuantizedBaseConfig, convert_to_quantized_base, quantize_base
 from .swap import LinearFilter, SwapReport, swap_linears
 from .trainer import LowBitTrainer, LowBitTrainerMixin
-from .validation import LowBitWarning, check_training_setup
+from .validation import LowBitWarning, UnsupportedSetupError, check_training_setup
 
 # PEFT picks hf_lowbit.LoraLinear for the quantized bases (get_peft_model, PeftModel.from_pretrained, …)
 # through a dispatcher put in front of its own; see register_with_peft and docs/design.md.
@@ -48,5 +48,5 @@ __all__ = [
     "save_quantized", "push_quantized_to_hub",
     "LoraLinear", "register_with_peft", "Nf4Linear", "Int8Linear", "QuantizedBaseConfig",
     "convert_to_quantized_base", "quantize_base", "load_quantized_model",
-    "LinearFilter", "SwapReport", "swap_linears", "LowBitWarning", "check_training_setup",
+    "LinearFilter", "SwapReport", "swap_linears", "LowBitWarning", "UnsupportedSetupError", "check_training_setup",
 ]

@@ -11,6 +11,8 @@ cannot shard, and rebuilding a full model from a sharded one for the QAT export.
 * :func:`enable_lowbit_all_gather` (from :mod:`hf_lowbit.fsdp_lowbit_all_gather`): FSDP2 all-gathers the
   INT8/FP8 layers' weights as codes + row scales; :func:`prepare_lowbit_all_gather` is ``LowBitTrainer``'s
   call of it for ``lowbit_fsdp_lowbit_all_gather``, before accelerate shards the model.
+* :func:`deepspeed_zero_stage` / :func:`check_deepspeed`: the ZeRO stage of a DeepSpeed run and the recipes
+  refused under it (one line naming the setting and FSDP2, at ``LowBitTrainer`` construction).
 * :func:`unsharded_copy`: a CPU copy of a (sharded) model holding a gathered full state dict, with the
   same recipe swaps; ``LowBitTrainer.save_quantized`` converts and writes it on rank 0.
 """
@@ -26,7 +28,7 @@ import torch
 from .args import LowBitArgumentsMixin
 from .fsdp_lowbit_all_gather import enable_lowbit_all_gather
 from .prepare import apply_recipes
-from .validation import LowBitWarning
+from .validation import LowBitWarning, UnsupportedSetupError
 
 # torch's FSDP2 before 2.13 creates every sharded parameter with requires_grad=True first, which integer
 # tensors cannot have ("only Tensors of floating point dtype can require gradients"; seen with 2.11)
@@ -109,6 +111,38 @@ def prepare_lowbit_all_gather(args: LowBitArgumentsMixin, model, fsdp_plugin) ->
     return names
 
 
+def deepspeed_zero_stage(args) -> int | None:
+    """The ZeRO stage of a DeepSpeed run, None without DeepSpeed. ``TrainingArguments`` builds the plugin both
+    from ``deepspeed=<config>`` and from an ``accelerate launch`` DeepSpeed config (``ACCELERATE_USE_DEEPSPEED``)."""
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if plugin is None:
+        return None
+    stage = plugin.hf_ds_config.get_value("zero_optimization.stage")
+    return int(stage) if stage not in (None, "auto") else int(plugin.zero_stage)
+
+
+def check_deepspeed(args) -> None:
+    """Refuse, before the model is touched, what cannot run under DeepSpeed (docs/distributed.md "DeepSpeed",
+    decided from runs on 2 CPU processes): under ZeRO-3 the QLoRA bases and the QAT export. ZeRO-3 turns every
+    weight into an empty placeholder as the model is built (``zero.Init``) and gathers it only inside forward and
+    backward hooks, so there is no weight to quantize into NF4/INT8 codes when the trainer swaps the linears, and
+    ``save_quantized`` has no way to rebuild the whole model on one rank. ZeRO-1/2 shard optimizer state and
+    gradients only: every recipe runs there."""
+    stage = deepspeed_zero_stage(args)
+    if stage is None or stage < 3:
+        return
+    cls, setting = type(args).__name__, "DeepSpeed ZeRO-3 (zero_optimization.stage 3)"
+    alternative = "shard with FSDP2 (accelerate_configs/fsdp2.yaml) or use ZeRO-2 (accelerate_configs/deepspeed_zero2.yaml)"
+    if args.lora_base_quant:
+        raise UnsupportedSetupError(
+            f"{cls}.lora_base_quant={args.lora_base_quant!r} under {setting}: ZeRO-3 partitions every weight into an "
+            f"empty placeholder as the model is built, leaving none to quantize into the base's codes; {alternative}")
+    if args.qat_scheme is not None:
+        raise UnsupportedSetupError(
+            f"{cls}.qat_scheme={args.qat_scheme!r} under {setting}: save_quantized cannot rebuild the model from "
+            f"ZeRO-3's partitions to export it; {alternative}")
+
+
 def unsharded_copy(model, state: dict, args: LowBitArgumentsMixin):
     """A CPU copy of ``model`` (a transformers model, maybe FSDP2-sharded) holding the full ``state``."""
     from torch.distributed.fsdp import FSDPModule
@@ -120,5 +154,5 @@ def unsharded_copy(model, state: dict, args: LowBitArgumentsMixin):
     return copy
 
 
-__all__ = ["carrier_dtype", "enable_lowbit_all_gather", "fsdp2_shards_integer_params", "keep_integer_params_unsharded",
+__all__ = ["carrier_dtype", "check_deepspeed", "deepspeed_zero_stage", "enable_lowbit_all_gather", "fsdp2_shards_integer_params", "keep_integer_params_unsharded",
            "prepare_integer_params_for_fsdp2", "prepare_lowbit_all_gather", "unsharded_copy"]

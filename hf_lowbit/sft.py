@@ -28,6 +28,7 @@ from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 from . import atomic
 from .args import LowBitTrainingArguments
 from .data import ARITHMETIC_CHARS, DataFormatError, arithmetic_records, build_char_tokenizer, completion_accuracy
+from .validation import UnsupportedSetupError
 
 
 class UsageError(ValueError):
@@ -302,6 +303,12 @@ def parse_args(argv: list[str] | None = None):
         dests = {a.dest for a in parser._actions}
         raise UsageError(_flag_message(str(e).strip().splitlines()[0], dests)) from None
     check_training_values(train_args, data_args, embedded)
+    from .distributed import check_deepspeed
+
+    try:  # what DeepSpeed cannot run, before minutes of data and model loading
+        check_deepspeed(train_args)
+    except UnsupportedSetupError as e:
+        raise UsageError(_flag_message(str(e), {a.dest for a in parser._actions})) from None
     train_args.resume_from_checkpoint = resume_checkpoint(train_args.resume_from_checkpoint, train_args.output_dir)
     if not ({"dataloader_pin_memory", "no_dataloader_pin_memory"} & given) and not torch.cuda.is_available():
         train_args.dataloader_pin_memory = False  # nothing to pin to: spare the DataLoader's warning
@@ -519,7 +526,7 @@ def main(argv: list[str] | None = None) -> dict:
     return metrics
 
 
-USER_ERRORS = (UsageError, DataFormatError)
+USER_ERRORS = (UsageError, DataFormatError, UnsupportedSetupError)
 
 
 def cli(argv: list[str] | None = None) -> None:

@@ -16,7 +16,7 @@ from transformers import Trainer
 
 from . import atomic
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments
-from .distributed import prepare_integer_params_for_fsdp2, prepare_lowbit_all_gather, unsharded_copy
+from .distributed import check_deepspeed, prepare_integer_params_for_fsdp2, prepare_lowbit_all_gather, unsharded_copy
 from .export import merge_lora, save_quantized
 from .liger import apply_liger
 from .mixed_precision import MixedPrecisionLinear
@@ -59,6 +59,7 @@ class LowBitTrainerMixin:
         if model is None or isinstance(model, str):
             raise ValueError(f"{name} prepares the model when it is constructed: pass model=<a loaded model>; "
                              "model names and model_init are not supported")
+        check_deepspeed(args)  # before the swaps: under ZeRO-3 the weights may already be empty placeholders
         base_takes_peft = "peft_config" in inspect.signature(super().__init__).parameters
         model, self.lowbit_reports = apply_recipes(model, args, peft_config, attach_peft=not base_takes_peft)
         log_reports(self.lowbit_reports)

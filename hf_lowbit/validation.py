@@ -18,6 +18,11 @@ class LowBitWarning(UserWarning):
     """A setup in which a low-bit recipe is correct but likely slow or unstable."""
 
 
+class UnsupportedSetupError(ValueError):
+    """A recipe asked for in a (distributed) setup it cannot run in; the message names the setting and what to use
+    instead (``hf-lowbit-sft`` prints it as one line and exits with status 2)."""
+
+
 # Optimizers tested with INT8 mixed precision. 8-bit optimizers diverged with it in the seed's tests.
 OPTIMIZER_ALLOWLIST = frozenset({
     "adamw_torch", "adamw_torch_fused", "adamw_hf", "adafactor", "sgd", "adagrad", "rmsprop",

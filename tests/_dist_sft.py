@@ -15,7 +15,31 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.common import allow_fsdp_on_cpu  # noqa: E402
 
+
+def allow_deepspeed_on_cpu() -> None:
+    """Let accelerate count DeepSpeed's CPU processes (``DS_ACCELERATOR=cpu``, gloo).
+
+    accelerate 1.15 picks a backend only for accelerator devices or ``cpu=True``, and ``cpu=True`` turns DeepSpeed
+    off. Without a device it leaves the backend ``None`` after DeepSpeed has initialised gloo itself, and then
+    counts ONE process, so DeepSpeed's batch check fails (train_batch_size 4 != 4 * 1 * 2). This reports what
+    DeepSpeed set up: gloo over the launcher's processes."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    prepare = PartialState._prepare_backend
+
+    def prepare_gloo(self, cpu=False, sagemaker_dp=False, backend=None):
+        found = prepare(self, cpu, sagemaker_dp, backend)
+        if found == (None, DistributedType.NO) and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+            return "gloo", DistributedType.MULTI_CPU
+        return found
+
+    PartialState._prepare_backend = prepare_gloo
+
+
 allow_fsdp_on_cpu()
+if os.environ.get("DS_ACCELERATOR") == "cpu":
+    allow_deepspeed_on_cpu()
 
 from hf_lowbit.sft import main  # noqa: E402
 

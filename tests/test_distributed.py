@@ -1,4 +1,5 @@
-"""Every landed recipe under accelerate_configs/ddp.yaml and fsdp2.yaml, in 2 CPU processes (gloo).
+"""Every landed recipe under accelerate_configs/ddp.yaml, fsdp2.yaml and the DeepSpeed configs, in 2 CPU
+processes (gloo; DeepSpeed through its CPU accelerator, where deepspeed is installed).
 
 For each config, one ``accelerate launch`` (tests/_dist_sft.py) runs scripts/sft.py's embedded
 default for every recipe in ``RECIPES`` (4 steps, 2 processes x 4 blocks, checkpoint every 2 steps)
@@ -14,10 +15,11 @@ and resumes the first recipe from its step-2 checkpoint. Compared with one proce
   orders do: a one-ulp difference in an updated weight can flip one INT8 code (or QAT's int4 code), which
   moves a loss by more than any float32 rounding bound (seen: 7.5e-5 at step 4). Both are within ``later_atol``
   of the single process, so within twice that of each other; no tighter bound holds.
-* resume from the step-2 checkpoint (sharded for FSDP2): steps 3-4 equal the uninterrupted run
+* resume from the step-2 checkpoint (sharded for FSDP2 and ZeRO-3): steps 3-4 equal the uninterrupted run
   (one process count, the same arithmetic on restored state; measured bit-identical).
 """
 
+import importlib.util
 import json
 import os
 import socket
@@ -43,7 +45,10 @@ RECIPES = {
     "lora_int8_base": ["--int8_mixed_precision", "True", "--fp8_mixed_precision", "False", "--lora_base_quant", "int8"],
 }
 REPORT = {"lora_int8_base": "lora_base_quant"}  # recipe -> the swap report it prints (default: its own name)
-CONFIGS = {"ddp": "MULTI_CPU", "fsdp2": "FSDP"}  # config file -> accelerate's distributed type
+CONFIGS = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "deepspeed_zero2": "DEEPSPEED"}  # config -> accelerate's type
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+NEEDS_DEEPSPEED = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (not in requirements/ci.txt; "
+                                     "its refusals are tested without it)")
 STEPS, GLOBAL_BATCH, PROCESSES = 4, 8, 2
 # Step 1: the loss is a mean of 8 x 32 token losses (~2.8 each), summed pairwise or by blocks in float32 in
 # either layout; each way errs by at most log2(256) * 2**-24 * 2.8 = 1.3e-6, so two ways differ by < 3e-6 (1e-5).
@@ -150,10 +155,12 @@ def _launch(config: str, tmp_path) -> subprocess.CompletedProcess:
 
 def _accelerate(config: str, runs: list[str], timeout: int) -> subprocess.CompletedProcess:
     """``tests/_dist_sft.py runs`` under ``accelerate launch`` with ``accelerate_configs/<config>.yaml``, in
-    PROCESSES gloo processes. ACCELERATE_USE_CPU: gloo processes from the config's (torchrun) launcher.
+    PROCESSES gloo processes. ACCELERATE_USE_CPU: gloo processes from the config's (torchrun) launcher; DeepSpeed
+    runs on its CPU accelerator instead (DS_ACCELERATOR=cpu: gloo; ACCELERATE_USE_CPU would turn DeepSpeed off).
     ACCELERATE_TORCH_DEVICE=cpu: the Trainer maps a resumed DDP optimizer state to args.device, and "cpu:0" is
     not a location torch.load knows."""
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", ACCELERATE_TORCH_DEVICE="cpu", OMP_NUM_THREADS="1",
+    cpu = {"DS_ACCELERATOR": "cpu"} if config.startswith("deepspeed") else {"ACCELERATE_USE_CPU": "1"}
+    env = dict(os.environ, **cpu, ACCELERATE_TORCH_DEVICE="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"), "--num_processes", str(PROCESSES),
@@ -175,7 +182,8 @@ def _run_script(name: str, marker: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", [c if c in ("ddp", "fsdp2") else pytest.param(c, marks=NEEDS_DEEPSPEED)
+                                    for c in CONFIGS])
 def test_two_processes_match_one_and_resume(config, one_process, tmp_path):
     proc = _launch(config, tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -207,14 +215,104 @@ def test_two_processes_match_one_and_resume(config, one_process, tmp_path):
     checkpoint = tmp_path / next(iter(RECIPES)) / "checkpoint-2"
     if config == "fsdp2":  # training checkpoints stay sharded (fsdp_state_dict_type: SHARDED_STATE_DICT)
         assert (checkpoint / "pytorch_model_fsdp_0").is_dir() and not (checkpoint / "model.safetensors").exists()
+    if config.startswith("deepspeed"):  # DeepSpeed's own checkpoint (optimizer partitions) beside the model
+        assert (checkpoint / "global_step2").is_dir() and (checkpoint / "latest").read_text().strip() == "global_step2"
     _, resumed = _losses(tmp_path / "resumed")
     assert not (tmp_path / "resumed" / "checkpoint-2").exists()  # it started at step 2, not from scratch
     full = run_losses[next(iter(RECIPES))]
     assert resumed == full, (resumed, full)  # steps 1-2 from the checkpoint, 3-4 recomputed from its state: exact
 
-    # FSDP2 computes on each rank what DDP does: with the configs that ran in this session, step-1
+    # FSDP2 and ZeRO-2 compute on each rank what DDP does: with the configs that ran in this session, step-1
     # losses agree as float32 sums in two orders do. Later steps: see the module docstring (no tighter bound holds).
     _LOSSES[config] = run_losses
     for other, losses in _LOSSES.items():
         for recipe in RECIPES:
             assert abs(losses[recipe][0] - run_losses[recipe][0]) <= STEP1_ATOL, (recipe, other, config)
+
+
+ZERO3_RECIPES = ("int8_mixed_precision", "fp8_mixed_precision")  # QLoRA and QAT are refused under ZeRO-3
+
+
+@pytest.mark.slow
+@NEEDS_DEEPSPEED
+def test_deepspeed_zero3_trains_int8_and_fp8_like_one_process_and_resumes(tmp_path):
+    """accelerate_configs/deepspeed_zero3.yaml: the model is built already partitioned (zero.Init; so a model built
+    from a config is initialised differently from one process's: both load the same saved model here), the recipes
+    swap linears whose weights are empty placeholders, and DeepSpeed gathers them around each forward and backward.
+    Same checks as the other configs; the final model is gathered whole, the step-2 checkpoint resumes."""
+    from conftest import ARITH_TOKENIZER, save_tiny_model
+
+    from hf_lowbit.data import arithmetic_records
+
+    model = save_tiny_model(str(tmp_path / "model"), ARITH_TOKENIZER, 64, seed=0)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_records(400, 1, seed=0)[0]))
+    common = [*RUN, "--model_name_or_path", model, "--dataset", str(data), "--eval_fraction", "0",
+              "--completion_only_loss", "False", "--learning_rate", "1e-3"]
+    per_rank = ["--per_device_train_batch_size", str(GLOBAL_BATCH // PROCESSES), "--save_strategy", "steps",
+                "--save_steps", "2"]
+    runs = []
+    for recipe in ZERO3_RECIPES:
+        runs += common + RECIPES[recipe] + per_rank + ["--output_dir", str(tmp_path / recipe), "---"]
+    runs += common + RECIPES[ZERO3_RECIPES[0]] + per_rank + [
+        "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", str(tmp_path / ZERO3_RECIPES[0] / "checkpoint-2")]
+    proc = _accelerate("deepspeed_zero3", runs, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + _errors(proc.stderr)
+    for recipe in ZERO3_RECIPES:
+        metrics, losses = _losses(tmp_path / recipe)
+        assert (metrics["distributed_type"], metrics["num_processes"]) == ("DEEPSPEED", PROCESSES)
+        ref = main(common + RECIPES[recipe] + ["--per_device_train_batch_size", str(GLOBAL_BATCH), "--save_strategy",
+                                               "no", "--output_dir", str(tmp_path / f"one-{recipe}")])["train_losses"]
+        assert len(losses) == len(ref) == STEPS and abs(losses[0] - ref[0]) <= STEP1_ATOL, (recipe, losses, ref)
+        assert all(abs(a - b) <= later_atol(ref, k) for k, (a, b) in enumerate(zip(losses, ref))), (recipe, losses, ref)
+        state = load_file(tmp_path / recipe / "model.safetensors")  # gathered whole (zero3_save_16bit_model)
+        assert state["model.layers.1.mlp.down_proj.weight"].shape == (128, 384) and state["lm_head.weight"].shape == (16, 128)
+    _, resumed = _losses(tmp_path / "resumed")
+    _, full = _losses(tmp_path / ZERO3_RECIPES[0])
+    assert resumed == full, (resumed, full)  # restored partitions, the same arithmetic: exact
+
+
+@pytest.mark.parametrize("flags, setting", [({"lora_base_quant": "nf4", "int8_mixed_precision": True}, "lora_base_quant"),
+                                            ({"lora_base_quant": "int8"}, "lora_base_quant"),
+                                            ({"qat_scheme": "8da4w", "qat_group_size": 32}, "qat_scheme")])
+def test_deepspeed_zero3_refuses_qlora_and_qat_at_construction(flags, setting, tmp_path):
+    """What ZeRO-3 cannot run is refused by LowBitTrainer's constructor, before any swap, in one line naming the
+    argument, the DeepSpeed setting and FSDP2; ZeRO-2 (and no DeepSpeed) take it. The plugin is accelerate's own
+    (what TrainingArguments builds from a DeepSpeed launch config), so this runs without deepspeed installed."""
+    from accelerate.utils import DeepSpeedPlugin
+    from conftest import tiny_model
+    from peft import LoraConfig
+
+    from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
+    from hf_lowbit.distributed import check_deepspeed, deepspeed_zero_stage
+    from hf_lowbit.validation import UnsupportedSetupError
+
+    args = LowBitTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **flags)
+    assert deepspeed_zero_stage(args) is None
+    check_deepspeed(args)
+    peft = LoraConfig(r=4, target_modules="all-linear") if "lora_base_quant" in flags else None
+    for config in ({"zero_optimization": {"stage": 2}}, {"zero_optimization": {"stage": 1}}):
+        args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=config)
+        assert deepspeed_zero_stage(args) == config["zero_optimization"]["stage"]
+        check_deepspeed(args)
+    args.deepspeed_plugin = DeepSpeedPlugin(zero_stage=3)
+    model = tiny_model()
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(UnsupportedSetupError) as refused:
+        LowBitTrainer(model, args=args, peft_config=peft)
+    message = str(refused.value)
+    assert "\n" not in message and f"{setting}=" in message and "ZeRO-3" in message and "FSDP2" in message, message
+    assert {n: type(m) for n, m in model.named_modules()} == before  # refused before any swap
+
+
+@NEEDS_DEEPSPEED
+def test_cli_refuses_qlora_under_a_zero3_launch_config_in_one_line():
+    """hf-lowbit-sft under an accelerate DeepSpeed ZeRO-3 config (the environment accelerate launch sets) with
+    --lora_base_quant: one line naming the flag and FSDP2, exit status 2, before the data and model load."""
+    env = dict(os.environ, ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sft.py"), "--lora_base_quant", "nf4"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hf-lowbit-sft: error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "--lora_base_quant='nf4' under DeepSpeed ZeRO-3" in lines[0] and "FSDP2" in lines[0], lines[0]
