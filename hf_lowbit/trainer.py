@@ -148,9 +148,10 @@ class LowBitTrainerMixin:
         """``Trainer.save_model``, written to ``<output_dir>/.tmp-model`` and moved in with the config last
         (:func:`hf_lowbit.atomic.publish_files`): killed at any moment, ``output_dir`` holds the previous model,
         the new one, or no ``config.json`` (no model) beside the ``.tmp-model`` that the next save removes.
-        Checkpoints (``_internal_call``) are staged whole by ``_save_checkpoint``. Under FSDP or DeepSpeed
-        every process writes its part, so every process must call it, as for the Trainer's own."""
-        if _internal_call:
+        Checkpoints (``_internal_call`` into their directory) are staged whole by ``_save_checkpoint``;
+        ``push_to_hub``'s own save (``_internal_call``, no directory) is staged here. Under FSDP or DeepSpeed every
+        process writes its part, so every process must call it, as for the Trainer's own."""
+        if _internal_call and output_dir is not None:
             return super().save_model(output_dir, _internal_call=True)
         target = output_dir if output_dir is not None else self.args.output_dir
         staging = os.path.join(target, atomic.MODEL_STAGING)
@@ -167,7 +168,7 @@ class LowBitTrainerMixin:
             atomic.publish_files(staging, target)
         if collective:
             self.accelerator.wait_for_everyone()
-        if self.args.push_to_hub:
+        if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_checkpoint(self, model, trial):
