@@ -87,7 +87,7 @@ def worker(a) -> dict | None:
     from accelerate.utils import DistributedType
     from torch._dynamo.utils import counters
 
-    from hf_lowbit.distributed import prepare_integer_params_for_fsdp2
+    from hf_lowbit.integrations.distributed import prepare_integer_params_for_fsdp2
 
     cuda = a.device == "cuda"
     if not cuda:

@@ -31,9 +31,9 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import graph_ms, write_results  # noqa: E402
-from hf_lowbit.ops.fp8 import FP8_DTYPE  # noqa: E402
-from hf_lowbit.ops.triton_int8 import _configs, _int8_scaled_mm_kernel, int8_scaled_mm_triton  # noqa: E402
-from hf_lowbit.ops.triton_quant import quantize_t_triton  # noqa: E402
+from hf_lowbit.kernels.fp8 import FP8_DTYPE  # noqa: E402
+from hf_lowbit.kernels.triton_int8 import _configs, _int8_scaled_mm_kernel, int8_scaled_mm_triton  # noqa: E402
+from hf_lowbit.kernels.triton_quant import quantize_t_triton  # noqa: E402
 
 LINEARS = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
            "gate": (4096, 14336), "up": (4096, 14336), "down": (14336, 4096)}  # name -> (in, out)
@@ -83,7 +83,7 @@ def _quant_rows(tokens: int) -> list[dict]:
     bandwidth of the minimal traffic (bf16 read once, codes written once per layout)."""
     from torch._library.triton import set_wrap_triton_enabled
 
-    from hf_lowbit.ops import quantize_weight
+    from hf_lowbit.kernels import quantize_weight
 
     rows = []
     for name, (k_in, n_out) in LINEARS.items():

@@ -55,7 +55,7 @@ def quantize_worker(a) -> dict:
     import torch
     from torchao.quantization import to_nf4
 
-    from hf_lowbit.ops.nf4 import quantize_nf4
+    from hf_lowbit.kernels.nf4 import quantize_nf4
 
     start, peak = _peak_tools(a.device)
     w = torch.randn(a.rows, a.cols, dtype=torch.bfloat16, device=a.device)

@@ -6,7 +6,7 @@
 
 For each of a Llama-8B layer's weight shapes, GPU time (``triton.testing.do_bench``, median) of: ``kernel`` /
 ``kernel_t``: the decode kernel alone (row-major / transposed output; multipliers made beforehand), launched
-directly as Inductor's generated code launches it; ``ours``: ``hf_lowbit.ops.nf4.nf4_to_int8`` (row-major, the forward's operand) and ``ours_t`` (transposed, the input
+directly as Inductor's generated code launches it; ``ours``: ``hf_lowbit.kernels.nf4.nf4_to_int8`` (row-major, the forward's operand) and ``ours_t`` (transposed, the input
 gradient's), with the multipliers computed eagerly (several small kernels, fused into one under compile); ``two_step``: dequantize to bf16 then quantize per row (compiled), the way
 hf_lowbit did it before; ``bnb``: bitsandbytes' ``dequantize_4bit`` to bf16 (what its QLoRA runs before every bf16
 matmul), when installed; ``copy``: a device copy of the INT8 weight (bandwidth reference). GB/s counts the bytes
@@ -29,8 +29,8 @@ def bench(shapes, device: str) -> list[dict]:
     import torch
     from torch._library.triton import set_wrap_triton_enabled
 
-    from hf_lowbit.ops.int8 import quantize_int8
-    from hf_lowbit.ops.nf4 import (dequantize_nf4, nf4_int8_multipliers, nf4_lut, nf4_to_int8, nf4_to_int8_op,
+    from hf_lowbit.kernels.int8 import quantize_int8
+    from hf_lowbit.kernels.nf4 import (dequantize_nf4, nf4_int8_multipliers, nf4_lut, nf4_to_int8, nf4_to_int8_op,
                                    quantize_nf4)
 
     if device == "cuda":

@@ -18,7 +18,7 @@ first LoRA recipe of the run):
 `--path trainer --liger both` runs every recipe twice, without and with ``use_liger_kernel=True`` (stock
 ``Trainer`` and ``LowBitTrainer`` alike; rows carry ``liger``, ``vs_no_liger``), so what Liger adds to each
 recipe is measured in the same run; every ratio is to the bf16 row without Liger. Each trainer-path row also
-carries the MFU of its timed steps (``mfu``: hf_lowbit.throughput's formula, for every recipe) and, for
+carries the MFU of its timed steps (``mfu``: hf_lowbit.integrations.throughput's formula, for every recipe) and, for
 ``LowBitTrainer`` rows, the mean ``train_mfu`` / ``train_tokens_per_second`` it logged (``logged_*``).
 
 `--autocast` runs the forward under bf16 autocast, as `Trainer(bf16=True)` does (accelerate wraps the
@@ -288,7 +288,7 @@ def trainer_worker(a) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
-    from hf_lowbit.throughput import model_flops, peak_tflops
+    from hf_lowbit.integrations.throughput import model_flops, peak_tflops
 
     for name, default in TRAINER_DEFAULTS.items():  # callers other than main() (benchmark_fsdp2) set fewer flags
         if not hasattr(a, name):

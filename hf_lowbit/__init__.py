@@ -1,23 +1,23 @@
 """hf_lowbit: low-bit training (INT8 / FP8 mixed precision, …) for transformers, peft and accelerate."""
 
-from . import _quiet
+from . import _moved, _quiet
 
 _quiet.install()  # before transformers imports torchao: drop its known-harmless start-up messages
+_moved.install()  # old module paths (hf_lowbit.quantized_base, hf_lowbit.ops, ...) keep working until 0.2
 
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments  # noqa: E402
 from .compute import compute_dtype  # noqa: E402
 from .mixed_precision import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear,  # noqa: E402
                               convert_to_mixed_precision, mixed_precision_linear, refresh_weight_caches,
                               set_weight_cache)
-from .lora import LoraLinear, register_with_peft  # noqa: E402
 from .prepare import prepare_model  # noqa: E402
-from .export import push_quantized_to_hub, save_quantized
-from .loading import load_quantized_model
-from .qat import QATConfig, QATLinear, convert_qat, convert_to_qat, prepare_qat, set_fake_quant_enabled
-from .quantized_base import Int8Linear, Nf4Linear, QuantizedBaseConfig, convert_to_quantized_base, quantize_base
-from .swap import LinearFilter, SwapReport, swap_linears
-from .trainer import LowBitTrainer, LowBitTrainerMixin
-from .validation import LowBitWarning, UnsupportedSetupError, check_training_setup
+from .qat import (QATConfig, QATLinear, convert_qat, convert_to_qat, prepare_qat, push_quantized_to_hub,  # noqa: E402
+                  save_quantized, set_fake_quant_enabled)
+from .qlora import (Int8Linear, LoraLinear, Nf4Linear, QuantizedBaseConfig, convert_to_quantized_base,  # noqa: E402
+                    load_quantized_model, quantize_base, register_with_peft)
+from .swap import LinearFilter, SwapReport, swap_linears  # noqa: E402
+from .trainer import LowBitTrainer, LowBitTrainerMixin  # noqa: E402
+from .warnings import LowBitWarning, UnsupportedSetupError, check_training_setup  # noqa: E402
 
 # PEFT picks hf_lowbit.LoraLinear for the quantized bases (get_peft_model, PeftModel.from_pretrained, …)
 # through a dispatcher put in front of its own; see register_with_peft and docs/design.md.
@@ -29,13 +29,18 @@ _TRL_NAMES = ("LowBitSFTTrainer", "LowBitSFTConfig")
 
 
 def __getattr__(name):
-    """``LowBitSFTTrainer`` / ``LowBitSFTConfig`` on first use: importing trl is slow and it is optional."""
+    """``LowBitSFTTrainer`` / ``LowBitSFTConfig`` on first use: importing trl is slow and it is optional. A moved
+    module's old name (``hf_lowbit.quantized_base``) is the module at its new path."""
     if name in _TRL_NAMES:
         try:
-            from . import trl_trainer
+            from . import trl
         except ImportError as e:
             raise ImportError(f"hf_lowbit.{name} needs trl: pip install 'hf_lowbit[trl]' ({e})") from e
-        return getattr(trl_trainer, name)
+        return getattr(trl, name)
+    if name in _moved.MOVED:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'hf_lowbit' has no attribute {name!r}")
 
 

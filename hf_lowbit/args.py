@@ -1,7 +1,7 @@
 """``LowBitTrainingArguments``: ``TrainingArguments`` plus the low-bit recipe switches.
 
 The switches live in one dataclass mixin, ``LowBitArgumentsMixin``, shared by every arguments class
-that carries them (``LowBitTrainingArguments`` here, ``hf_lowbit.trl_trainer.LowBitSFTConfig`` over
+that carries them (``LowBitTrainingArguments`` here, ``hf_lowbit.trl.LowBitSFTConfig`` over
 ``trl.SFTConfig``). Every field carries ``help`` metadata, so ``HfArgumentParser`` turns it into a CLI
 flag, and is validated in ``__post_init__`` with an error that names it.
 """
@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .liger import FLCE_OFF, fused_cross_entropy_requested
+from .integrations.liger import FLCE_OFF, fused_cross_entropy_requested
 from .qat import QAT_SCHEMES
 
-# mixed-precision recipe field -> its number format (a record in hf_lowbit.ops.formats), in the order applied
+# mixed-precision recipe field -> its number format (a record in hf_lowbit.kernels.formats), in the order applied
 MIXED_PRECISION_RECIPES = {"int8_mixed_precision": "int8", "fp8_mixed_precision": "fp8"}
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from .args import MIXED_PRECISION_RECIPES, LowBitArgumentsMixin
 from .mixed_precision import MixedPrecisionConfig, convert_to_mixed_precision
 from .qat import QATConfig, convert_to_qat
-from .quantized_base import QuantizedBaseConfig, convert_to_quantized_base
+from .qlora import QuantizedBaseConfig, convert_to_quantized_base
 from .swap import LinearFilter, SwapReport
 
 logger = logging.getLogger("hf_lowbit")
@@ -83,7 +83,7 @@ def apply_recipes(model: nn.Module, args: LowBitArgumentsMixin, peft_config=None
     if peft_config is not None:  # after the swap: LoRA wraps the low-bit base layers
         from peft import get_peft_model
 
-        from .lora import resolve_all_linear
+        from .qlora.lora import resolve_all_linear
 
         resolve_all_linear(model, peft_config)  # PEFT's "all-linear" does not know quantized bases
         if attach_peft:

@@ -18,7 +18,7 @@ from torch import nn
 
 SWAPPED = "swapped"
 SKIPPED = "skipped"
-PATCHED = "patched"  # the module stays, another library bound its forward (hf_lowbit.liger)
+PATCHED = "patched"  # the module stays, another library bound its forward (hf_lowbit.integrations.liger)
 
 
 @dataclass

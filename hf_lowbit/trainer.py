@@ -1,5 +1,5 @@
 """``LowBitTrainerMixin``: the low-bit behaviour for any transformers ``Trainer`` subclass, and
-``LowBitTrainer`` = the mixin + ``Trainer``. (``hf_lowbit.trl_trainer`` puts the same mixin on trl's
+``LowBitTrainer`` = the mixin + ``Trainer``. (``hf_lowbit.trl`` puts the same mixin on trl's
 ``SFTTrainer``.)"""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from transformers import Trainer
 
 from . import atomic
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments
-from .distributed import check_deepspeed, prepare_integer_params_for_fsdp2, prepare_lowbit_all_gather, unsharded_copy
-from .export import merge_lora, save_quantized
-from .liger import apply_liger
+from .integrations.distributed import (check_deepspeed, prepare_integer_params_for_fsdp2, prepare_lowbit_all_gather,
+                                       unsharded_copy)
+from .integrations.liger import apply_liger
+from .integrations.throughput import ThroughputMeter, peak_tflops
 from .mixed_precision import MixedPrecisionLinear
 from .prepare import apply_recipes, log_reports
-from .qat import FakeQuantScheduleCallback, QATConfig
-from .throughput import ThroughputMeter, peak_tflops
-from .validation import LowBitWarning, check_training_setup
+from .qat import FakeQuantScheduleCallback, QATConfig, merge_lora, save_quantized
+from .warnings import LowBitWarning, check_training_setup
 
 DATA_STATE_NAME = "hf_lowbit_data_state.json"
 _SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
@@ -38,13 +38,13 @@ class LowBitTrainerMixin:
     the base class sees it, so ``trainer.model`` already shows the swapped modules;
     ``trainer.lowbit_reports`` holds what each recipe swapped and skipped. With ``use_liger_kernel=True``
     Liger's patches are applied at the end of ``__init__`` over the swapped model and reported last
-    (``hf_lowbit.liger``: Liger owns the norms, the SwiGLU activation, RoPE and LM head + loss; the recipes the
+    (``hf_lowbit.integrations.liger``: Liger owns the norms, the SwiGLU activation, RoPE and LM head + loss; the recipes the
     linears). ``peft_config`` (a
     ``peft.LoraConfig`` …) wraps the prepared model in a ``PeftModel``: here, unless the base class takes
     ``peft_config`` itself (trl's trainers), in which case it gets the swapped model and the config with
     ``"all-linear"`` resolved against the quantized bases, and wraps it once, its own way. ``args`` must
     be a ``LowBitArgumentsMixin`` dataclass (``lowbit_args_class`` is the default and the name errors use).
-    Training logs gain ``train_tokens_per_second`` and ``train_mfu`` (see ``hf_lowbit.throughput``).
+    Training logs gain ``train_tokens_per_second`` and ``train_mfu`` (see ``hf_lowbit.integrations.throughput``).
     """
 
     lowbit_args_class: type = LowBitTrainingArguments
@@ -96,7 +96,7 @@ class LowBitTrainerMixin:
                               "leave use_liger_kernel off with these recipes", LowBitWarning, stacklevel=2)
 
     def save_quantized(self, path: str) -> list[str]:
-        """Convert the QAT model and write a checkpoint stock transformers loads (see ``hf_lowbit.export``).
+        """Convert the QAT model and write a checkpoint stock transformers loads (see ``hf_lowbit.qat.export``).
 
         LoRA adapters are merged first; ``self.model`` becomes the converted model (torchao quantized
         weights), whose ``push_to_hub(repo)`` then uploads exactly the files written here.
@@ -129,7 +129,7 @@ class LowBitTrainerMixin:
         return files
 
     def check_setup(self) -> list[str]:
-        """Warn about what in this run keeps the recipes from being fast or stable (see validation)."""
+        """Warn about what in this run keeps the recipes from being fast or stable (see ``hf_lowbit.warnings``)."""
         packed, tokens = _inspect_shapes(self.train_dataset, self.args.per_device_train_batch_size)
         optim = getattr(self.args.optim, "value", self.args.optim)
         return check_training_setup(recipes=self.args.lowbit_recipes, device=self.args.device,
@@ -271,7 +271,7 @@ class LowBitTrainerMixin:
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add ``train_tokens_per_second`` (all processes) and ``train_mfu`` (with a known peak: the GPU's
-        name in ``hf_lowbit.throughput.PEAK_BF16_TFLOPS`` or ``lowbit_peak_tflops``) to training-step logs.
+        name in ``hf_lowbit.integrations.throughput.PEAK_BF16_TFLOPS`` or ``lowbit_peak_tflops``) to training-step logs.
         Per-process token counts are summed by one all-reduce here, at log time, never per step.
         (With ``include_num_input_tokens_seen``, ``Trainer.log`` overwrites the first with its session average.)"""
         if "loss" in logs:

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hf_lowbit.sft import cli  # noqa: E402
+from hf_lowbit.cli.sft import cli  # noqa: E402
 
 if __name__ == "__main__":
     cli()

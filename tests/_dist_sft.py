@@ -1,4 +1,4 @@
-"""Test launcher: ``hf_lowbit.sft.main`` in CPU processes (gloo), under FSDP2 when accelerate asks for it.
+"""Test launcher: ``hf_lowbit.cli.sft.main`` in CPU processes (gloo), under FSDP2 when accelerate asks for it.
 
 accelerate 1.15 turns FSDP on only for accelerator devices (the Trainer would silently use DDP in CPU
 processes); ``benchmarks.common.allow_fsdp_on_cpu`` lets it shard on a CPU mesh with gloo. Several runs,
@@ -41,7 +41,7 @@ allow_fsdp_on_cpu()
 if os.environ.get("DS_ACCELERATOR") == "cpu":
     allow_deepspeed_on_cpu()
 
-from hf_lowbit.sft import main  # noqa: E402
+from hf_lowbit.cli.sft import main  # noqa: E402
 
 
 def split_runs(argv: list[str]) -> list[list[str]]:

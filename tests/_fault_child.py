@@ -1,4 +1,4 @@
-"""Child process of tests/test_fault.py: ``hf_lowbit.sft.main(<sft flags>)`` -- the command a user runs --
+"""Child process of tests/test_fault.py: ``hf_lowbit.cli.sft.main(<sft flags>)`` -- the command a user runs --
 SIGKILLed at one phase of the run, or run to the end (``none``):
 
     python tests/_fault_child.py PHASE <sft flags>
@@ -23,7 +23,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from transformers import PreTrainedModel, Trainer  # noqa: E402
 
 from hf_lowbit import atomic  # noqa: E402
-from hf_lowbit.sft import main  # noqa: E402
+from hf_lowbit.cli.sft import main  # noqa: E402
 from hf_lowbit.trainer import LowBitTrainerMixin  # noqa: E402
 
 

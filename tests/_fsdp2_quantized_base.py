@@ -18,7 +18,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 from hf_lowbit.mixed_precision import MixedPrecisionConfig  # noqa: E402
-from hf_lowbit.quantized_base import QuantizedBaseConfig  # noqa: E402
+from hf_lowbit.qlora.base import QuantizedBaseConfig  # noqa: E402
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
 dist.init_process_group("gloo")

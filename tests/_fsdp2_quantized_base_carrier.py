@@ -26,9 +26,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from hf_lowbit.distributed import prepare_integer_params_for_fsdp2  # noqa: E402
+from hf_lowbit.integrations.distributed import prepare_integer_params_for_fsdp2  # noqa: E402
 from hf_lowbit.mixed_precision import MixedPrecisionConfig  # noqa: E402
-from hf_lowbit.quantized_base import QuantizedBaseConfig  # noqa: E402
+from hf_lowbit.qlora.base import QuantizedBaseConfig  # noqa: E402
 
 WORLD = 2
 

@@ -45,7 +45,7 @@ from conftest import arithmetic_blocks, tiny_model  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
 from hf_lowbit import LowBitTrainer, LowBitTrainingArguments, MixedPrecisionLinear  # noqa: E402
-from hf_lowbit.quantized_base import QuantizedBaseLinear  # noqa: E402
+from hf_lowbit.qlora.base import QuantizedBaseLinear  # noqa: E402
 
 LIGER_CONFIG = {"rms_norm": False}
 

@@ -9,8 +9,8 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_lowbit.ops.int8 import int8_mm_reference
-from hf_lowbit.ops.triton_int8 import int8_scaled_mm_triton
+from hf_lowbit.kernels.int8 import int8_mm_reference
+from hf_lowbit.kernels.triton_int8 import int8_scaled_mm_triton
 
 _EMPTY_OPS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
               torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default,
@@ -91,10 +91,10 @@ def check_int8_scaled_mm(device: str) -> int:
 
 def check_quantize_t(device: str) -> int:
     """The column-quantize-and-transpose kernels against the plain-torch reference (CPU op impl)."""
-    from hf_lowbit.ops.fp8 import FP8_DTYPE, FP8_MAX
-    from hf_lowbit.ops.int8 import INT8_MAX
-    from hf_lowbit.ops.quantize_t import quantize_t
-    from hf_lowbit.ops.triton_quant import quantize_t_triton
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX
+    from hf_lowbit.kernels.int8 import INT8_MAX
+    from hf_lowbit.kernels.quantize_t import quantize_t
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
 
     formats = [("int8", torch.int8, INT8_MAX), ("fp8", FP8_DTYPE, FP8_MAX)]
     n = 0
@@ -161,7 +161,7 @@ def check_quantize_t_stochastic(device: str) -> int:
     or the ceiling of ``x / scale`` (all of q written), reproducible under ``torch.manual_seed``, different
     between seeds, and unbiased: averaged over many draws each column converges to its value, where nearest
     keeps a bias of at least 0.1 of a step. Returns the number of checks."""
-    from hf_lowbit.ops.triton_quant import quantize_t_triton
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
 
     def sr(x, seed=None):
         if seed is not None:
@@ -218,7 +218,7 @@ def check_quantize_t_stochastic_saturates(device: str) -> int:
     import triton
     import triton.language as tl
 
-    from hf_lowbit.ops.triton_quant import quantize_t_triton
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
 
     @triton.jit
     def _rand(seed_ptr, out_ptr, S: tl.constexpr, O: tl.constexpr):
@@ -257,10 +257,10 @@ def check_nf4_to_int8(device: str) -> int:
     and against the longer way round (dequantize to the weight dtype, quantize per row): the same row scales
     and every code within one step (the reference rounds once, that way rounds twice). Returns the number of
     checks."""
-    from hf_lowbit.ops.int8 import quantize_int8
-    from hf_lowbit.ops.nf4 import (dequantize_nf4, nf4_int8_multipliers, nf4_lut, nf4_to_int8, nf4_to_int8_reference,
+    from hf_lowbit.kernels.int8 import quantize_int8
+    from hf_lowbit.kernels.nf4 import (dequantize_nf4, nf4_int8_multipliers, nf4_lut, nf4_to_int8, nf4_to_int8_reference,
                                    quantize_nf4)
-    from hf_lowbit.ops.triton_nf4 import nf4_to_int8_triton
+    from hf_lowbit.kernels.triton_nf4 import nf4_to_int8_triton
 
     shapes = [(37, 192), (16, 128), (70, 320)] + ([(4096, 14336), (1030, 4160)] if device == "cuda" else [])
     n = 0

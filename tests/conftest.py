@@ -36,9 +36,9 @@ def tiny_model(arch: str = "llama", seed: int = 0, **kw):
 
 
 def save_tiny_model(path, tokenizer, max_positions: int, seed: int | None = None):
-    """A tiny ``scripts/sft.py`` Llama (``hf_lowbit.sft.tiny_llama_config``) for ``tokenizer``, saved with it at
+    """A tiny ``scripts/sft.py`` Llama (``hf_lowbit.cli.sft.tiny_llama_config``) for ``tokenizer``, saved with it at
     ``path`` (a model directory ``--model_name_or_path`` can load); ``seed``: seed its init first."""
-    from hf_lowbit.sft import tiny_llama_config
+    from hf_lowbit.cli.sft import tiny_llama_config
 
     if seed is not None:
         torch.manual_seed(seed)

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from hf_lowbit import atomic
-from hf_lowbit.sft import UsageError, cli, resume_checkpoint
+from hf_lowbit.cli.sft import UsageError, cli, resume_checkpoint
 
 
 def _write(path, text="x"):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hf_lowbit.data import ARITHMETIC_CHARS, build_char_tokenizer
-from hf_lowbit.sft import cli
+from hf_lowbit.cli.sft import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT = os.path.join(ROOT, "scripts", "sft.py")
@@ -96,7 +96,7 @@ def test_help_is_short_honest_and_quiet():
 def test_console_script_entry_point():
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
         text = f.read()
-    assert '[project.scripts]\nhf-lowbit-sft = "hf_lowbit.sft:cli"' in text  # (no tomllib on Python 3.10)
+    assert '[project.scripts]\nhf-lowbit-sft = "hf_lowbit.cli.sft:cli"' in text  # (no tomllib on Python 3.10)
     exe = os.path.join(os.path.dirname(sys.executable), "hf-lowbit-sft")
     if os.path.exists(exe):  # installed by `pip install -e .` (make test on a fresh machine)
         proc = subprocess.run([exe, "--max_steps", "-5"], capture_output=True, text=True, timeout=300)

@@ -11,7 +11,7 @@ datasets = pytest.importorskip("datasets")  # the GPU image has none; CI install
 
 from hf_lowbit import packing
 from hf_lowbit.data import build_char_tokenizer, format_record
-from hf_lowbit.sft import parse_args
+from hf_lowbit.cli.sft import parse_args
 
 
 
@@ -126,7 +126,7 @@ def test_flag_defaults():
 def test_sft_run_computes_the_loss_on_completions_only(tmp_path):
     from conftest import ARITH_TOKENIZER, save_tiny_model
 
-    from hf_lowbit.sft import main
+    from hf_lowbit.cli.sft import main
 
     tok = ARITH_TOKENIZER
     model_dir = save_tiny_model(tmp_path / "model", tok, 32, seed=0)
@@ -139,7 +139,7 @@ def test_sft_run_computes_the_loss_on_completions_only(tmp_path):
                      "--per_device_train_batch_size", "4", "--save_strategy", "no", "--disable_tqdm", "True",
                      "--seed", "0", *extra])
 
-    from hf_lowbit.sft import build_data
+    from hf_lowbit.cli.sft import build_data
 
     data_args = parse_args(["--model_name_or_path", str(model_dir), "--dataset", str(data), "--block_size", "32"])[1]
     train = build_data(data_args, tok, 0, embedded=False)[0]  # what the Trainer gets: no '+' or '=' in the loss

@@ -1,4 +1,4 @@
-"""hf_lowbit.packing: the datasets-backed, streaming and pre-tokenized data paths agree with the
+"""hf_lowbit.data.packing: the datasets-backed, streaming and pre-tokenized data paths agree with the
 in-memory packing, errors name file and line, and a streaming run resumes where its checkpoint was."""
 
 import json
@@ -118,7 +118,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def _sft(model_dir, out, *extra):
-    from hf_lowbit.sft import main
+    from hf_lowbit.cli.sft import main
 
     return main(["--model_name_or_path", model_dir, "--output_dir", str(out), "--report_to", "none",
                  "--block_size", "16", "--per_device_train_batch_size", "4", "--logging_steps", "1",

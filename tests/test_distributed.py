@@ -30,8 +30,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_lowbit.sft import main
-from hf_lowbit.distributed import fsdp2_shards_integer_params
+from hf_lowbit.cli.sft import main
+from hf_lowbit.integrations.distributed import fsdp2_shards_integer_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -284,8 +284,8 @@ def test_deepspeed_zero3_refuses_qlora_and_qat_at_construction(flags, setting, t
     from peft import LoraConfig
 
     from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
-    from hf_lowbit.distributed import check_deepspeed, deepspeed_zero_stage
-    from hf_lowbit.validation import UnsupportedSetupError
+    from hf_lowbit.integrations.distributed import check_deepspeed, deepspeed_zero_stage
+    from hf_lowbit.warnings import UnsupportedSetupError
 
     args = LowBitTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **flags)
     assert deepspeed_zero_stage(args) is None

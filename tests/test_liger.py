@@ -1,4 +1,4 @@
-"""use_liger_kernel=True beside the low-bit swaps (hf_lowbit.liger): which modules each owns for INT8/FP8 full
+"""use_liger_kernel=True beside the low-bit swaps (hf_lowbit.integrations.liger): which modules each owns for INT8/FP8 full
 fine-tuning, QLoRA and LowBitSFTTrainer, the LM-head conflict named by its argument, and training steps with
 Liger's kernels under Triton's CPU interpreter (a subprocess: tests/_liger_checks.py)."""
 
@@ -17,7 +17,7 @@ pytest.importorskip("liger_kernel", reason="liger-kernel is not installed (pip i
 
 from hf_lowbit import (LoraLinear, LowBitTrainer, LowBitTrainingArguments, MixedPrecisionLinear,  # noqa: E402
                        Nf4Linear, QATLinear)
-from hf_lowbit.liger import apply_liger, liger_report  # noqa: E402
+from hf_lowbit.integrations.liger import apply_liger, liger_report  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,7 +164,7 @@ def test_training_steps_run_liger_kernels_over_lowbit_linears(tmp_path):
 
 def test_liger_with_compiled_low_bit_recipes_warns_with_the_measurement(tmp_path):
     """Measured on the H200: Liger breaks the compiled graph and costs the INT8 speedup; the user is told."""
-    from hf_lowbit.validation import LowBitWarning
+    from hf_lowbit.warnings import LowBitWarning
 
     with pytest.warns(LowBitWarning, match="torch_compile=True.*0.85x bf16 instead of 1.07x"):
         LowBitTrainer(tiny_model(), _args(tmp_path, int8_mixed_precision=True, torch_compile=True),

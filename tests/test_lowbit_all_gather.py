@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hf_lowbit import LowBitTrainingArguments, MixedPrecisionConfig, MixedPrecisionLinear
-from hf_lowbit.distributed import enable_lowbit_all_gather, prepare_lowbit_all_gather
-from hf_lowbit.fsdp_lowbit_all_gather import LowBitAllGatherWeight
+from hf_lowbit.integrations.distributed import enable_lowbit_all_gather, prepare_lowbit_all_gather
+from hf_lowbit.mixed_precision.fsdp_all_gather import LowBitAllGatherWeight
 
 FLAG = "lowbit_fsdp_lowbit_all_gather"
 

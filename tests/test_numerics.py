@@ -25,7 +25,7 @@ from conftest import snr_db
 from torch import nn
 
 from hf_lowbit import Int8Linear, MixedPrecisionConfig, Nf4Linear, mixed_precision_linear
-from hf_lowbit.ops.nf4 import Nf4Data, dequantize_nf4_scales, nf4_levels
+from hf_lowbit.kernels.nf4 import Nf4Data, dequantize_nf4_scales, nf4_levels
 from hf_lowbit.qat import QATConfig, qat_linear
 
 M, K, N = 512, 256, 384  # tokens, in_features, out_features
@@ -46,7 +46,7 @@ def heterogeneous(rows: int, cols: int, seed: int, outliers: int = 4) -> torch.T
 
 
 def sim_quant(t: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
-    """The documented quantization of ``t`` along ``dim``, dequantized, in float64 (independent of hf_lowbit.ops)."""
+    """The documented quantization of ``t`` along ``dim``, dequantized, in float64 (independent of hf_lowbit.kernels)."""
     amax = t.abs().amax(dim, keepdim=True).float().clamp(min=1e-30)
     if fmt == "int8":
         s = amax / 127
@@ -59,7 +59,7 @@ def sim_quant(t: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
 
 def sim_input_grad(G: torch.Tensor, W: torch.Tensor, fmt: str) -> torch.Tensor:
     """The documented input gradient: W quantized per output row as in the forward, ``W ≈ diag(s)·Wq``, its
-    scales folded into dY: ``dX = q(dY·diag(s))·Wq`` (float64, independent of hf_lowbit.ops)."""
+    scales folded into dY: ``dX = q(dY·diag(s))·Wq`` (float64, independent of hf_lowbit.kernels)."""
     s = W.abs().amax(1, keepdim=True).float().clamp(min=1e-30) / (127 if fmt == "int8" else 448)
     codes = sim_quant(W, fmt, 1) / s.double()  # exact: the codes times a float32 scale fit float64
     return sim_quant(G * s.double().T, fmt, 1) @ codes

@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import snr_db
 
-from hf_lowbit.ops import scaled_matmul
-from hf_lowbit.ops.fp8 import FP8_DTYPE, FP8_MAX, fp8_scaled_mm, quantize_fp8
+from hf_lowbit.kernels import scaled_matmul
+from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX, fp8_scaled_mm, quantize_fp8
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -55,8 +55,8 @@ def test_argument_checks_trace_without_graph_break():
     message closures must hold no tensors, or Dynamo breaks the graph at every matmul (46 breaks on the H200)."""
     import torch._dynamo
 
-    from hf_lowbit.ops._checks import check_scaled_mm_args
-    from hf_lowbit.ops.fp8 import FP8_DTYPE, quantize_fp8
+    from hf_lowbit.kernels._checks import check_scaled_mm_args
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE, quantize_fp8
 
     def f(x, w):  # as in the layer: the checked operands are intermediates of the traced graph
         (a, sa), (b, sb) = quantize_fp8(x, dim=1), quantize_fp8(w, dim=1)

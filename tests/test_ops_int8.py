@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hf_lowbit.ops import scaled_matmul
-from hf_lowbit.ops.int8 import int8_mm_reference, int8_scaled_mm, quantize_int8
+from hf_lowbit.kernels import scaled_matmul
+from hf_lowbit.kernels.int8 import int8_mm_reference, int8_scaled_mm, quantize_int8
 
 
 @pytest.mark.parametrize("dim", [0, 1])

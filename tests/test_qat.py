@@ -14,7 +14,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
-from hf_lowbit.ops.fake_quant import fake_quant_per_group_sym, fake_quant_per_token_asym
+from hf_lowbit.kernels.fake_quant import fake_quant_per_group_sym, fake_quant_per_token_asym
 from hf_lowbit.qat import QATConfig, QATLinear, convert_qat, prepare_qat, qat_linear, set_fake_quant_enabled
 
 TOKENIZER = ARITH_TOKENIZER
@@ -281,7 +281,7 @@ def test_convert_int4_weight_only():
 
 
 def test_sft_cli_qat_writes_quantized_checkpoint(tmp_path, capsys):
-    from hf_lowbit.sft import main
+    from hf_lowbit.cli.sft import main
 
     metrics = main(["--output_dir", str(tmp_path), "--max_steps", "3", "--eval_strategy", "no", "--qat_scheme", "8da4w",
                     "--qat_fake_quant_after_n_steps", "1", "--arithmetic_train_records", "300",

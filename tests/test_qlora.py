@@ -15,7 +15,7 @@ from torch import nn
 
 from hf_lowbit import (Int8Linear, LinearFilter, LoraLinear, LowBitTrainer, LowBitTrainingArguments, MixedPrecisionConfig,
                        Nf4Linear, QuantizedBaseConfig, load_quantized_model, prepare_model, quantize_base)
-from hf_lowbit.ops.nf4 import dequantize_nf4, quantize_nf4
+from hf_lowbit.kernels.nf4 import dequantize_nf4, quantize_nf4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INT8 = MixedPrecisionConfig("int8", grad_weight=False)
@@ -50,7 +50,7 @@ def test_nf4_round_trip_error_and_zero_blocks():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_nf4_thresholds_reproduce_torchao_nearest_search_exhaustively(dtype):
-    from hf_lowbit.ops.nf4 import _nearest_reference, nf4_levels, nf4_thresholds
+    from hf_lowbit.kernels.nf4 import _nearest_reference, nf4_levels, nf4_thresholds
 
     every = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
     every = every[torch.isfinite(every) & (every.abs() <= 1)]  # all values x / absmax can take

@@ -11,7 +11,7 @@ import torch
 
 from hf_lowbit.data import (DataFormatError, arithmetic_records, build_char_tokenizer, format_record, load_records,
                             pack, ARITHMETIC_CHARS)
-from hf_lowbit.sft import main
+from hf_lowbit.cli.sft import main
 from conftest import save_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

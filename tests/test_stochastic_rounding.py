@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from conftest import snr_db
 
 from hf_lowbit import LowBitTrainingArguments, MixedPrecisionConfig, MixedPrecisionLinear
-from hf_lowbit.ops import quantize_operand
-from hf_lowbit.ops.int8 import quantize_int8
+from hf_lowbit.kernels import quantize_operand
+from hf_lowbit.kernels.int8 import quantize_int8
 
 
 def _dequant_mean(x, n, stochastic, dim=1):
@@ -113,7 +113,7 @@ def test_triton_stochastic_column_kernel_interpreted():
 def test_triton_stochastic_column_kernel_cuda_same_memory_as_nearest():
     from _triton_checks import check_quantize_t_stochastic
 
-    from hf_lowbit.ops.triton_quant import quantize_t_triton
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
 
     assert check_quantize_t_stochastic("cuda") == 5  # 4 shapes + the unbiasedness check
     x = torch.randn(16384, 5632, device="cuda", dtype=torch.bfloat16)

@@ -133,7 +133,7 @@ def test_fsdp2_quantized_bases_get_a_float_carrier_where_torch_cannot_shard_inte
     from types import SimpleNamespace
 
     from hf_lowbit import Int8Linear, Nf4Linear
-    from hf_lowbit.distributed import prepare_integer_params_for_fsdp2
+    from hf_lowbit.integrations.distributed import prepare_integer_params_for_fsdp2
 
     def model():
         torch.manual_seed(0)
@@ -175,7 +175,7 @@ def test_fsdp2_keeps_quantized_bases_whole_where_torch_cannot_shard_integer_para
     from types import SimpleNamespace
 
     from hf_lowbit import Nf4Linear
-    from hf_lowbit.distributed import keep_integer_params_unsharded
+    from hf_lowbit.integrations.distributed import keep_integer_params_unsharded
 
     model = nn.Sequential(Nf4Linear.from_linear(nn.Linear(128, 64)), nn.Linear(64, 8), Nf4Linear.from_linear(nn.Linear(64, 64)))
     plugin = SimpleNamespace(ignored_modules=None)

@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel  # noqa: E402
 from hf_lowbit import Int8Linear, LoraLinear, LowBitLinear, LowBitSFTConfig, LowBitSFTTrainer  # noqa: E402
 from hf_lowbit.data import build_char_tokenizer  # noqa: E402
 from hf_lowbit.qat import QATLinear  # noqa: E402
-from hf_lowbit.throughput import ThroughputMeter  # noqa: E402
+from hf_lowbit.integrations.throughput import ThroughputMeter  # noqa: E402
 
 TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}{{ eos_token }}"
 
@@ -173,7 +173,7 @@ def test_without_trl_the_error_says_what_to_install(monkeypatch):
     import hf_lowbit
 
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl -> ImportError
-    monkeypatch.delitem(sys.modules, "hf_lowbit.trl_trainer")
-    monkeypatch.delattr(hf_lowbit, "trl_trainer")
+    monkeypatch.delitem(sys.modules, "hf_lowbit.trl")
+    monkeypatch.delattr(hf_lowbit, "trl")
     with pytest.raises(ImportError, match=r"hf_lowbit\[trl\]"):
         hf_lowbit.LowBitSFTTrainer

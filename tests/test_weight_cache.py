@@ -6,7 +6,7 @@ from torch import nn
 
 from hf_lowbit import LowBitLinear, MixedPrecisionConfig
 from hf_lowbit.mixed_precision import refresh_weight_caches, set_weight_cache
-from hf_lowbit.ops import quantize_operand, quantize_weight, quantize_weight_t
+from hf_lowbit.kernels import quantize_operand, quantize_weight, quantize_weight_t
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

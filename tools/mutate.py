@@ -7,7 +7,7 @@ of the repository in a temporary directory; the file's targeted tests then run t
 root (CPU; about 10-20 s per mutant on 2 cores):
 
     python tools/mutate.py                      # every target below
-    python tools/mutate.py hf_lowbit/ops/int8.py --limit 20 --tests "tests/test_ops_int8.py"
+    python tools/mutate.py hf_lowbit/kernels/int8.py --limit 20 --tests "tests/test_ops_int8.py"
     python tools/mutate.py --only before.json --which all --json after.json   # the same sample again
 
 It prints one line per mutant and the survival rate per file and overall; ``--json`` writes them too.
@@ -30,15 +30,15 @@ import time
 NUMERICS = "tests/test_numerics.py"
 LINEAR = f"{NUMERICS} tests/test_ops_int8.py tests/test_ops_fp8.py tests/test_mixed_precision_linear.py -k 'not compile'"
 TARGETS = {
-    "hf_lowbit/ops/int8.py": LINEAR,
-    "hf_lowbit/ops/fp8.py": LINEAR,
-    "hf_lowbit/ops/quantize_t.py": LINEAR,
-    "hf_lowbit/ops/__init__.py": LINEAR,
-    "hf_lowbit/mixed_precision.py": LINEAR,
-    "hf_lowbit/ops/triton_quant.py": "tests/test_triton_int8.py",
-    "hf_lowbit/ops/fake_quant.py": f"{NUMERICS} tests/test_qat.py -k 'qat_linear_on or fake_quant or straight'",
-    "hf_lowbit/ops/nf4.py": f"{NUMERICS} tests/test_qlora.py -k 'qlora_base or nf4 and not peak_memory'",
-    "hf_lowbit/quantized_base.py": f"{NUMERICS} tests/test_qlora.py -k 'qlora_base or quantized_linear or int8_compute "
+    "hf_lowbit/kernels/int8.py": LINEAR,
+    "hf_lowbit/kernels/fp8.py": LINEAR,
+    "hf_lowbit/kernels/quantize_t.py": LINEAR,
+    "hf_lowbit/kernels/__init__.py": LINEAR,
+    "hf_lowbit/mixed_precision/linear.py": LINEAR,
+    "hf_lowbit/kernels/triton_quant.py": "tests/test_triton_int8.py",
+    "hf_lowbit/kernels/fake_quant.py": f"{NUMERICS} tests/test_qat.py -k 'qat_linear_on or fake_quant or straight'",
+    "hf_lowbit/kernels/nf4.py": f"{NUMERICS} tests/test_qlora.py -k 'qlora_base or nf4 and not peak_memory'",
+    "hf_lowbit/qlora/base.py": f"{NUMERICS} tests/test_qlora.py -k 'qlora_base or quantized_linear or int8_compute "
                                    "or lora_grads or quantize_on_load'",
 }
 

@@ -26,7 +26,7 @@ import warnings
 
 from torch import nn
 
-from .swap import PATCHED, SwapEntry, SwapReport, _shape
+from ..swap import PATCHED, SwapEntry, SwapReport, _shape
 
 FLCE_OFF = "liger_kernel_config={'fused_linear_cross_entropy': False}"
 
@@ -100,7 +100,7 @@ def apply_liger(model: nn.Module, kernel_config: dict | None) -> SwapReport:
     """Apply Liger as ``Trainer.train()`` will (same function, same config), check the LM head, report."""
     from transformers.integrations.liger import apply_liger_kernel
 
-    from .validation import LowBitWarning  # here: validation imports args, which imports this module
+    from ..warnings import LowBitWarning  # here: validation imports args, which imports this module
 
     apply_liger_kernel(model, kernel_config)
     check_fused_head(model)

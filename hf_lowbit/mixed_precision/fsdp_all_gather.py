@@ -7,7 +7,7 @@ the all-gather and hand the layer the gathered codes:
 
 * ``fsdp_pre_all_gather``: FSDP2 shards dim 0, so a rank holds whole output rows of ``W [N, K]`` and its
   per-row scales are exactly the unsharded weight's. The shard, cast to ``param_dtype`` as FSDP2 would cast
-  it, is quantized by ``hf_lowbit.ops.quantize_operand(fmt, w, 1)`` (the forward's own quantization), and
+  it, is quantized by ``hf_lowbit.kernels.quantize_operand(fmt, w, 1)`` (the forward's own quantization), and
   the codes (int8 / float8 e4m3) and float32 row scales are all-gathered: 1 + 4/K bytes a weight. FSDP2
   moves inputs of mixed dtypes as bytes (``uint8`` views), so both formats travel bit for bit.
 * ``fsdp_post_all_gather``: a :class:`GatheredLowBitWeight` (outer shape ``[N, K]``, dtype ``param_dtype``)
@@ -33,8 +33,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from .ops import quantize_operand
-from .validation import LowBitWarning
+from ..kernels import quantize_operand
+from ..warnings import LowBitWarning
 
 FLAG = "lowbit_fsdp_lowbit_all_gather"
 
@@ -208,7 +208,7 @@ def enable_lowbit_all_gather(model: nn.Module) -> list[str]:
     ``fully_shard`` and before creating the optimizer (each weight becomes a new ``nn.Parameter`` over the
     same storage); ``LowBitTrainer`` does with ``lowbit_fsdp_lowbit_all_gather=True``. Returns the names of
     the layers switched; raises ``ValueError`` (naming the flag) for a layer that cannot take it."""
-    from .mixed_precision import MixedPrecisionLinear
+    from .linear import MixedPrecisionLinear
 
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):

@@ -10,7 +10,7 @@
   (``QATConfig.filter`` sets ``min_features=1``): every linear the export quantizes must have trained
   with fake quant. :func:`prepare_qat` is the same with the filter built from an ``exclude`` list.
 * :class:`QATLinear`: one ``autograd.Function`` that fake-quantizes the activation and the weight
-  (``hf_lowbit.ops.fake_quant``, the same arithmetic as torchao's convert) and multiplies; backward is the
+  (``hf_lowbit.kernels.fake_quant``, the same arithmetic as torchao's convert) and multiplies; backward is the
   straight-through estimator and *recomputes* the fake-quantized operands from the saved input and
   weight, so nothing weight- or activation-sized is kept beyond what bf16 keeps. Under
   ``torch.compile`` the quantization fuses into a couple of kernels, and a selective activation
@@ -37,9 +37,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import TrainerCallback
 
-from .compute import compute_dtype
-from .ops.fake_quant import fake_quant_per_group_sym, fake_quant_per_token_asym
-from .swap import LinearFilter, SwapReport, name_matches, swap_linears
+from ..compute import compute_dtype
+from ..kernels.fake_quant import fake_quant_per_group_sym, fake_quant_per_token_asym
+from ..swap import LinearFilter, SwapReport, name_matches, swap_linears
 
 
 @dataclass(frozen=True)

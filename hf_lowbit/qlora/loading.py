@@ -12,8 +12,8 @@ import os
 import torch
 from torch import nn
 
-from .quantized_base import QUANTIZED_LINEARS, Nf4Linear, QuantizedBaseConfig, QuantizedBaseLinear
-from .swap import LinearFilter, SwapReport, swap_linears
+from .base import QUANTIZED_LINEARS, Nf4Linear, QuantizedBaseConfig, QuantizedBaseLinear
+from ..swap import LinearFilter, SwapReport, swap_linears
 
 
 @torch.no_grad()

@@ -4,9 +4,9 @@
 operand, reduction dim K contiguous) or transposed ``[K, N]`` (the input gradient's, N contiguous), in one read
 of the packed codes (0.5 byte a weight) and one write of the codes (1 byte): no bf16 copy of the weight, no
 absmax pass over it. ``mul`` (one float32 per 64-element block: the block's absmax over the row's INT8 scale)
-and the row scales come from the small scale tensors alone (:func:`hf_lowbit.ops.nf4.nf4_int8_multipliers`,
+and the row scales come from the small scale tensors alone (:func:`hf_lowbit.kernels.nf4.nf4_int8_multipliers`,
 plain torch). The multiply is IEEE float32 and the rounding exact (half to even), so the kernel equals the
-plain-torch reference :func:`hf_lowbit.ops.nf4.nf4_to_int8_reference` bit for bit.
+plain-torch reference :func:`hf_lowbit.kernels.nf4.nf4_to_int8_reference` bit for bit.
 """
 
 from __future__ import annotations

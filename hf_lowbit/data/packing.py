@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from .data import LOCAL_FORMATS, DataFormatError, DataNotFoundError, format_segments, iter_jsonl
+from .records import LOCAL_FORMATS, DataFormatError, DataNotFoundError, format_segments, iter_jsonl
 
 TOKEN_FILE_DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32}
 _MAP_BATCH = 1000  # records per tokenizer call / Arrow write batch
@@ -122,7 +122,7 @@ def load_raw(dataset: str, split: str = "train", streaming: bool = False):
 
 
 def _check_json_array(path: str) -> None:
-    from .data import _read_json
+    from .records import _read_json
 
     _read_json(path)
 

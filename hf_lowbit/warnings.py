@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from .args import MIXED_PRECISION_RECIPES
-from .ops.formats import get_format
+from .kernels.formats import get_format
 
 
 class LowBitWarning(UserWarning):

@@ -19,8 +19,8 @@ import types
 
 from torch import nn
 
-from . import atomic
-from .qat import QATConfig, QATLinear, _torchao_fake_quantized_types, convert_qat
+from .. import atomic
+from .linear import QATConfig, QATLinear, _torchao_fake_quantized_types, convert_qat
 
 MODEL_CARD = """---
 library_name: transformers

@@ -4,7 +4,7 @@
   abs/amax/divide/round/clamp/cast chain with its neighbours instead of running eager kernels.
 * :func:`int8_scaled_mm` is a ``torch.library.triton_op`` (``hf_lowbit::int8_scaled_mm``): traceable, so
   ``torch.compile`` goes through it without a graph break and Inductor launches its Triton kernel
-  (:mod:`hf_lowbit.ops.triton_int8`) from the generated code; every other device runs an exact integer
+  (:mod:`hf_lowbit.kernels.triton_int8`) from the generated code; every other device runs an exact integer
   reference (chunked float32 products, each chunk exact, summed in int32).
 """
 

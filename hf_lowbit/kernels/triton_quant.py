@@ -10,7 +10,7 @@ permuted store) ran at ~1/3 of the copy bandwidth on the H200, so it is two kern
    stochastic rounding, ``floor(y + u)`` with ``u`` from Philox in registers) and stores the tile
    transposed. The nearest paths match the plain-torch quantize functions bit for bit.
 
-NaN in a column gives that column a NaN scale (as :func:`hf_lowbit.ops.int8.quantize_int8` does).
+NaN in a column gives that column a NaN scale (as :func:`hf_lowbit.kernels.int8.quantize_int8` does).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``LoraLinear``: PEFT's LoRA layer over a separate frozen base linear (plain, NF4 or INT8).
 
 The base layer computes ``x · Wᵀ`` however it stores ``W`` and whatever compute it was told to use
-(:mod:`hf_lowbit.quantized_base`); the LoRA branch ``B(A(dropout(x))) · scaling`` runs beside it in
+(:mod:`hf_lowbit.qlora.base`); the LoRA branch ``B(A(dropout(x))) · scaling`` runs beside it in
 the same compute dtype (autocast's, else the input's), with the adapter weights kept in their own dtype
 (float32 by PEFT's default). Because the two never share an ``F.linear``, INT8 compute on the base
 composes with LoRA.
@@ -22,8 +22,8 @@ from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
-from .compute import compute_dtype
-from .quantized_base import QUANTIZED_LINEARS, QuantizedBaseLinear
+from ..compute import compute_dtype
+from .base import QUANTIZED_LINEARS, QuantizedBaseLinear
 
 _PLAIN_INITS = (True, False, "gaussian")
 

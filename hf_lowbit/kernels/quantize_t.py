@@ -3,7 +3,7 @@
 The operands a matmul reduces over their dim 0 (both weight-gradient operands) need one scale per column
 and the reduction dim contiguous; on a transposed view the same op quantizes per row (the weight cache's
 refresh, the input gradient's stochastically rounded ``dY·diag(s)``). CUDA runs the
-Triton kernels in :mod:`hf_lowbit.ops.triton_quant`; other devices the plain-torch quantize
+Triton kernels in :mod:`hf_lowbit.kernels.triton_quant`; other devices the plain-torch quantize
 functions followed by a transposed copy (the reference the kernels are tested against).
 """
 

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .compute import compute_dtype as _compute_dtype  # the name the Function body below uses
-from .ops import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t, scaled_matmul,
+from ..compute import compute_dtype as _compute_dtype  # the name the Function body below uses
+from ..kernels import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t, scaled_matmul,
                   scaled_matmul_input_grad, scaled_matmul_quantized)
-from .fsdp_lowbit_all_gather import GatheredLowBitWeight, gathered_operands
-from .quantized_base import QUANTIZED_LINEARS
-from .swap import LinearFilter, SwapReport, swap_linears
+from .fsdp_all_gather import GatheredLowBitWeight, gathered_operands
+from ..qlora.base import QUANTIZED_LINEARS
+from ..swap import LinearFilter, SwapReport, swap_linears
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,11 @@ class MixedPrecisionConfig:
 
 class _MixedPrecisionLinearFn(torch.autograd.Function):
     """The three matmuls; ``cached`` (or None): the weight already quantized
-    (:func:`hf_lowbit.ops.quantize_weight`: codes and scales per output row, the codes transposed), used
+    (:func:`hf_lowbit.kernels.quantize_weight`: codes and scales per output row, the codes transposed), used
     instead of quantizing ``weight`` on every call.
 
     The input gradient uses the forward's quantization of the weight, its row scales folded into ``dY``
-    (:func:`hf_lowbit.ops.scaled_matmul_input_grad`): one absmax pass over the weight per step instead of
+    (:func:`hf_lowbit.kernels.scaled_matmul_input_grad`): one absmax pass over the weight per step instead of
     two, and without the cache the backward only re-encodes the weight transposed with the saved scales."""
 
     @staticmethod
@@ -131,7 +131,7 @@ def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None
                            cached_weight: tuple[Tensor, ...] | None = None) -> Tensor:
     """``F.linear`` with the matmuls selected by ``config`` in its low-bit format.
 
-    ``cached_weight``: ``weight`` already quantized by :func:`hf_lowbit.ops.quantize_weight` (the caller
+    ``cached_weight``: ``weight`` already quantized by :func:`hf_lowbit.kernels.quantize_weight` (the caller
     keeps it current; :class:`MixedPrecisionLinear` does)."""
     if not (config.output or config.grad_input or config.grad_weight):
         return F.linear(x, weight, bias)
@@ -248,7 +248,7 @@ class MixedPrecisionLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         cached = None
         if isinstance(self.weight, GatheredLowBitWeight):  # FSDP2 gathered it as codes + row scales
-            cached = gathered_operands(self.weight)           # (hf_lowbit.fsdp_lowbit_all_gather)
+            cached = gathered_operands(self.weight)           # (hf_lowbit.mixed_precision.fsdp_all_gather)
         elif self.weight_cache:
             if not torch.compiler.is_compiling():
                 self.refresh_weight_cache()

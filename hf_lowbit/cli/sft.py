@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 
-from . import atomic
-from .args import LowBitTrainingArguments
-from .data import ARITHMETIC_CHARS, DataFormatError, arithmetic_records, build_char_tokenizer, completion_accuracy
-from .validation import UnsupportedSetupError
+from .. import atomic
+from ..args import LowBitTrainingArguments
+from ..data.records import ARITHMETIC_CHARS, DataFormatError, arithmetic_records, build_char_tokenizer, completion_accuracy
+from ..warnings import UnsupportedSetupError
 
 
 class UsageError(ValueError):
@@ -303,7 +303,7 @@ def parse_args(argv: list[str] | None = None):
         dests = {a.dest for a in parser._actions}
         raise UsageError(_flag_message(str(e).strip().splitlines()[0], dests)) from None
     check_training_values(train_args, data_args, embedded)
-    from .distributed import check_deepspeed
+    from ..integrations.distributed import check_deepspeed
 
     try:  # what DeepSpeed cannot run, before minutes of data and model loading
         check_deepspeed(train_args)
@@ -386,7 +386,7 @@ def build_data(data_args: DataArguments, tokenizer, seed: int, embedded: bool):
     """(train dataset, eval dataset or None, eval records for the accuracy or None, description)."""
     import datasets as hfds
 
-    from . import packing
+    from ..data import packing
 
     bs = data_args.block_size
     completion_only = data_args.completion_only_loss
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from .trainer import LowBitTrainer
+    from ..trainer import LowBitTrainer
 
     if embedded:
         torch.manual_seed(args.seed)

@@ -4,7 +4,7 @@ Everything the rest of the package needs to know about a format lives in its rec
 quantize an operand, which scaled-matmul op multiplies two quantized operands, the storage
 dtype and largest code of a quantized value, the feature alignment its matmul needs (the swap skips
 layers that do not meet it) and the GPU compute capability whose tensor cores run it.
-``hf_lowbit.ops.scaled_matmul``, ``hf_lowbit::quantize_t``, the mixed-precision recipe's filter and
+``hf_lowbit.kernels.scaled_matmul``, ``hf_lowbit::quantize_t``, the mixed-precision recipe's filter and
 the setup checks all read it. A new format (e.g. FP8 tensorwise, INT4) is one record here plus its
 kernels in this package.
 """

@@ -3,7 +3,7 @@
 The recipe: :class:`QuantizedBaseConfig` (the storage, ``"nf4"`` or ``"int8"``, and the optional INT8
 compute; knows NF4's block constraint), :func:`convert_to_quantized_base` (swap, return the report),
 the modules and their ``autograd.Function``. Loading a checkpoint straight into quantized bases is
-:func:`hf_lowbit.loading.load_quantized_model`.
+:func:`hf_lowbit.qlora.loading.load_quantized_model`.
 
 Storage and compute are separate concerns: these modules only *store* a frozen weight compactly
 (plain tensors registered as ``requires_grad=False`` parameters, so ``state_dict`` / safetensors /
@@ -18,7 +18,7 @@ nothing per call for backward but the stored tensors (no dequantized copy lives 
   ``W ≈ diag(s)·Wq``: forward ``Y = q(X)·Wqᵀ`` (X quantized per token); backward folds ``s`` into
   the gradient, ``dX = q(dY·diag(s))·Wq``, so the *same* int8 weight serves both matmuls. An
   ``Int8Linear`` stores ``Wq`` and ``s`` and never requantizes; an ``Nf4Linear`` decodes its 4-bit codes
-  straight into the INT8 operand per call, in the layout each matmul needs (``ops.nf4.nf4_to_int8``: one
+  straight into the INT8 operand per call, in the layout each matmul needs (``kernels.nf4.nf4_to_int8``: one
   pass over the codes, no bf16 weight), or keeps an INT8 copy computed once (``int8_cache``: +1 byte/parameter).
 """
 
@@ -30,17 +30,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from .compute import compute_dtype
-from .ops import scaled_matmul_input_grad, scaled_matmul_quantized
-from .ops.int8 import quantize_int8
-from .ops.nf4 import BLOCK_SIZE, Nf4Data, check_nf4_shape, dequantize_nf4, nf4_to_int8, quantize_nf4
-from .swap import LinearFilter, SwapReport, swap_linears
+from ..compute import compute_dtype
+from ..kernels import scaled_matmul_input_grad, scaled_matmul_quantized
+from ..kernels.int8 import quantize_int8
+from ..kernels.nf4 import BLOCK_SIZE, Nf4Data, check_nf4_shape, dequantize_nf4, nf4_to_int8, quantize_nf4
+from ..swap import LinearFilter, SwapReport, swap_linears
 
 if TYPE_CHECKING:  # only the annotations name it: mixed_precision imports this module
-    from .mixed_precision import MixedPrecisionConfig
+    from ..mixed_precision import MixedPrecisionConfig
 
 # How a frozen base stores its weight (the ``lora_base_quant`` argument picks one). "Storage" is the
-# word for this choice everywhere; "format" is a compute number format (hf_lowbit.ops.formats).
+# word for this choice everywhere; "format" is a compute number format (hf_lowbit.kernels.formats).
 BASE_STORAGES = ("nf4", "int8")
 _INT8_CHUNK_NUMEL = 1 << 22
 
@@ -218,7 +218,7 @@ class Nf4Linear(QuantizedBaseLinear):
     Parameters (``requires_grad=False``; FSDP2 shards them): ``qweight`` uint8 ``[out, in/2]`` (two codes
     a byte), ``qscale`` int8 ``[out, in/64]``, ``bias`` as the source linear had it. Buffers (small float
     scales: FSDP2 neither shards them nor casts them to its mixed-precision ``param_dtype``):
-    ``scale_factor`` ``[groups of 256 blocks]``, ``scale_mean`` ``[1]`` (see :mod:`hf_lowbit.ops.nf4`).
+    ``scale_factor`` ``[groups of 256 blocks]``, ``scale_mean`` ``[1]`` (see :mod:`hf_lowbit.kernels.nf4`).
     """
 
     storage = "nf4"

@@ -8,7 +8,7 @@ cannot shard, and rebuilding a full model from a sharded one for the QAT export.
   shards and gathers bit for bit; ``LowBitTrainer`` calls it before accelerate shards the model.
 * :func:`keep_integer_params_unsharded`: the fallback for integer parameters no carrier can hold: leave
   those modules whole on every rank (the FSDP plugin's ``ignored_modules``), with a ``LowBitWarning``.
-* :func:`enable_lowbit_all_gather` (from :mod:`hf_lowbit.fsdp_lowbit_all_gather`): FSDP2 all-gathers the
+* :func:`enable_lowbit_all_gather` (from :mod:`hf_lowbit.mixed_precision.fsdp_all_gather`): FSDP2 all-gathers the
   INT8/FP8 layers' weights as codes + row scales; :func:`prepare_lowbit_all_gather` is ``LowBitTrainer``'s
   call of it for ``lowbit_fsdp_lowbit_all_gather``, before accelerate shards the model.
 * :func:`deepspeed_zero_stage` / :func:`check_deepspeed`: the ZeRO stage of a DeepSpeed run and the recipes
@@ -25,10 +25,10 @@ import warnings
 
 import torch
 
-from .args import LowBitArgumentsMixin
-from .fsdp_lowbit_all_gather import enable_lowbit_all_gather
-from .prepare import apply_recipes
-from .validation import LowBitWarning, UnsupportedSetupError
+from ..args import LowBitArgumentsMixin
+from ..mixed_precision.fsdp_all_gather import enable_lowbit_all_gather
+from ..prepare import apply_recipes
+from ..warnings import LowBitWarning, UnsupportedSetupError
 
 # torch's FSDP2 before 2.13 creates every sharded parameter with requires_grad=True first, which integer
 # tensors cannot have ("only Tensors of floating point dtype can require gradients"; seen with 2.11)
@@ -59,7 +59,7 @@ def prepare_integer_params_for_fsdp2(fsdp_plugin, model, device,
     quantized base holds its codes in :func:`carrier_dtype` (:meth:`QuantizedBaseLinear.hold_codes_as`):
     sharded, all-gathered at 1 byte per int8 code (0.5 per NF4 weight), bit-identical. Modules no carrier
     can hold stay whole (:func:`keep_integer_params_unsharded`). Returns (carried, kept whole) module names."""
-    from .quantized_base import QuantizedBaseLinear
+    from ..qlora.base import QuantizedBaseLinear
 
     if fsdp2_shards_integer_params(torch_version):
         return [], []

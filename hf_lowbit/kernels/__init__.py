@@ -1,6 +1,6 @@
 """Low-bit kernels: one quantize function and one scaled-matmul op per number format.
 
-The formats themselves are records in :mod:`hf_lowbit.ops.formats` (``FORMATS``, ``get_format``).
+The formats themselves are records in :mod:`hf_lowbit.kernels.formats` (``FORMATS``, ``get_format``).
 """
 
 from __future__ import annotations

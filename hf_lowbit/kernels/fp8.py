@@ -1,6 +1,6 @@
 """FP8 building blocks: row-wise e4m3 quantization and the scaled FP8 matmul custom op.
 
-Same contract as :mod:`hf_lowbit.ops.int8`: quantization is plain PyTorch (Inductor fuses it);
+Same contract as :mod:`hf_lowbit.kernels.int8`: quantization is plain PyTorch (Inductor fuses it);
 ``hf_lowbit::fp8_scaled_mm`` is a custom op with a fake implementation. CUDA runs
 ``torch._scaled_mm`` with row-wise scales (Hopper FP8 tensor cores, fp32 accumulation); other devices
 run the same arithmetic on upcast operands (products of e4m3 values are exact in float32).

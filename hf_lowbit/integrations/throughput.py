@@ -21,7 +21,7 @@ import time
 
 from torch import nn
 
-from .quantized_base import QuantizedBaseLinear
+from ..qlora.base import QuantizedBaseLinear
 
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from the vendors' data sheets; the first
 # name that is a substring of torch.cuda.get_device_name() wins, so the longer names come first.

@@ -1,0 +1,27 @@
+"""Recipe: INT8 / FP8 mixed precision (``int8_mixed_precision`` / ``fp8_mixed_precision``).
+
+Weights, optimizer state and everything else stay in their precision; each trainable ``nn.Linear``'s three
+matmuls (``Y = X·Wᵀ``, ``dX = dY·W``, ``dW = dYᵀ·X``) quantize both operands row-wise along the reduction dim
+and multiply in the format's kernel (docs/design.md, "INT8 / FP8 mixed precision").
+
+* config: :class:`MixedPrecisionConfig`: the format (a record of :mod:`hf_lowbit.kernels.formats`), which
+  matmuls are low-bit, the weight cache, stochastic rounding; ``filter(base)`` adds the format's alignment.
+* convert: :func:`convert_to_mixed_precision` ``(model, config, filter) -> SwapReport``, in place.
+* module: :class:`MixedPrecisionLinear` (alias ``LowBitLinear``) and its ``autograd.Function``
+  (:func:`mixed_precision_linear`); :func:`set_weight_cache`, :func:`refresh_weight_caches`.
+* saves: what ``nn.Linear`` saves. The layer shares the original ``weight`` / ``bias`` and its cached codes
+  are non-persistent buffers, so ``state_dict`` keys and tensors are unchanged and checkpoints load into
+  stock transformers.
+* FSDP2 (``lowbit_fsdp_lowbit_all_gather``): :mod:`.fsdp_all_gather`, the weight that FSDP2 all-gathers as
+  codes + row scales and the layer computes with.
+
+Imports: :mod:`hf_lowbit.kernels` and the core (``swap``, ``compute``, ``warnings``).
+"""
+
+from .fsdp_all_gather import GatheredLowBitWeight, LowBitAllGatherWeight
+from .linear import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear, convert_to_mixed_precision,
+                     mixed_precision_linear, refresh_weight_caches, set_weight_cache)
+
+__all__ = ["MixedPrecisionConfig", "MixedPrecisionLinear", "LowBitLinear", "mixed_precision_linear",
+           "convert_to_mixed_precision", "set_weight_cache", "refresh_weight_caches", "LowBitAllGatherWeight",
+           "GatheredLowBitWeight"]

@@ -1,0 +1,27 @@
+"""Recipe: quantization-aware training (``qat_scheme``), and the export that plain transformers loads.
+
+Fake-quantize during fine-tuning, convert with torchao, save a checkpoint ``from_pretrained`` loads
+(docs/qat.md).
+
+* config: :class:`QATConfig`: a scheme of :data:`QAT_SCHEMES` (``"8da4w"``, ``"int4_weight_only"``) and the weight
+  group size; ``filter(base)`` requires the group to divide ``in_features`` and drops the size floor.
+* convert: :func:`convert_to_qat` ``(model, config, filter) -> SwapReport``, in place (:func:`prepare_qat`: the
+  same from an exclude list); :class:`FakeQuantScheduleCallback` delays fake quant N steps; after training
+  :func:`convert_qat` turns the fake-quantized layers into torchao's quantized weights.
+* module: :class:`QATLinear` and its ``autograd.Function`` (:func:`qat_linear`; straight-through gradients).
+* saves: while training, what ``nn.Linear`` saves (same parameters and keys); :func:`save_quantized`
+  (:mod:`.export`) writes the converted model: ``model.safetensors`` with torchao's tensor-subclass metadata, a
+  ``TorchAoConfig`` in ``config.json``, the tokenizer and a model card, swapped in atomically;
+  :func:`push_quantized_to_hub` uploads exactly those files.
+
+Imports: :mod:`hf_lowbit.kernels` and the core.
+"""
+
+from .linear import (QAT_SCHEMES, FakeQuantScheduleCallback, QATConfig, QATLinear, QATScheme, convert_qat,
+                     convert_to_qat, fake_quant_enabled_at, get_scheme, prepare_qat, qat_linear,
+                     set_fake_quant_enabled)
+from .export import merge_lora, push_quantized_to_hub, save_quantized
+
+__all__ = ["QAT_SCHEMES", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
+           "convert_qat", "set_fake_quant_enabled", "fake_quant_enabled_at", "FakeQuantScheduleCallback", "get_scheme",
+           "save_quantized", "push_quantized_to_hub", "merge_lora"]
