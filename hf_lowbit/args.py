@@ -12,11 +12,19 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .integrations.liger import FLCE_OFF, fused_cross_entropy_requested
 from .qat import QAT_SCHEMES
 
 # mixed-precision recipe field -> its number format (a record in hf_lowbit.kernels.formats), in the order applied
 MIXED_PRECISION_RECIPES = {"int8_mixed_precision": "int8", "fp8_mixed_precision": "fp8"}
+# how to keep Liger's other kernels but not its fused LM head + loss (hf_lowbit.integrations.liger), in errors
+FLCE_OFF = "liger_kernel_config={'fused_linear_cross_entropy': False}"
+
+
+def fused_cross_entropy_requested(args) -> bool:
+    """Whether ``args`` ask Liger for its fused linear cross-entropy (the default of Liger's Llama-family patches)."""
+    if not getattr(args, "use_liger_kernel", False):
+        return False
+    return bool((getattr(args, "liger_kernel_config", None) or {}).get("fused_linear_cross_entropy", True))
 
 
 @dataclass

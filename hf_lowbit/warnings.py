@@ -1,7 +1,8 @@
-"""Checks of a training setup against what low-bit recipes need to be fast and stable.
+"""``LowBitWarning``, and the checks of a training setup against what low-bit recipes need to be fast and stable.
 
-One function, explicit arguments, warnings only: the recipes stay correct in every setup these
-checks flag, but may be slower than bf16 or, for 8-bit optimizers, unstable.
+Any layer may warn with ``LowBitWarning``, so this module imports only the formats registry. One function,
+explicit arguments, warnings only: the recipes stay correct in every setup these checks flag, but may be
+slower than bf16 or, for 8-bit optimizers, unstable.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import warnings
 
 import torch
 
-from .args import MIXED_PRECISION_RECIPES
-from .kernels.formats import get_format
+from .kernels.formats import FORMATS
 
 
 class LowBitWarning(UserWarning):
@@ -31,6 +31,8 @@ OPTIMIZER_ALLOWLIST = frozenset({
 # low-bit matmuls save (H200, 8 Llama-8B layers at 2048 tokens: 0.97x bf16; with accumulation, where the
 # weight cache pays, 1.15x; docs/benchmarks.md "Regimes").
 MIN_TOKENS_FOR_SPEEDUP = 4 * 2048
+# a mixed-precision recipe's name (its arguments field, MixedPrecisionConfig.recipe) -> its format's record
+_RECIPE_FORMATS = {f"{name}_mixed_precision": fmt for name, fmt in FORMATS.items()}
 
 
 def check_training_setup(*, recipes: list[str], device: torch.device | str, compiled: bool,
@@ -48,7 +50,7 @@ def check_training_setup(*, recipes: list[str], device: torch.device | str, comp
     device = torch.device(device)
     found = []
     # the compute capability whose tensor cores the recipes' formats use (INT8: Ampere; FP8 e4m3: Ada/Hopper)
-    fmt = max((get_format(MIXED_PRECISION_RECIPES.get(r, "int8")) for r in recipes), key=lambda f: f.min_capability)
+    fmt = max((_RECIPE_FORMATS.get(r, FORMATS["int8"]) for r in recipes), key=lambda f: f.min_capability)
     need, cores = fmt.min_capability, fmt.tensor_cores
     if device.type != "cuda":
         found.append(f"{names} on {device.type}: results are correct but not faster than bf16; the speedup "

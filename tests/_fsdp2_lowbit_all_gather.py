@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from hf_lowbit.mixed_precision.fsdp_all_gather import LowBitAllGatherWeight, enable_lowbit_all_gather  # noqa: E402
+from hf_lowbit.integrations.distributed import enable_lowbit_all_gather  # noqa: E402
+from hf_lowbit.mixed_precision.fsdp_all_gather import LowBitAllGatherWeight  # noqa: E402
 from hf_lowbit.mixed_precision import MixedPrecisionConfig, MixedPrecisionLinear  # noqa: E402
 from hf_lowbit.warnings import LowBitWarning  # noqa: E402
 

@@ -8,9 +8,9 @@ cannot shard, and rebuilding a full model from a sharded one for the QAT export.
   shards and gathers bit for bit; ``LowBitTrainer`` calls it before accelerate shards the model.
 * :func:`keep_integer_params_unsharded`: the fallback for integer parameters no carrier can hold: leave
   those modules whole on every rank (the FSDP plugin's ``ignored_modules``), with a ``LowBitWarning``.
-* :func:`enable_lowbit_all_gather` (from :mod:`hf_lowbit.mixed_precision.fsdp_all_gather`): FSDP2 all-gathers the
-  INT8/FP8 layers' weights as codes + row scales; :func:`prepare_lowbit_all_gather` is ``LowBitTrainer``'s
-  call of it for ``lowbit_fsdp_lowbit_all_gather``, before accelerate shards the model.
+* :func:`enable_lowbit_all_gather`: FSDP2 all-gathers the INT8/FP8 layers' weights as codes + row scales (the
+  weight and the hooks: :mod:`hf_lowbit.mixed_precision.fsdp_all_gather`); :func:`prepare_lowbit_all_gather` is
+  ``LowBitTrainer``'s call of it for ``lowbit_fsdp_lowbit_all_gather``, before accelerate shards the model.
 * :func:`deepspeed_zero_stage` / :func:`check_deepspeed`: the ZeRO stage of a DeepSpeed run and the recipes
   refused under it (one line naming the setting and FSDP2, at ``LowBitTrainer`` construction).
 * :func:`unsharded_copy`: a CPU copy of a (sharded) model holding a gathered full state dict, with the
@@ -24,10 +24,13 @@ import re
 import warnings
 
 import torch
+from torch import nn
 
 from ..args import LowBitArgumentsMixin
-from ..mixed_precision.fsdp_all_gather import enable_lowbit_all_gather
+from ..mixed_precision import MixedPrecisionLinear
+from ..mixed_precision.fsdp_all_gather import FLAG, LowBitAllGatherWeight, _unwrap_state_dict, lowbit_all_gather_enabled
 from ..prepare import apply_recipes
+from ..qlora.base import QuantizedBaseLinear
 from ..warnings import LowBitWarning, UnsupportedSetupError
 
 # torch's FSDP2 before 2.13 creates every sharded parameter with requires_grad=True first, which integer
@@ -59,8 +62,6 @@ def prepare_integer_params_for_fsdp2(fsdp_plugin, model, device,
     quantized base holds its codes in :func:`carrier_dtype` (:meth:`QuantizedBaseLinear.hold_codes_as`):
     sharded, all-gathered at 1 byte per int8 code (0.5 per NF4 weight), bit-identical. Modules no carrier
     can hold stay whole (:func:`keep_integer_params_unsharded`). Returns (carried, kept whole) module names."""
-    from ..qlora.base import QuantizedBaseLinear
-
     if fsdp2_shards_integer_params(torch_version):
         return [], []
     carrier = carrier_dtype(fsdp_plugin)
@@ -93,6 +94,34 @@ def keep_integer_params_unsharded(fsdp_plugin, model, device, torch_version: str
                   f"{len(names)} modules holding them stay whole on every rank (e.g. {names[0]}); "
                   "adapters and everything else are sharded.", LowBitWarning, stacklevel=2)
     return names
+
+
+def enable_lowbit_all_gather(model: nn.Module) -> list[str]:
+    """Let FSDP2 all-gather every :class:`~hf_lowbit.MixedPrecisionLinear` weight of ``model`` as INT8/FP8
+    codes + row scales instead of in ``param_dtype`` (see :mod:`hf_lowbit.mixed_precision.fsdp_all_gather`). Call it **before**
+    ``fully_shard`` and before creating the optimizer (each weight becomes a new ``nn.Parameter`` over the
+    same storage); ``LowBitTrainer`` does with ``lowbit_fsdp_lowbit_all_gather=True``. Returns the names of
+    the layers switched; raises ``ValueError`` (naming the flag) for a layer that cannot take it."""
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    done = []
+    for name, m in model.named_modules():
+        if not isinstance(m, MixedPrecisionLinear) or lowbit_all_gather_enabled(m):
+            continue
+        c = m.lowbit_config
+        problem = ("is already sharded (call it before fully_shard)" if type(m.weight) is not nn.Parameter
+                   else "has output or grad_input off (the gathered codes replace the weight in both)"
+                   if not (c.output and c.grad_input)
+                   else "has its weight cache on (the gathered codes replace it)" if m.weight_cache
+                   else "shares its weight with another module" if counts[id(m.weight)] > 1 else None)
+        if problem:
+            raise ValueError(f"{FLAG}: {name or type(m).__name__} {problem}")
+        w = m.weight
+        m.weight = nn.Parameter(LowBitAllGatherWeight(w.data, c.format), requires_grad=w.requires_grad)
+        m._register_state_dict_hook(_unwrap_state_dict)
+        done.append(name)
+    return done
 
 
 def prepare_lowbit_all_gather(args: LowBitArgumentsMixin, model, fsdp_plugin) -> list[str]:

@@ -26,16 +26,9 @@ import warnings
 
 from torch import nn
 
+from ..args import FLCE_OFF, fused_cross_entropy_requested
 from ..swap import PATCHED, SwapEntry, SwapReport, _shape
-
-FLCE_OFF = "liger_kernel_config={'fused_linear_cross_entropy': False}"
-
-
-def fused_cross_entropy_requested(args) -> bool:
-    """Whether ``args`` ask Liger for its fused linear cross-entropy (the default of Liger's Llama-family patches)."""
-    if not getattr(args, "use_liger_kernel", False):
-        return False
-    return bool((getattr(args, "liger_kernel_config", None) or {}).get("fused_linear_cross_entropy", True))
+from ..warnings import LowBitWarning
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -99,8 +92,6 @@ def check_fused_head(model: nn.Module) -> None:
 def apply_liger(model: nn.Module, kernel_config: dict | None) -> SwapReport:
     """Apply Liger as ``Trainer.train()`` will (same function, same config), check the LM head, report."""
     from transformers.integrations.liger import apply_liger_kernel
-
-    from ..warnings import LowBitWarning  # here: validation imports args, which imports this module
 
     apply_liger_kernel(model, kernel_config)
     check_fused_head(model)

@@ -202,35 +202,4 @@ def lowbit_all_gather_enabled(module: nn.Module) -> bool:
     return isinstance(w, LowBitAllGatherWeight)
 
 
-def enable_lowbit_all_gather(model: nn.Module) -> list[str]:
-    """Let FSDP2 all-gather every :class:`~hf_lowbit.MixedPrecisionLinear` weight of ``model`` as INT8/FP8
-    codes + row scales instead of in ``param_dtype`` (see the module docstring). Call it **before**
-    ``fully_shard`` and before creating the optimizer (each weight becomes a new ``nn.Parameter`` over the
-    same storage); ``LowBitTrainer`` does with ``lowbit_fsdp_lowbit_all_gather=True``. Returns the names of
-    the layers switched; raises ``ValueError`` (naming the flag) for a layer that cannot take it."""
-    from .linear import MixedPrecisionLinear
-
-    counts: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        counts[id(p)] = counts.get(id(p), 0) + 1
-    done = []
-    for name, m in model.named_modules():
-        if not isinstance(m, MixedPrecisionLinear) or lowbit_all_gather_enabled(m):
-            continue
-        c = m.lowbit_config
-        problem = ("is already sharded (call it before fully_shard)" if type(m.weight) is not nn.Parameter
-                   else "has output or grad_input off (the gathered codes replace the weight in both)"
-                   if not (c.output and c.grad_input)
-                   else "has its weight cache on (the gathered codes replace it)" if m.weight_cache
-                   else "shares its weight with another module" if counts[id(m.weight)] > 1 else None)
-        if problem:
-            raise ValueError(f"{FLAG}: {name or type(m).__name__} {problem}")
-        w = m.weight
-        m.weight = nn.Parameter(LowBitAllGatherWeight(w.data, c.format), requires_grad=w.requires_grad)
-        m._register_state_dict_hook(_unwrap_state_dict)
-        done.append(name)
-    return done
-
-
-__all__ = ["FLAG", "GatheredLowBitWeight", "LowBitAllGatherWeight", "enable_lowbit_all_gather", "gathered_operands",
-           "lowbit_all_gather_enabled"]
+__all__ = ["FLAG", "GatheredLowBitWeight", "LowBitAllGatherWeight", "gathered_operands", "lowbit_all_gather_enabled"]

@@ -30,7 +30,6 @@ from ..compute import compute_dtype as _compute_dtype  # the name the Function b
 from ..kernels import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t, scaled_matmul,
                   scaled_matmul_input_grad, scaled_matmul_quantized)
 from .fsdp_all_gather import GatheredLowBitWeight, gathered_operands
-from ..qlora.base import QUANTIZED_LINEARS
 from ..swap import LinearFilter, SwapReport, swap_linears
 
 
@@ -300,5 +299,6 @@ def convert_to_mixed_precision(model: nn.Module, config: MixedPrecisionConfig,
 
 
 def _low_bit_already(module: nn.Module) -> bool:
-    return isinstance(module, MixedPrecisionLinear) or (isinstance(module, QUANTIZED_LINEARS)
-                                                        and module.compute is not None)
+    """A mixed-precision layer, or a module told to compute by one of our configs: a QLoRA base with INT8 compute
+    (its ``compute``; recognised by the config, so this recipe needs no import of the QLoRA one, which uses it)."""
+    return isinstance(module, MixedPrecisionLinear) or isinstance(getattr(module, "compute", None), MixedPrecisionConfig)
