@@ -33,10 +33,10 @@ def test_embedded_default_short_run(tmp_path, capsys):
                     "--arithmetic_train_records", "2000", "--arithmetic_eval_records", "20", "--disable_tqdm", "True"])
     out = capsys.readouterr().out
     assert "[hf_lowbit] int8_mixed_precision: 14 modules swapped" in out
-    # The README: the run starts at loss ~2.8. After these 12 warm-up steps the held-out loss measured 2.43,
+    # docs/usage.md: the run starts at loss ~2.8. After these 12 warm-up steps the held-out loss measured 2.43,
     # 14% below the first step's loss (2.83); an untrained model stays at ~2.8.
     start = metrics["train_losses"][0]
-    assert abs(start - 2.8) < 0.1, f"first loss {start:.3f}, the README says the run starts at ~2.8"
+    assert abs(start - 2.8) < 0.1, f"first loss {start:.3f}, docs/usage.md says the run starts at ~2.8"
     assert metrics["eval_loss"] < 0.92 * start, f"held-out loss {metrics['eval_loss']:.3f} after 12 steps from {start:.3f}"
     assert isinstance(metrics["eval_accuracy"], float)
     assert os.path.exists(tmp_path / "model.safetensors") and os.path.exists(tmp_path / "tokenizer.json")
@@ -131,7 +131,7 @@ def test_embedded_qlora_short_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "[hf_lowbit] lora_base_quant: 14 modules swapped" in out and "NF4 frozen base + INT8 compute" in out
     # the adapters start at zero, so step 1 is the quantized (untrained) base alone: its loss is about ln(vocab),
-    # the README's ~2.8 (measured 2.828, the bf16 model's 2.829); a base that blows up or gives NaN fails
+    # docs/usage.md's ~2.8 (measured 2.828, the bf16 model's 2.829); a base that blows up or gives NaN fails
     assert len(metrics["train_losses"]) == 2 and abs(metrics["train_losses"][0] - 2.8) < 0.1, metrics["train_losses"]
     assert isinstance(metrics["eval_accuracy"], float)
     assert os.path.exists(tmp_path / "adapter_model.safetensors") and os.path.exists(tmp_path / "adapter_config.json")
