@@ -288,7 +288,7 @@ def trainer_worker(a) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
-    from hf_lowbit.integrations.throughput import model_flops, peak_tflops
+    from hf_lowbit.integrations.throughput import mfu, model_flops, peak_tflops
 
     for name, default in TRAINER_DEFAULTS.items():  # callers other than main() (benchmark_fsdp2) set fewer flags
         if not hasattr(a, name):
@@ -351,7 +351,7 @@ def trainer_worker(a) -> dict:
     trainer.train()
     elapsed = times[total] - times[a.warmup]
     tokens = a.batch * a.seq * a.grad_accum * a.steps
-    per_token, per_token_seq = model_flops(model)  # the swapped model (compiled copies share its modules)
+    flops = model_flops(model)  # the swapped model (compiled copies share its modules)
     peak = peak_tflops(torch.device(a.device))
     chosen["liger"] = getattr(trainer.args, "liger_kernel_config", None) if a.liger == "on" else None
     mean = lambda v: sum(v) / len(v) if v else None  # noqa: E731
@@ -359,7 +359,7 @@ def trainer_worker(a) -> dict:
             "step_ms": 1000 * elapsed / a.steps, "warmup_s": times[a.warmup] - t0,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
             "first_loss": losses[0] if losses else float("nan"), "last_loss": losses[-1] if losses else float("nan"),
-            "mfu": (per_token + per_token_seq * a.seq) * tokens / elapsed / (peak * 1e12) if peak else None,
+            "mfu": mfu(flops, tokens, tokens * a.seq, elapsed, peak) if peak else None,  # as LowBitTrainer logs it
             "logged_mfu": mean(logged["train_mfu"]), "logged_tok_s": mean(logged["train_tokens_per_second"]),
             "compiled_graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values()), "chosen": chosen, "profile": None,

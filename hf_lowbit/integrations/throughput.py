@@ -97,9 +97,15 @@ class ThroughputMeter:
         if peak:
             if self.flops is None:  # the model's shape does not change during training: count once
                 self.flops = model_flops(model)
-            per_token, per_token_seq = self.flops
-            logs["train_mfu"] = (per_token * tokens + per_token_seq * token_seq) / elapsed / (peak * 1e12 * processes)
+            logs["train_mfu"] = mfu(self.flops, tokens, token_seq, elapsed, peak, processes)
         return logs
+
+
+def mfu(flops: tuple[int, int], tokens: int, token_seq: int, seconds: float, peak: float, processes: int = 1) -> float:
+    """Model FLOPs utilization of ``tokens`` (``token_seq``: Σ tokens · sequence length) trained in ``seconds`` on
+    ``processes`` accelerators of ``peak`` TFLOP/s each; ``flops``: :func:`model_flops` of the model."""
+    per_token, per_token_seq = flops
+    return (per_token * tokens + per_token_seq * token_seq) / seconds / (peak * 1e12 * processes)
 
 
 def model_flops(model: nn.Module) -> tuple[int, int]:
@@ -111,4 +117,4 @@ def model_flops(model: nn.Module) -> tuple[int, int]:
     return 6 * trainable + 4 * frozen, 12 * layers * hidden
 
 
-__all__ = ["PEAK_BF16_TFLOPS", "ThroughputMeter", "matmul_params", "model_flops", "peak_tflops"]
+__all__ = ["PEAK_BF16_TFLOPS", "ThroughputMeter", "matmul_params", "mfu", "model_flops", "peak_tflops"]
