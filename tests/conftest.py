@@ -47,6 +47,14 @@ def save_tiny_model(path, tokenizer, max_positions: int, seed: int | None = None
     return path
 
 
+def lowbit_args(output_dir, **kw):
+    """``LowBitTrainingArguments`` for a test on the CPU: ``output_dir``, no reporting; ``kw`` adds or overrides (each
+    test file binds its own defaults: ``_args = partial(lowbit_args, max_steps=4, ...)``)."""
+    from hf_lowbit import LowBitTrainingArguments
+
+    return LowBitTrainingArguments(**{"output_dir": str(output_dir), "report_to": "none", "use_cpu": True, **kw})
+
+
 def arithmetic_blocks(n_blocks: int, block: int = 32):
     """A packed dataset of ``n_blocks`` blocks of generated addition problems (ARITH_TOKENIZER)."""
     from hf_lowbit.data import arithmetic_records, format_records, pack

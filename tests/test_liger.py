@@ -7,15 +7,16 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
-from conftest import arithmetic_blocks, tiny_model
+from conftest import arithmetic_blocks, lowbit_args, tiny_model
 from peft import LoraConfig, PeftModel
 from torch import nn
 
 pytest.importorskip("liger_kernel", reason="liger-kernel is not installed (pip install 'hf_lowbit[liger]')")
 
-from hf_lowbit import (LoraLinear, LowBitTrainer, LowBitTrainingArguments, MixedPrecisionLinear,  # noqa: E402
+from hf_lowbit import (LoraLinear, LowBitTrainer, MixedPrecisionLinear,  # noqa: E402
                        Nf4Linear, QATLinear)
 from hf_lowbit.integrations.liger import apply_liger, liger_report  # noqa: E402
 
@@ -37,11 +38,7 @@ def _stock_llama_module():
     modeling_llama.LlamaForCausalLM.forward = forward
 
 
-def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, lowbit_min_features=16,
-                use_liger_kernel=True)
-    base.update(kw)
-    return LowBitTrainingArguments(**base)
+_args = partial(lowbit_args, lowbit_min_features=16, use_liger_kernel=True)
 
 
 def _liger_owns(model) -> set[str]:

@@ -7,16 +7,16 @@ import io
 
 import pytest
 import torch
+from conftest import lowbit_args
 
-from hf_lowbit import LowBitTrainingArguments, MixedPrecisionConfig, MixedPrecisionLinear
+from hf_lowbit import MixedPrecisionConfig, MixedPrecisionLinear
 from hf_lowbit.integrations.distributed import enable_lowbit_all_gather, prepare_lowbit_all_gather
 from hf_lowbit.mixed_precision.fsdp_all_gather import LowBitAllGatherWeight
 
 FLAG = "lowbit_fsdp_lowbit_all_gather"
 
 
-def _args(tmp_path, **kw):
-    return LowBitTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kw)
+_args = lowbit_args
 
 
 def test_flag_is_validated(tmp_path):

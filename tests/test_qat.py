@@ -4,11 +4,12 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ARITH_TOKENIZER, arithmetic_blocks, saved_bytes, snr_db, tiny_model
+from conftest import ARITH_TOKENIZER, arithmetic_blocks, lowbit_args, saved_bytes, snr_db, tiny_model
 from peft import LoraConfig
 from torch import nn
 from transformers import TrainerCallback
@@ -25,12 +26,8 @@ def _data(n_blocks=32):
     return arithmetic_blocks(n_blocks)
 
 
-def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=3e-3,
-                logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
-                optim="adamw_torch", use_cpu=True, qat_scheme="8da4w", qat_group_size=32)
-    base.update(kw)
-    return LowBitTrainingArguments(**base)
+_args = partial(lowbit_args, max_steps=4, per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=1,
+                save_strategy="no", seed=0, disable_tqdm=True, optim="adamw_torch", qat_scheme="8da4w", qat_group_size=32)
 
 
 def _model(**kw):

@@ -3,17 +3,18 @@
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import saved_bytes, snr_db, tiny_model
+from conftest import lowbit_args, saved_bytes, snr_db, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from hf_lowbit import (Int8Linear, LinearFilter, LoraLinear, LowBitTrainer, LowBitTrainingArguments, MixedPrecisionConfig,
+from hf_lowbit import (Int8Linear, LinearFilter, LoraLinear, LowBitTrainer, MixedPrecisionConfig,
                        Nf4Linear, QuantizedBaseConfig, load_quantized_model, prepare_model, quantize_base)
 from hf_lowbit.kernels.nf4 import dequantize_nf4, quantize_nf4
 
@@ -230,11 +231,7 @@ def test_lora_linear_forward_vs_peft():
 
 # ---- PEFT ---------------------------------------------------------------------------------------
 
-def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), report_to="none", lowbit_min_features=16, use_cpu=True,
-                lora_base_quant="nf4", int8_mixed_precision=True)
-    base.update(kw)
-    return LowBitTrainingArguments(**base)
+_args = partial(lowbit_args, lowbit_min_features=16, lora_base_quant="nf4", int8_mixed_precision=True)
 
 
 @pytest.mark.parametrize("quant", ["nf4", "int8"])

@@ -1,13 +1,15 @@
 """LowBitTrainer end to end on tiny models: loss falls, INT8 tracks bf16, checkpoints, resume, PEFT."""
 
+from functools import partial
+
 import pytest
 import torch
-from conftest import ARITH_TOKENIZER, arithmetic_blocks, snr_db, tiny_model
+from conftest import ARITH_TOKENIZER, arithmetic_blocks, lowbit_args, snr_db, tiny_model
 from peft import LoraConfig, PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, TrainingArguments
 
-from hf_lowbit import LowBitLinear, LowBitTrainer, LowBitTrainingArguments, LowBitWarning
+from hf_lowbit import LowBitLinear, LowBitTrainer, LowBitWarning
 
 TOKENIZER = ARITH_TOKENIZER
 
@@ -16,12 +18,8 @@ def _data(n_blocks=64):
     return arithmetic_blocks(n_blocks)
 
 
-def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=8, learning_rate=3e-3,
-                logging_steps=1, save_strategy="no", report_to="none", seed=0, lowbit_min_features=16,
-                disable_tqdm=True, optim="adamw_torch", use_cpu=True)
-    base.update(kw)
-    return LowBitTrainingArguments(**base)
+_args = partial(lowbit_args, max_steps=30, per_device_train_batch_size=8, learning_rate=3e-3, logging_steps=1,
+                save_strategy="no", seed=0, lowbit_min_features=16, disable_tqdm=True, optim="adamw_torch")
 
 
 def _losses(trainer, after_step=0):
