@@ -26,16 +26,17 @@ def test_no_import_cycle():
 
 
 def test_the_graph_sees_imports_inside_functions_and_type_checking_blocks():
-    """The real tree: a function-level import (the CLI's data path), a TYPE_CHECKING one (QLoRA names mixed
-    precision's config), a parent package's __init__ that an import runs, and none of the imports of libraries
-    named like our modules (``import warnings``, ``from trl import ...``)."""
+    """The real tree: function-level imports (the CLI's data path, the NF4 kernel's Triton half), a TYPE_CHECKING
+    one (QLoRA names mixed precision's config), a parent package's __init__ that an import runs, and none of the
+    imports of libraries named like our modules (``import warnings``, ``from trl import ...``)."""
     graph = layers.import_graph()
     assert {"hf_lowbit.data.packing", "hf_lowbit.data", "hf_lowbit.trainer"} <= graph["hf_lowbit.cli.sft"]
     assert "hf_lowbit.mixed_precision" in graph["hf_lowbit.qlora.base"]
     assert "hf_lowbit.qlora" in graph["hf_lowbit.integrations.throughput"]  # qlora.base runs qlora/__init__
     assert "hf_lowbit.qlora" not in graph["hf_lowbit.qlora.lora"]  # ... which is running already for its own modules
     assert graph["hf_lowbit.trl"] == {"hf_lowbit.args", "hf_lowbit.trainer"}
-    assert graph["hf_lowbit.kernels.nf4"] == set()
+    assert graph["hf_lowbit.kernels.nf4"] == {"hf_lowbit.kernels.triton_nf4"}  # inside a function, CUDA only
+    assert graph["hf_lowbit.kernels._checks"] == set()
 
 
 def test_a_hidden_cycle_and_an_upward_import_fail(tmp_path, monkeypatch):

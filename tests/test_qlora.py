@@ -92,7 +92,7 @@ print((status("VmHWM") - before) * 1024 / (w.numel() * 2))
 def test_nf4_quantizer_peak_memory_on_cpu():
     """Regression test of the memory-lean quantizer: peak RSS growth beyond the bf16 input, in units of the
     input, in a fresh process: 0.25x packed output + scales + one chunk (0.5x measured; torchao's to_nf4 2.2x)."""
-    proc = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, os.path.join(ROOT, "hf_lowbit", "ops", "nf4.py")],
+    proc = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, os.path.join(ROOT, "hf_lowbit", "kernels", "nf4.py")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     extra = float(proc.stdout.strip().splitlines()[-1])
