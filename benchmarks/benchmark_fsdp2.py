@@ -57,7 +57,7 @@ def trainer_worker_fsdp(a) -> dict | None:
     from benchmark_train import trainer_worker
 
     if a.device != "cuda":
-        from benchmarks.common import allow_fsdp_on_cpu
+        from benchmarks.driver import allow_fsdp_on_cpu
 
         allow_fsdp_on_cpu()
     else:
@@ -91,7 +91,7 @@ def worker(a) -> dict | None:
 
     cuda = a.device == "cuda"
     if not cuda:
-        from benchmarks.common import allow_fsdp_on_cpu
+        from benchmarks.driver import allow_fsdp_on_cpu
 
         allow_fsdp_on_cpu()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
@@ -284,7 +284,7 @@ def main():
     if a.device == "cpu":
         env["ACCELERATE_USE_CPU"] = "1"
     os.environ.update(env)
-    from benchmarks.common import git_commit
+    from benchmarks.driver import git_commit
 
     meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
             "gpu_count": torch.cuda.device_count() if a.device == "cuda" else 0, "torch": torch.__version__,
@@ -296,7 +296,7 @@ def main():
             meta[mod] = __import__(mod).__version__
         except ImportError:
             meta[mod] = None
-    from benchmarks.common import run_worker, write_results
+    from benchmarks.driver import run_worker, write_results
 
     flags = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool) for x in (f"--{k}", str(v))]
     flags += ["--device", a.device, "--path", a.path] + (["--no_compile"] if a.no_compile else [])

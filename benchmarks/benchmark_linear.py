@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hf_lowbit import MixedPrecisionConfig, mixed_precision_linear  # noqa: E402
-from benchmarks.common import median_ms, write_results  # noqa: E402
+from benchmarks.driver import median_ms, write_results  # noqa: E402
 
 
 def recipes():

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import median_ms, write_results  # noqa: E402
+from benchmarks.driver import median_ms, write_results  # noqa: E402
 from hf_lowbit.kernels import get_format, quantize_t, scaled_matmul  # noqa: E402
 
 LAYOUTS = {"fwd": (1, 1), "dgrad": (1, 0), "wgrad": (0, 0)}

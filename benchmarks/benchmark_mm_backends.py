@@ -30,7 +30,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import graph_ms, write_results  # noqa: E402
+from benchmarks.driver import graph_ms, write_results  # noqa: E402
 from hf_lowbit.kernels.fp8 import FP8_DTYPE  # noqa: E402
 from hf_lowbit.kernels.triton_int8 import _configs, _int8_scaled_mm_kernel, int8_scaled_mm_triton  # noqa: E402
 from hf_lowbit.kernels.triton_quant import quantize_t_triton  # noqa: E402

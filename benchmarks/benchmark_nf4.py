@@ -148,7 +148,7 @@ def main():
         raise SystemExit(f"--stages: unknown stage(s) {bad}; choose from quantize, load")
     methods = (METHODS if "quantize" in stages else ()) + (("load",) if "load" in stages else ())
     args = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool) for x in (f"--{k}", str(v))]
-    from benchmarks.common import run_worker, write_results
+    from benchmarks.driver import run_worker, write_results
 
     rows = []
     for method in methods:

@@ -95,7 +95,7 @@ def main():
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmark_nf4_decode.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
-    from benchmarks.common import git_commit, write_results
+    from benchmarks.driver import git_commit, write_results
 
     shapes = SHAPES if a.device == "cuda" else ((64, 128), (32, 256))
     rows = bench(shapes, a.device)

@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from hf_lowbit import LowBitTrainingArguments, prepare_model  # noqa: E402
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.driver import write_results  # noqa: E402
 from benchmarks.corpus import build_bpe_tokenizer, package_sources, python_docs_corpus  # noqa: E402
 from hf_lowbit.data import arithmetic_records, pack, split_records  # noqa: E402
 

@@ -94,7 +94,7 @@ def main():
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmark_seed_table.py needs a CUDA GPU (--tiny runs a CPU smoke test)")
-    from benchmarks.common import git_commit, run_worker, write_results
+    from benchmarks.driver import git_commit, run_worker, write_results
 
     blocks, tok_vocab = token_blocks(a.seq, min(a.vocab, 32000))
     needed = (a.warmup + a.steps) * a.batch

@@ -436,7 +436,7 @@ def worker(a) -> dict:
     losses += [t.item() for t in timed]
     profile = None
     if a.profile and cuda:
-        from benchmarks.common import kernel_profile
+        from benchmarks.driver import kernel_profile
 
         profile = kernel_profile(lambda: step(0))
     return {"recipe": a.recipe, "path": "layers", "tokens_per_s": a.batch * a.seq * a.grad_accum * a.steps / elapsed,
@@ -493,7 +493,7 @@ def main():
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmark_train.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
-    from benchmarks.common import git_commit
+    from benchmarks.driver import git_commit
 
     meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(sys.argv), "config": {k: getattr(a, k) for k in (
@@ -506,7 +506,7 @@ def main():
         meta["torchao"] = torchao.__version__
     except ImportError:
         meta["torchao"] = None
-    from benchmarks.common import run_worker, write_results
+    from benchmarks.driver import run_worker, write_results
 
     rows = []
     # the worker gets --device, every int flag and every switch that is on

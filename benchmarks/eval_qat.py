@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.driver import write_results  # noqa: E402
 from benchmarks.corpus import build_bpe_tokenizer, python_docs_corpus  # noqa: E402
 from hf_lowbit.data import pack, split_records  # noqa: E402
 from hf_lowbit.qat import QAT_SCHEMES, QATConfig, convert_qat, prepare_qat  # noqa: E402

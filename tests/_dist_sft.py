@@ -1,7 +1,7 @@
 """Test launcher: ``hf_lowbit.cli.sft.main`` in CPU processes (gloo), under FSDP2 when accelerate asks for it.
 
 accelerate 1.15 turns FSDP on only for accelerator devices (the Trainer would silently use DDP in CPU
-processes); ``benchmarks.common.allow_fsdp_on_cpu`` lets it shard on a CPU mesh with gloo. Several runs,
+processes); ``benchmarks.driver.allow_fsdp_on_cpu`` lets it shard on a CPU mesh with gloo. Several runs,
 separated by ``---``, share one launch (process start-up is most of a tiny run's time):
 
     ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/fsdp2.yaml \
@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import allow_fsdp_on_cpu  # noqa: E402
+from benchmarks.driver import allow_fsdp_on_cpu  # noqa: E402
 
 
 def allow_deepspeed_on_cpu() -> None:

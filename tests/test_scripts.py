@@ -315,7 +315,7 @@ def test_benchmark_fsdp2_trainer_path_smoke_on_cpu(tmp_path):
 
 def test_results_name_the_commit_measured(tmp_path, monkeypatch):
     """Every benchmark JSON (bench.write_results) and its markdown header record the commit of the code measured."""
-    from benchmarks.common import git_commit, write_results
+    from benchmarks.driver import git_commit, write_results
 
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     if head.returncode == 0:  # a git checkout (CI clones one)
