@@ -27,7 +27,6 @@ import os
 import platform
 import random
 import resource
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,7 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-WORDS = None
+from benchmarks.driver import error_cell, run_worker, write_results  # noqa: E402
 
 
 def generate(path: str, size_mb: int, seed: int = 0) -> None:
@@ -58,8 +57,8 @@ def generate(path: str, size_mb: int, seed: int = 0) -> None:
 
 
 def build_tokenizer(path: str, out_dir: str):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """The byte-level BPE (vocabulary 8192) of benchmarks/corpus.py, trained on the file's first 2 MB, saved."""
+    from benchmarks.corpus import build_bpe_tokenizer
 
     texts = []
     with open(path) as f:
@@ -69,13 +68,7 @@ def build_tokenizer(path: str, out_dir: str):
             size += len(line)
             if size > 2 << 20:
                 break
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=["<pad>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>").save_pretrained(out_dir)
+    build_bpe_tokenizer(texts, 8192).save_pretrained(out_dir)
 
 
 class MemorySampler(threading.Thread):
@@ -150,11 +143,12 @@ def main():
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier runs' --json files into --json/--md")
+    p.add_argument("--timeout", type=int, default=7200, help="seconds per path and size (its own process)")
     p.add_argument("--worker", nargs=2, metavar=("METHOD", "FILE"), help=argparse.SUPPRESS)
     p.add_argument("--tokenizer", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.worker[0], a.worker[1], a.tokenizer, a.block_size, a.num_proc)))
+        print("RESULT " + json.dumps(worker(a.worker[0], a.worker[1], a.tokenizer, a.block_size, a.num_proc)))
         return
     if a.merge:
         merge(a.merge, a.json, a.md)
@@ -175,41 +169,31 @@ def main():
         for method in (["before"] if size in before else []) + (["arrow"] if size in arrow else []) + \
                 (["streaming"] if size in sizes else []):
             with tempfile.TemporaryDirectory(dir=work) as cache:
-                env = dict(os.environ, HF_DATASETS_CACHE=cache, PYTHONPATH=ROOT)
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", method, path,
-                                       "--tokenizer", tok_dir, "--block_size", str(a.block_size),
-                                       "--num_proc", str(a.num_proc)], capture_output=True, text=True, env=env)
-            if proc.returncode:
-                row = {"method": method, "file_mib": size, "error": proc.stderr.strip().splitlines()[-1]}
-            else:
-                row = json.loads(proc.stdout.strip().splitlines()[-1])
+                row = run_worker([sys.executable, os.path.abspath(__file__), "--worker", method, path, "--tokenizer",
+                                  tok_dir, "--block_size", str(a.block_size), "--num_proc", str(a.num_proc)],
+                                 {"method": method, "file_mib": size}, a.timeout,
+                                 env={"HF_DATASETS_CACHE": cache, "PYTHONPATH": ROOT})
             print(json.dumps(row), flush=True)
             rows.append(row)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), "
                        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM",
             "python": platform.python_version(), "block_size": a.block_size, "num_proc": a.num_proc,
             "date": time.strftime("%Y-%m-%d", time.gmtime())}
-    write_results(rows, meta, a.json, a.md)
+    write_table(rows, meta, a.json, a.md)
 
 
-def write_results(rows: list[dict], meta: dict, json_path: str | None, md_path: str | None) -> None:
+def write_table(rows: list[dict], meta: dict, json_path: str | None, md_path: str | None) -> None:
     table = ["| path | file MiB | tokens | tokens/s | peak RSS anon MiB | peak RSS MiB (incl. mapped files) | largest worker MiB |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            table.append(f"| {r['method']} | {r['file_mib']} | error: {r['error']} | | | | |")
+            table.append(f"| {r['method']} | {r['file_mib']} | {error_cell(r['error'])} | | | | |")
         else:
             table.append(f"| {r['method']} | {r['file_mib']} | {r['tokens']:,} | {r['tokens_per_s']:,} | "
                          f"{r['peak_rss_anon_mib']} | {r['peak_rss_mib']} | {r['children_peak_rss_mib']} |")
-    print("\n".join(table))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    if md_path:
-        with open(md_path, "w") as f:
-            f.write(f"Packing throughput and peak memory ({meta['machine']}, Python {meta['python']}, "
-                    f"block_size {meta['block_size']}, {meta['date']}; `benchmarks/bench_data.py`)\n\n"
-                    + "\n".join(table) + "\n")
+    write_results({"meta": meta, "rows": rows}, table,
+                  f"Packing throughput and peak memory ({meta['machine']}, Python {meta['python']}, block_size "
+                  f"{meta['block_size']}, {meta['date']}; `benchmarks/bench_data.py`)", json_path, md_path)
 
 
 def merge(paths: list[str], json_path: str | None, md_path: str | None) -> None:
@@ -222,7 +206,7 @@ def merge(paths: list[str], json_path: str | None, md_path: str | None) -> None:
         meta = meta or data["meta"]
     order = {"before": 0, "arrow": 1, "streaming": 2}
     rows.sort(key=lambda r: (order.get(r["method"], 9), r["file_mib"]))
-    write_results(rows, meta, json_path, md_path)
+    write_table(rows, meta, json_path, md_path)
 
 
 if __name__ == "__main__":

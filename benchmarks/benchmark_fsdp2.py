@@ -28,17 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmark_train import LORA_RECIPES, RECIPES, build_model, compile_layers  # noqa: E402
+from benchmarks.driver import (LORA_RECIPES, RECIPES, ROOT, add_int_flags, allow_fsdp_on_cpu, bar_plot,  # noqa: E402
+                               build_model, compile_layers, error_cell, meta, run_worker, save_json, timed_steps,
+                               train_step, write_results)
 
 DEFAULT_RECIPES = "bf16,int8,fp8,qat_8da4w,torchao_float8,lora_bf16,lora_nf4_int8"
 CONFIG = os.path.join(ROOT, "accelerate_configs", "fsdp2.yaml")
@@ -54,11 +52,9 @@ def trainer_worker_fsdp(a) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from benchmark_train import trainer_worker
+    from benchmarks.benchmark_train import trainer_worker
 
     if a.device != "cuda":
-        from benchmarks.driver import allow_fsdp_on_cpu
-
         allow_fsdp_on_cpu()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -91,8 +87,6 @@ def worker(a) -> dict | None:
 
     cuda = a.device == "cuda"
     if not cuda:
-        from benchmarks.driver import allow_fsdp_on_cpu
-
         allow_fsdp_on_cpu()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
     if cuda:
@@ -123,35 +117,17 @@ def worker(a) -> dict | None:
             if j in mine:
                 row.append(ids.to(acc.device))
         batches.append(row)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def step(s):
-        total = 0.0
-        for ids in batches[s % len(batches)]:
-            loss = model(input_ids=ids, labels=ids).loss / accum
-            loss.backward()
-            total = total + loss.detach()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total
+    def step(s):  # this rank's micro-batches: their mean loss
+        return sum(train_step(model, batches[s % len(batches)], opt))
 
     def mean_over_ranks(t):
         t = t.clone()
         dist.all_reduce(t)
         return (t / n).item()
 
-    t0 = time.perf_counter()
-    losses = [mean_over_ranks(step(i)) for i in range(a.warmup)]
-    warmup_s = time.perf_counter() - t0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    sync()
-    dist.barrier()
-    t0 = time.perf_counter()
-    timed = [step(a.warmup + i) for i in range(a.steps)]
-    sync()
-    elapsed = time.perf_counter() - t0
-    losses += [mean_over_ranks(t) for t in timed]
+    run = timed_steps(step, a.warmup, a.steps, cuda, warm=mean_over_ranks, before_timing=dist.barrier)
+    losses, warmup_s, elapsed = run["warm"] + [mean_over_ranks(t) for t in run["timed"]], run["warmup_s"], run["elapsed"]
     stats = torch.tensor([torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0, elapsed], device=acc.device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
     peak, elapsed = stats.tolist()
@@ -201,8 +177,7 @@ def table(rows: list[dict]) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["gpus"], 0)):
         if "error" in r:
-            last = r["error"].strip().splitlines()[-1][:80] if r["error"].strip() else "?"
-            out.append(f"| {r['recipe']} | {r['gpus']} | error: {last} ||||||||||")
+            out.append(f"| {r['recipe']} | {r['gpus']} | {error_cell(r['error'])} ||||||||||")
             continue
         diff = r["max_loss_diff_vs_fewest_gpus"]
         out.append(f"| {r['recipe']} | {r['gpus']} | {r['tokens_per_s_per_gpu']:.0f} | {r.get('vs_ref', float('nan')):.2f}x"
@@ -213,39 +188,21 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def plot(data: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in data["rows"] if "error" not in r and "vs_ref" in r]
-    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
-    gpus = sorted({r["gpus"] for r in rows})
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    width = 0.8 / len(gpus)
-    for j, g in enumerate(gpus):
-        vals = [next((r["vs_ref"] for r in rows if r["recipe"] == rec and r["gpus"] == g), 0) for rec in recipes]
-        bars = ax.bar([i + j * width for i in range(len(recipes))], vals, width, label=f"{g} GPU{'s' * (g > 1)}")
-        ax.bar_label(bars, fmt="%.2fx", fontsize=7)
-    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set_xticks([i + width * (len(gpus) - 1) / 2 for i in range(len(recipes))], recipes, fontsize=8)
-    ax.set_ylabel("tok/s per GPU vs bf16\n(LoRA: vs lora_bf16)")
     c = data["meta"]["config"]
-    ax.set_title(f"{data['meta']['gpu']}: FSDP2, {c['layers']} layers h{c['hidden']}, "
-                 f"global batch {c['global_micro']}x{c['batch']}x{c['seq']}", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bar_plot(path, list(dict.fromkeys(r["recipe"] for r in rows)), sorted({r["gpus"] for r in rows}),
+             lambda rec, g: next((r["vs_ref"] for r in rows if r["recipe"] == rec and r["gpus"] == g), 0),
+             "tok/s per GPU vs bf16\n(LoRA: vs lora_bf16)", f"{data['meta']['gpu']}: FSDP2, {c['layers']} layers "
+             f"h{c['hidden']}, global batch {c['global_micro']}x{c['batch']}x{c['seq']}", width=8,
+             label=lambda g: f"{g} GPU{'s' * (g > 1)}")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default=DEFAULT_RECIPES, help=f"comma-separated, from {RECIPES + LORA_RECIPES}")
     p.add_argument("--gpus", default="1,2", help="comma-separated process counts (one GPU each)")
-    for name, default in (("hidden", 4096), ("intermediate", 14336), ("heads", 32), ("kv_heads", 8),
-                          ("vocab", 32000), ("layers", 32), ("batch", 1), ("seq", 2048), ("warmup", 3),
-                          ("steps", 8), ("min_features", 64), ("lora_r", 16), ("global_micro", 0)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_int_flags(p, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000, layers=32, batch=1, seq=2048,
+                  warmup=3, steps=8, min_features=64, lora_r=16, global_micro=0)
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (gloo smoke test of the script)")
     p.add_argument("--no_compile", action="store_true", help="run eagerly (smoke tests only)")
     p.add_argument("--json", default=None, help="write results here (rewritten after every run)")
@@ -284,19 +241,15 @@ def main():
     if a.device == "cpu":
         env["ACCELERATE_USE_CPU"] = "1"
     os.environ.update(env)
-    from benchmarks.driver import git_commit
-
-    meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
-            "gpu_count": torch.cuda.device_count() if a.device == "cuda" else 0, "torch": torch.__version__,
-            "python": platform.python_version(), "command": " ".join(sys.argv), "accelerate_config": "accelerate_configs/fsdp2.yaml",
-            "env": env, "concurrent": a.concurrent, "config": {k: getattr(a, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab",
-                                                              "layers", "batch", "seq", "global_micro", "warmup", "steps", "lora_r")}}
+    info = meta(a.device, gpu_count=torch.cuda.device_count() if a.device == "cuda" else 0,
+                accelerate_config="accelerate_configs/fsdp2.yaml", env=env, concurrent=a.concurrent,
+                config={k: getattr(a, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "layers",
+                                                   "batch", "seq", "global_micro", "warmup", "steps", "lora_r")})
     for mod in ("accelerate", "transformers", "torchao"):
         try:
-            meta[mod] = __import__(mod).__version__
+            info[mod] = __import__(mod).__version__
         except ImportError:
-            meta[mod] = None
-    from benchmarks.driver import run_worker, write_results
+            info[mod] = None
 
     flags = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool) for x in (f"--{k}", str(v))]
     flags += ["--device", a.device, "--path", a.path] + (["--no_compile"] if a.no_compile else [])
@@ -308,7 +261,7 @@ def main():
             rows = json.load(f)["rows"]
     for n in counts:
         # --concurrent: launches of n GPUs side by side on disjoint GPUs (each sees its own CUDA_VISIBLE_DEVICES)
-        slots = max(1, meta["gpu_count"] // n) if a.concurrent and a.device == "cuda" else 1
+        slots = max(1, info["gpu_count"] // n) if a.concurrent and a.device == "cuda" else 1
         for i in range(0, len(recipes), slots):
             group = recipes[i:i + slots]
             launches = []
@@ -325,14 +278,11 @@ def main():
                 rows.append(row)
                 add_ratios(rows)
                 print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
-            if a.json:
-                os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-                with open(a.json, "w") as f:
-                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    data = {"meta": meta, "rows": rows}
-    write_results(data, table(rows), f"{meta['gpu']} x{meta['gpu_count']}, torch {meta['torch']}, accelerate "
-                  f"{meta['accelerate']}, torchao {meta['torchao']}, FSDP2 (accelerate_configs/fsdp2.yaml), config "
-                  f"{meta['config']}\n\nCommand: `{meta['command']}`", a.json, a.markdown)
+            save_json(a.json, {"meta": info, "rows": rows})
+    data = {"meta": info, "rows": rows}
+    write_results(data, table(rows), f"{info['gpu']} x{info['gpu_count']}, torch {info['torch']}, accelerate "
+                  f"{info['accelerate']}, torchao {info['torchao']}, FSDP2 (accelerate_configs/fsdp2.yaml), config "
+                  f"{info['config']}\n\nCommand: `{info['command']}`", a.json, a.markdown)
     if a.plot:
         plot(data, a.plot)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 
 import torch
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hf_lowbit import MixedPrecisionConfig, mixed_precision_linear  # noqa: E402
-from benchmarks.driver import median_ms, write_results  # noqa: E402
+from benchmarks.driver import median_ms, meta, plot_results, write_results  # noqa: E402
 
 
 def recipes():
@@ -56,6 +55,7 @@ def main():
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
+    p.add_argument("--plot", default=None, help="PNG of the speed vs bf16 (needs matplotlib)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_linear.py needs a CUDA GPU")
@@ -74,14 +74,15 @@ def main():
     base = {r["mode"]: r["ms"] for r in rows if r["recipe"] == "bf16"}
     for r in rows:
         r["speedup_vs_bf16"] = base[r["mode"]] / r["ms"]
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-            "shape": [a.tokens, a.in_features, a.out_features], "reps": a.reps, "command": " ".join(sys.argv)}
+    info = meta("cuda", shape=[a.tokens, a.in_features, a.out_features], reps=a.reps)
     table = ["| recipe | mode | fwd+bwd ms | TFLOP/s | vs bf16 |", "|---|---|---|---|---|"]
     table += [f"| {r['recipe']} | {r['mode']} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['speedup_vs_bf16']:.2f}x |"
               for r in rows]
-    print(json.dumps(meta))
-    write_results({"meta": meta, "rows": rows}, table,
-                  f"{meta['gpu']}, torch {meta['torch']}, tokens x in -> out = {meta['shape']}", a.json, a.markdown)
+    print(json.dumps(info))
+    write_results({"meta": info, "rows": rows}, table,
+                  f"{info['gpu']}, torch {info['torch']}, tokens x in -> out = {info['shape']}", a.json, a.markdown)
+    if a.plot and a.json:
+        plot_results(a.json, a.plot)
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ def main():
         raise SystemExit(f"--stages: unknown stage(s) {bad}; choose from quantize, load")
     methods = (METHODS if "quantize" in stages else ()) + (("load",) if "load" in stages else ())
     args = [x for k, v in vars(a).items() if isinstance(v, int) and not isinstance(v, bool) for x in (f"--{k}", str(v))]
-    from benchmarks.driver import run_worker, write_results
+    from benchmarks.driver import error_cell, meta, run_worker, write_results
 
     rows = []
     for method in methods:
@@ -159,7 +159,7 @@ def main():
     table = ["| method | seconds | peak (total) / input | peak beyond input / input | notes |", "|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            table.append(f"| {r['method']} | error: {r['error'].strip().splitlines()[-1][:80] if r['error'].strip() else '?'} ||||")
+            table.append(f"| {r['method']} | {error_cell(r['error'])} ||||")
         elif r["method"] == "load_quantized_model":
             table.append(f"| {r['method']} ({r['layers']} layers) | {r['seconds']:.1f} | | | peak {r['peak_gib']:.2f} GiB = "
                          f"{r['peak_vs_model_plus_largest']:.2f}x (NF4 model {r['nf4_model_gib']:.2f} + largest tensor "
@@ -170,9 +170,8 @@ def main():
             table.append(f"| {r['method']} {r['shape'][0]}x{r['shape'][1]} | {r['seconds']:.3f} | "
                          f"{r['peak_total_vs_input']:.2f}x | {r['peak_extra_vs_input']:.2f}x | {note} |")
 
-    meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
-            "command": " ".join(sys.argv)}
-    write_results({"meta": meta, "rows": rows}, table, f"{meta['device']}, torch {meta['torch']}", a.json, a.markdown)
+    info = meta(a.device, key="device")
+    write_results({"meta": info, "rows": rows}, table, f"{info['device']}, torch {info['torch']}", a.json, a.markdown)
 
 
 if __name__ == "__main__":

@@ -89,26 +89,22 @@ def main():
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args()
-    import platform
-
     import torch
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmark_nf4_decode.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
-    from benchmarks.driver import git_commit, write_results
+    from benchmarks.driver import meta, write_results
 
     shapes = SHAPES if a.device == "cuda" else ((64, 128), (32, 256))
     rows = bench(shapes, a.device)
-    meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor()
-            or "cpu", "torch": torch.__version__}
+    info = meta(a.device)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     table = ["| weight [out, in] | " + " | ".join(f"{m} µs (GB/s)" for m in methods) + " |",
              "|---|" + "---|" * len(methods)]
     for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
         cells = {r["method"]: f"{r['us']:.1f} ({r['gb_s']:.0f})" for r in rows if tuple(r["shape"]) == shape}
         table.append(f"| {shape[0]} x {shape[1]} | " + " | ".join(cells.get(m, "–") for m in methods) + " |")
-    write_results({"meta": meta, "rows": rows}, table, f"{meta['gpu']}, torch {meta['torch']}, commit {meta['commit']}",
-                  a.json, a.markdown)
+    write_results({"meta": info, "rows": rows}, table, f"{info['gpu']}, torch {info['torch']}", a.json, a.markdown)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -50,18 +49,16 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
+from benchmarks.corpus import corpus_blocks, package_sources  # noqa: E402
+from benchmarks.driver import (add_int_flags, compile_layers, llama_config, meta, recipe_args, train_step,  # noqa: E402
+                               write_results)
 from hf_lowbit import LowBitTrainingArguments, prepare_model  # noqa: E402
-from benchmarks.driver import write_results  # noqa: E402
-from benchmarks.corpus import build_bpe_tokenizer, package_sources, python_docs_corpus  # noqa: E402
-from hf_lowbit.data import arithmetic_records, pack, split_records  # noqa: E402
+from hf_lowbit.data import arithmetic_records, pack  # noqa: E402
 
-RECIPES = {"bf16": {}, "int8": {"int8_mixed_precision": True}, "fp8": {"fp8_mixed_precision": True},
-           "int8_sr": {"int8_mixed_precision": True, "lowbit_stochastic_rounding": True}}
-LORA_RECIPES = {"lora_bf16": {}, "lora_nf4": {"lora_base_quant": "nf4"},
-                "lora_nf4_int8": {"lora_base_quant": "nf4", "int8_mixed_precision": True},
-                "lora_int8_int8": {"lora_base_quant": "int8", "int8_mixed_precision": True}}
+RECIPES = ("bf16", "int8", "fp8", "int8_sr")  # full fine-tunes (driver.recipe_args)
+LORA_RECIPES = ("lora_bf16", "lora_nf4", "lora_nf4_int8", "lora_int8_int8")
 
 
 def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Tensor, vocab: int,
@@ -72,16 +69,13 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
     steps = a.steps if steps is None else steps
     late = lr is not None
     torch.manual_seed(a.seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                         num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                         max_position_embeddings=a.seq, tie_word_embeddings=False, use_cache=False)
-    model = AutoModelForCausalLM.from_config(config).to(a.device)
+    model = AutoModelForCausalLM.from_config(llama_config(a, vocab)).to(a.device)
     if init_state is not None:
         model.load_state_dict(init_state)
     lora = recipe in LORA_RECIPES
     with tempfile.TemporaryDirectory() as tmp:
         args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=a.min_features,
-                                       **(LORA_RECIPES if lora else RECIPES)[recipe])
+                                       **recipe_args(recipe))
         peft_config = None
         if lora:
             from peft import LoraConfig
@@ -90,8 +84,6 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
         model = prepare_model(model, args, peft_config)
     fwd = model
     if a.compile_layers:  # one compiled graph per decoder layer, compiled once and reused (Inductor's cache)
-        from benchmarks.benchmark_train import compile_layers
-
         compile_layers(model, a.layers)
     elif a.compile:
         fwd = torch.compile(model)
@@ -107,16 +99,8 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
     losses = []
     t0 = time.perf_counter()
     for step in range(steps):
-        idx = torch.randint(0, train_blocks.shape[0], (a.batch,), generator=order)
-        ids = train_blocks[idx].to(a.device)
-        with torch.autocast(device_type=torch.device(a.device).type, dtype=torch.bfloat16):
-            loss = fwd(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        ids = train_blocks[torch.randint(0, train_blocks.shape[0], (a.batch,), generator=order)].to(a.device)
+        losses.append(train_step(model, [ids], opt, fwd=fwd, autocast=True, clip=1.0, sched=sched)[0].item())
         if step == 0 or (step + 1) % 250 == 0 or step + 1 == steps:  # where a long run's time goes (compile vs steps)
             print(f"[{recipe}] step {step + 1}/{steps} loss {losses[-1]:.4f} at {time.perf_counter() - t0:.0f} s",
                   flush=True)
@@ -165,44 +149,19 @@ def _collect(procs: dict, tmp) -> tuple[dict[str, dict], dict]:
         failed = [r for r, proc in procs.items() if proc.wait() != 0]
         if failed:
             raise SystemExit(f"--parallel: the process of recipe(s) {failed} failed (its output is above)")
-        rows, meta = {}, None
+        rows, first = {}, None
         for r in procs:
             with open(os.path.join(tmp.name, f"{r}.json")) as f:
                 data = json.load(f)
-            rows[r], meta = data["rows"][0], meta or data["meta"]
-    return rows, meta
-
-
-def _corpus(a, packages: tuple[str, ...]):
-    """The tokenizer, the train and held-out blocks, and their ``meta["corpus"]`` record."""
-    docs = python_docs_corpus(packages=packages)
-    if a.max_docs:
-        docs = docs[: a.max_docs]
-    train_docs, eval_docs = split_records(docs, 0.1, a.seed)
-    tok = build_bpe_tokenizer(train_docs, a.vocab)
-    train_blocks = pack(train_docs, tok, a.seq).blocks
-    eval_blocks = pack(eval_docs, tok, a.seq).blocks
-    meta = {"documents": len(docs), "train_tokens": train_blocks.numel(), "eval_tokens": eval_blocks.numel(),
-            "chars": sum(map(len, docs)), "packages": {n: _version(n) for n in packages}}
-    return tok, train_blocks, eval_blocks, meta
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "?"
+            rows[r], first = data["rows"][0], first or data["meta"]
+    return rows, first
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="bf16,int8,fp8")
-    for name, default in (("layers", 4), ("hidden", 512), ("intermediate", 1408), ("heads", 8), ("kv_heads", 4),
-                          ("seq", 256), ("batch", 32), ("steps", 300), ("warmup", 30), ("vocab", 4096),
-                          ("min_features", 64), ("seed", 0), ("max_docs", 0)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_int_flags(p, layers=4, hidden=512, intermediate=1408, heads=8, kv_heads=4, seq=256, batch=32, steps=300,
+                  warmup=30, vocab=4096, min_features=64, seed=0, max_docs=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lora_r", type=int, default=16)
     p.add_argument("--lora_lr", type=float, default=None, help="learning rate of the lora_* recipes (default: --lr)")
@@ -251,7 +210,8 @@ def main():
         rows, corpus_meta = [parallel[r] for r in recipes], child_meta["corpus"]
         pre_eval = child_meta["pretrained_eval_loss"]
     else:
-        tok, train_blocks, eval_blocks, corpus_meta = _corpus(a, packages)
+        tok, train_blocks, eval_blocks, corpus_meta = corpus_blocks(a.seq, a.vocab, seed=a.seed, max_docs=a.max_docs,
+                                                                    packages=packages)
         pretrained = None
         if any(r in LORA_RECIPES for r in recipes) or a.late_lr:
             pre = train_one("bf16", a, train_blocks, eval_blocks, len(tok), steps=a.pretrain_steps, keep_state=True)
@@ -285,12 +245,10 @@ def main():
         if untrained is not None and r["recipe"] in (*LORA_RECIPES, "lora_untrained"):
             r["eval_loss_vs_untrained"] = r["eval_loss"] / untrained["eval_loss"] - 1
             r["learns"] = r["eval_loss_vs_untrained"] <= -a.learn_bar
-    meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
-            "python": platform.python_version(), "command": " ".join(sys.argv),
-            "corpus": corpus_meta, "pretrained_eval_loss": pre_eval,
-            "lora_task": ({"name": a.lora_task, "train_tokens": task["train"].numel(), "eval_tokens": task["eval"].numel(),
-                           "learn_bar": a.learn_bar} if task else None),
-            "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "plot")}}
+    info = meta(a.device, key="device", corpus=corpus_meta, pretrained_eval_loss=pre_eval,
+                lora_task=({"name": a.lora_task, "train_tokens": task["train"].numel(),
+                            "eval_tokens": task["eval"].numel(), "learn_bar": a.learn_bar} if task else None),
+                config={k: v for k, v in vars(a).items() if k not in ("json", "markdown", "plot")})
     table = ["| recipe | final train loss (last 10%) | vs bf16 | held-out loss | vs bf16 | vs untrained adapter |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -299,7 +257,7 @@ def main():
                         f"{r['eval_loss_vs_untrained']:+.1%} ({'learns' if r['learns'] else 'FAILS the bar'})")
         table.append(f"| {r['recipe']} | {train_loss} | {r.get('final_train_loss_vs_bf16', 0):+.2%} | "
                      f"{r['eval_loss']:.4f} | {r.get('eval_loss_vs_bf16', 0):+.2%} | {vs_untrained} |")
-    write_results({"meta": meta, "rows": rows}, table, f"{meta['device']}, torch {meta['torch']}, {meta['corpus']}",
+    write_results({"meta": info, "rows": rows}, table, f"{info['device']}, torch {info['torch']}, {info['corpus']}",
                   a.json, a.markdown)
     if a.plot:
         import matplotlib
@@ -314,7 +272,7 @@ def main():
             ax.plot(r["losses"], label=f"{r['recipe']} (held-out {r['eval_loss']:.3f})", lw=1)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
-        ax.set_title(f"{meta['device']}: {a.layers}x{a.hidden} Llama, Python docs corpus", fontsize=10)
+        ax.set_title(f"{info['device']}: {a.layers}x{a.hidden} Llama, Python docs corpus", fontsize=10)
         ax.legend()
         fig.tight_layout()
         fig.savefig(a.plot, dpi=120)

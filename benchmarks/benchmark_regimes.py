@@ -42,6 +42,9 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks.driver import bar_plot, error_cell, save_json  # noqa: E402
 
 FULL = "bf16,int8,fp8,torchao_float8"
 QLORA = "lora_bf16,lora_nf4_int8,lora_int8_int8,lora_bnb_nf4"  # LoRA r16 on every decoder linear
@@ -130,7 +133,7 @@ def table(records: list[dict]) -> list[str]:
         head = (f"| {r['block']} | {r.get('path', '')} | {r.get('micro_batch_tokens', '')} | {r.get('grad_accum', '')} | "
                 f"{r.get('compile_mode', '')} | {r['recipe'] if 'recipe' in r else ''} |")
         if "error" in r:
-            lines.append(head + f" error: {r['error'].strip().splitlines()[-1][:90] if r['error'].strip() else '?'} |||||||")
+            lines.append(head + f" {error_cell(r['error'], 90)} |||||||")
             continue
         chosen = r.get("chosen") or {}
         note = " (CUDA graphs)" if chosen.get("cuda_graphs") else ""
@@ -144,31 +147,14 @@ def table(records: list[dict]) -> list[str]:
 
 
 def plot(records: list[dict], meta: dict, dst: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ok = [r for r in records if "error" not in r and r.get("vs_bf16") and r["recipe"] not in ("bf16", "lora_bf16")]
     blocks = list(dict.fromkeys(r["block"] for r in ok))
     recipes = list(dict.fromkeys(r["recipe"] for r in ok))
-    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(blocks)), 4))
-    width = 0.8 / max(1, len(recipes))
-    for j, rec in enumerate(recipes):
-        xs = [i + j * width for i, b in enumerate(blocks) if any(r["block"] == b and r["recipe"] == rec for r in ok)]
-        vals = [next(r["vs_bf16"] for r in ok if r["block"] == b and r["recipe"] == rec)
-                for b in blocks if any(r["block"] == b and r["recipe"] == rec for r in ok)]
-        bars = ax.bar(xs, vals, width, label=rec)
-        ax.bar_label(bars, fmt="%.2f", fontsize=6)
-    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set_xticks([i + width * (len(recipes) - 1) / 2 for i in range(len(blocks))], blocks, rotation=30, ha="right",
-                  fontsize=8)
-    ax.set_ylabel("tokens/s vs bf16 (same block)")
     commits = ", ".join(sorted({r.get("commit") or meta.get("commit") or "?" for r in records}))
-    ax.set_title(f"{meta.get('gpu', '')}: 8 Llama-8B-shaped layers, commits {commits}", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(dst, dpi=120)
+    bar_plot(dst, blocks, recipes, lambda b, rec: next((r["vs_bf16"] for r in ok if r["block"] == b and r["recipe"] == rec),
+                                                       None), "tokens/s vs bf16 (same block)",
+             f"{meta.get('gpu', '')}: 8 Llama-8B-shaped layers, commits {commits}", width=max(7, 1.1 * len(blocks)),
+             fmt="%.2f", rotation=30, fontsize=8)
 
 
 def main():
@@ -197,15 +183,11 @@ def main():
             block_meta, recs = run_block(name, a.seq, a.timeout, extra, a.keep_dir)
             meta = meta or block_meta
             records += recs
-            if a.json:
-                os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-                with open(a.json, "w") as f:
-                    json.dump({"meta": meta, "records": records}, f, indent=1)
+            save_json(a.json, {"meta": meta, "records": records})
     lines = table(records)
     print("\n".join(lines))
-    if a.json and a.merge:
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
+    if a.merge:
+        save_json(a.json, {"meta": meta, "records": records})
     if a.markdown:
         with open(a.markdown, "w") as f:
             commits = sorted({r.get("commit") or meta.get("commit") or "?" for r in records})

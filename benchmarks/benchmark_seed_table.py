@@ -11,13 +11,14 @@ and embeddings in bf16 (``LinearFilter`` excludes ``lm_head``). The tokens are r
 (``benchmarks/corpus.py``), a byte-level BPE trained on it here, packed into ``--seq`` blocks and shuffled; every
 row trains the same init on the same batches, so the loss after the fixed number of steps compares the rows.
 
-Rows (``--recipes``; names from ``benchmark_train.INT8_VARIANTS``): ``bf16``; ``int8_fwd`` (forward INT8);
+Rows (``--recipes``; names from ``driver.INT8_VARIANTS``): ``bf16``; ``int8_fwd`` (forward INT8);
 ``int8_fwd_gi`` (+ input gradient); ``int8`` (+ weight gradient); ``_sr`` = with stochastic rounding, which our
 recipe applies to the backward's operands only (dY in both gradient matmuls, X in the weight gradient), so
 ``int8_fwd_sr`` computes what ``int8_fwd`` does (not a default row; the seed's forward-only SR row has no
-counterpart here). Each row is one ``benchmarks/benchmark_train.py`` worker process: ``--warmup`` steps (compile,
-autotune) untimed, then ``--steps`` timed ones give tok/s and peak memory; the loss is that of the last step.
-The JSON is rewritten after every row, so a run cut short keeps the rows it finished.
+counterpart here). The rows are one ``benchmarks/benchmark_train.py`` run on the packed text (a worker process per
+row: ``--warmup`` steps (compile, autotune) untimed, then ``--steps`` timed ones give tok/s and peak memory; the loss
+is that of the last step). That run rewrites its JSON (``--raw``) after every row, so a run cut short keeps the rows
+it finished; ``--from_raw`` makes the table of such a file.
 
 ``--tiny``: a 2-layer 64-wide model, 64-token blocks, eager, on CPU: checks the script end to end in ~1 min.
 """
@@ -27,14 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from benchmarks.benchmark_train import INT8_VARIANTS  # noqa: E402
+from benchmarks.driver import INT8_VARIANTS, add_int_flags, meta, plot_results, write_results  # noqa: E402
 
 DEFAULT_ROWS = "bf16,int8_fwd,int8_fwd_gi,int8_fwd_gi_sr,int8,int8_sr"
 # the seed's speedups over bf16 on the RTX 4070 Ti SUPER (None: OOM), for the side-by-side column
@@ -54,31 +55,49 @@ def switches(recipe: str) -> dict:
             "stochastic_rounding": bool(v.get("lowbit_stochastic_rounding"))}
 
 
-def token_blocks(seq: int, vocab: int, seed: int = 0):
-    """The corpus packed into ``seq``-token blocks (shuffled) by a BPE of at most ``vocab`` tokens, and its size."""
-    import torch
+def seed_row(r: dict, a, commit: str) -> dict:
+    """benchmark_train.py's row ``r`` as a row of the seed table."""
+    row = {"recipe": r["recipe"], **switches(r["recipe"]), "batch": a.batch, "seq": a.seq, "steps": a.warmup + a.steps,
+           "commit": commit, "mode": "eager step" if a.no_compile else "compiled step"}
+    if "error" in r:
+        row.update(error=r["error"], oom="out of memory" in r["error"].lower())
+    else:
+        row.update(tok_s=r["tokens_per_s"], peak_gib=r["peak_mem_gib"], loss=r["last_loss"], losses=r["losses"],
+                   warmup_s=r["warmup_s"], graph_breaks=r["graph_breaks"])
+        if "vs_bf16" in r:
+            row.update(speedup=r["vs_bf16"], mem_vs_bf16=r["mem_vs_bf16"])
+    return row
 
-    from benchmarks.corpus import build_bpe_tokenizer, python_docs_corpus
-    from hf_lowbit.data import pack
 
-    docs = python_docs_corpus()
-    tok = build_bpe_tokenizer(docs, vocab)
-    blocks = pack(docs, tok, seq).blocks
-    return blocks[torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))], len(tok)
+def table(rows: list[dict], a) -> list[str]:
+    out = [f"| forward | grad input | grad weight | SR | tok/s | speedup | seed's speedup | peak GiB | "
+           f"loss after {a.warmup + a.steps} steps |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        seed = SEED_SPEEDUP.get(r["recipe"], 1.0 if r["recipe"] == "bf16" else "–")
+        seed = "OOM" if seed is None else seed if isinstance(seed, str) else f"{seed:.2f}"
+        head = (f"| {r['forward']} | {r['grad_input']} | {r['grad_weight']} | "
+                f"{'yes' if r['stochastic_rounding'] else 'no' if r['recipe'] != 'bf16' else '–'} |")
+        if "error" in r:
+            why = "OOM" if r["oom"] else "error: " + (r["error"].strip().splitlines() or ["?"])[-1][:60]
+            out.append(f"{head} {why} | – | {seed} | – | – |")
+        else:
+            out.append(f"{head} {r['tok_s']:,.0f} | {r.get('speedup', float('nan')):.2f} | {seed} | "
+                       f"{r['peak_gib']:.1f} | {r['loss']:.3f} |")
+    return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default=DEFAULT_ROWS, help=f"comma-separated rows, from bf16, int8, {', '.join(INT8_VARIANTS)}")
-    for name, default in (*SHAPE.items(), ("batch", 16), ("seq", 2048), ("warmup", 5), ("steps", 10),
-                          ("min_features", 64)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_int_flags(p, **SHAPE, batch=16, seq=2048, warmup=5, steps=10, min_features=64)
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate, constant")
     p.add_argument("--tiny", action="store_true", help=f"CPU smoke test of the script: {TINY}, eager")
     p.add_argument("--device", default="cuda")
     p.add_argument("--no_compile", action="store_true", help="run eagerly (smoke tests only)")
     p.add_argument("--timeout", type=int, default=150, help="seconds per row (its own process)")
-    p.add_argument("--json", default=None, help="results (rewritten after every row)")
+    p.add_argument("--raw", default=None, help="benchmark_train.py's JSON, rewritten after every row (default: temporary)")
+    p.add_argument("--from_raw", default=None, help="make the table of this --raw file, running nothing")
+    p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--plot", default=None, help="PNG of the speedups (needs matplotlib)")
     a = p.parse_args()
@@ -92,73 +111,42 @@ def main():
         raise SystemExit(f"--recipes: unknown {unknown}; choose from bf16, int8, {', '.join(INT8_VARIANTS)}")
     import torch
 
-    if a.device == "cuda" and not torch.cuda.is_available():
+    if a.device == "cuda" and not torch.cuda.is_available() and not a.from_raw:
         raise SystemExit("benchmark_seed_table.py needs a CUDA GPU (--tiny runs a CPU smoke test)")
-    from benchmarks.driver import git_commit, run_worker, write_results
+    from benchmarks.corpus import corpus_blocks
 
-    blocks, tok_vocab = token_blocks(a.seq, min(a.vocab, 32000))
-    needed = (a.warmup + a.steps) * a.batch
-    data = os.path.join(tempfile.mkdtemp(), "blocks.pt")
-    torch.save(blocks[:needed].clone(), data)
-    meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-            "torch": torch.__version__, "python": platform.python_version(), "command": " ".join(sys.argv),
-            "config": {k: getattr(a, k) for k in (*SHAPE, "batch", "seq", "warmup", "steps", "lr", "min_features")},
-            "data": {"corpus": "Python docs (benchmarks/corpus.py)", "blocks": len(blocks), "tokenizer_vocab": tok_vocab,
-                     # > 1: the run cycles through the corpus (the same batches for every row either way)
-                     "epochs": round(needed / len(blocks), 2)},
-            "seed_speedup": SEED_SPEEDUP}
-    shape = ["--device", a.device, "--data", data, "--lr", str(a.lr)]
-    for k in (*SHAPE, "batch", "seq", "warmup", "steps", "min_features"):
-        shape += [f"--{k}", str(getattr(a, k))]
-    shape += ["--no_compile"] if a.no_compile else []
-    rows = []
-    for recipe in recipes:
-        cmd = [sys.executable, os.path.join(HERE, "benchmark_train.py"), *shape, "--recipe", recipe]
-        got = run_worker(cmd, {"recipe": recipe}, a.timeout)
-        row = {"recipe": recipe, **switches(recipe), "batch": a.batch, "seq": a.seq, "steps": a.warmup + a.steps,
-               "commit": meta["commit"], "mode": "eager step" if a.no_compile else "compiled step"}
-        if "error" in got:
-            row["error"] = got["error"]
-            row["oom"] = "out of memory" in got["error"].lower()
-            if recipe == "bf16" and row["oom"]:
-                print(f"bf16 does not fit {a.batch} x {a.seq} tokens on this GPU: rerun with a smaller --batch "
-                      f"(e.g. --batch {a.batch // 2})", flush=True)
-        else:
-            row.update(tok_s=got["tokens_per_s"], peak_gib=got["peak_mem_gib"], loss=got["last_loss"],
-                       losses=got["losses"], warmup_s=got["warmup_s"], graph_breaks=got["graph_breaks"])
-        rows.append(row)
-        base = next((r for r in rows if r["recipe"] == "bf16" and "error" not in r), None)
-        for r in rows:
-            if base is not None and "error" not in r:
-                r["speedup"] = r["tok_s"] / base["tok_s"]
-                r["mem_vs_bf16"] = r["peak_gib"] / base["peak_gib"]
-        print({k: v for k, v in row.items() if k != "losses"}, flush=True)
-        if a.json:
-            os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-            with open(a.json, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    table = [f"| forward | grad input | grad weight | SR | tok/s | speedup | seed's speedup | peak GiB | "
-             f"loss after {a.warmup + a.steps} steps |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        seed = SEED_SPEEDUP.get(r["recipe"], 1.0 if r["recipe"] == "bf16" else "–")
-        seed = "OOM" if seed is None else seed if isinstance(seed, str) else f"{seed:.2f}"
-        head = (f"| {r['forward']} | {r['grad_input']} | {r['grad_weight']} | "
-                f"{'yes' if r['stochastic_rounding'] else 'no' if r['recipe'] != 'bf16' else '–'} |")
-        if "error" in r:
-            why = "OOM" if r["oom"] else "error: " + (r["error"].strip().splitlines() or ["?"])[-1][:60]
-            table.append(f"{head} {why} | – | {seed} | – | – |")
-        else:
-            table.append(f"{head} {r['tok_s']:,.0f} | {r.get('speedup', float('nan')):.2f} | {seed} | "
-                         f"{r['peak_gib']:.1f} | {r['loss']:.3f} |")
-    c = meta["config"]
-    write_results({"meta": meta, "rows": rows}, table,
-                  f"{meta['gpu']}, torch {meta['torch']}, {c['layers']} layers h{c['hidden']} MLP {c['intermediate']} "
+    tmp = tempfile.mkdtemp()
+    raw = a.from_raw or a.raw or os.path.join(tmp, "rows.json")
+    blocks, data = None, {}
+    if not a.from_raw:
+        tok, blocks, _, _ = corpus_blocks(a.seq, min(a.vocab, 32000), eval_fraction=None)
+        blocks = blocks[torch.randperm(len(blocks), generator=torch.Generator().manual_seed(0))]
+        data = {"corpus": "Python docs (benchmarks/corpus.py)", "blocks": len(blocks), "tokenizer_vocab": len(tok),
+                # > 1: the run cycles through the corpus (the same batches for every row either way)
+                "epochs": round((a.warmup + a.steps) * a.batch / len(blocks), 2)}
+        torch.save(blocks[:(a.warmup + a.steps) * a.batch].clone(), os.path.join(tmp, "blocks.pt"))
+        cmd = [sys.executable, os.path.join(HERE, "benchmark_train.py"), "--device", a.device, "--recipes", a.recipes,
+               "--data", os.path.join(tmp, "blocks.pt"), "--lr", str(a.lr), "--timeout", str(a.timeout), "--json", raw,
+               *[x for k in (*SHAPE, "batch", "seq", "warmup", "steps", "min_features") for x in (f"--{k}", str(getattr(a, k)))],
+               *(["--no_compile"] if a.no_compile else [])]
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=False)
+    with open(raw) as f:
+        train = json.load(f)
+    info = meta(a.device, config={k: getattr(a, k) for k in (*SHAPE, "batch", "seq", "warmup", "steps", "lr", "min_features")},
+                data=data, seed_speedup=SEED_SPEEDUP)
+    info["commit"] = train["meta"]["commit"]
+    rows = [seed_row(r, a, info["commit"]) for r in train["rows"]]
+    if any(r["recipe"] == "bf16" and r.get("oom") for r in rows):
+        print(f"bf16 does not fit {a.batch} x {a.seq} tokens on this GPU: rerun with a smaller --batch "
+              f"(e.g. --batch {a.batch // 2})", flush=True)
+    c = info["config"]
+    write_results({"meta": info, "rows": rows}, table(rows, a),
+                  f"{info['gpu']}, torch {info['torch']}, {c['layers']} layers h{c['hidden']} MLP {c['intermediate']} "
                   f"{c['heads']}/{c['kv_heads']} heads vocab {c['vocab']}, {a.batch} x {a.seq} tokens, "
                   f"{a.warmup} + {a.steps} steps at lr {a.lr}", a.json, a.markdown)
     if a.plot and a.json:
-        from benchmarks.plot_benchmark import main as plot
-
-        plot(a.json, a.plot)
+        plot_results(a.json, a.plot)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ layer compiled. Each recipe runs in its own process: warm-up steps (compile, aut
 reported apart, then the timed steps give tokens/s, the ratio to bf16, peak memory and the first/last
 loss. The number of compiled graphs and graph breaks is recorded so a silent fall-back to eager shows.
 
-LoRA / QLoRA (see LORA_RECIPES; adapters on every decoder linear, only they train; rows compare to the
+LoRA / QLoRA (``driver.LORA_RECIPES``; adapters on every decoder linear, only they train; rows compare to the
 first LoRA recipe of the run):
 
     python benchmarks/benchmark_train.py --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --lora_r 16
@@ -31,249 +31,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-RECIPES = ("bf16", "int8", "fp8", "torchao_int8", "torchao_float8", "qat_8da4w", "torchao_qat_8da4w")
-# INT8 with matmuls switched off and/or stochastic rounding (the rows of issue 18's seed table,
-# benchmark_seed_table.py): "fwd" = only Y = X·Wᵀ in INT8, "fwd_gi" = also dX, "_sr" = stochastic rounding
-INT8_VARIANTS = {
-    "int8_fwd": dict(lowbit_grad_input=False, lowbit_grad_weight=False),
-    "int8_fwd_sr": dict(lowbit_grad_input=False, lowbit_grad_weight=False, lowbit_stochastic_rounding=True),
-    "int8_fwd_gi": dict(lowbit_grad_weight=False),
-    "int8_fwd_gi_sr": dict(lowbit_grad_weight=False, lowbit_stochastic_rounding=True),
-    "int8_sr": dict(lowbit_stochastic_rounding=True),
-}
-# INT8 / FP8 with the weight cache on whatever the accumulation (LowBitTrainer turns it on only with accumulation)
-CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
-OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS)  # full fine-tunes through hf_lowbit's recipes
-FULL_RECIPES = RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS)  # full fine-tunes: compared with bf16
-QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
-# LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
-# INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
-# and the peers: torchtune-style LoRA over a torchao NF4Tensor base (linear_nf4), and that base through
-# torchao's INT8 mixed-precision function. The first LoRA recipe run is the reference of the lora rows.
-LORA_RECIPES = ("lora_bf16", "lora_nf4", "lora_nf4_int8", "lora_nf4_int8cache", "lora_int8_int8",
-                "lora_torchao_nf4", "lora_torchao_nf4_int8", "lora_bnb_nf4")
-_LORA_ARGS = {"lora_bf16": {}, "lora_nf4": dict(lora_base_quant="nf4"),
-              "lora_nf4_int8": dict(lora_base_quant="nf4", int8_mixed_precision=True),
-              "lora_nf4_int8cache": dict(lora_base_quant="nf4", int8_mixed_precision=True, lora_base_int8_cache=True),
-              "lora_int8_int8": dict(lora_base_quant="int8", int8_mixed_precision=True)}
-OURS_LORA = tuple(r for r in _LORA_ARGS if r != "lora_bf16")  # through LowBitTrainer on the trainer path
-
-
-def _torchao_nf4_lora(model, r: int, int8: bool):
-    """torchtune-style LoRA (bf16 adapters beside an ``F.linear`` on a torchao ``NF4Tensor``) on every
-    decoder linear; ``int8`` runs the base through torchao's INT8 mixed-precision autograd function."""
-    import torch
-    from torch import nn
-    from torchao.prototype.quantized_training.int8_mixed_precision import (
-        Int8MixedPrecisionTrainingConfig, _Int8MixedPrecisionTrainingLinearFunction)
-    from torchao.quantization import to_nf4
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
-
-    class TorchaoNf4LoraLinear(nn.Module):
-        def __init__(self, linear: nn.Linear):
-            super().__init__()
-            self.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
-            self.lora_a = nn.Linear(linear.in_features, r, bias=False, device=linear.weight.device,
-                                    dtype=linear.weight.dtype)
-            self.lora_b = nn.Linear(r, linear.out_features, bias=False, device=linear.weight.device,
-                                    dtype=linear.weight.dtype)
-            nn.init.zeros_(self.lora_b.weight)
-            self.config = Int8MixedPrecisionTrainingConfig(grad_weight=False) if int8 else None
-
-        def forward(self, x):
-            if self.config is not None:
-                y = _Int8MixedPrecisionTrainingLinearFunction.apply(x, self.weight, None, self.config)
-            else:
-                y = linear_nf4(x, self.weight)
-            return y + self.lora_b(self.lora_a(x)) * 2.0  # alpha / r = 2, as LoraConfig(lora_alpha=2r)
-
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for layer in model.model.layers:
-        for name, mod in list(layer.named_modules()):
-            if type(mod) is nn.Linear:
-                parent, _, attr = name.rpartition(".")
-                setattr(layer.get_submodule(parent) if parent else layer, attr, TorchaoNf4LoraLinear(mod))
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return model
-
-
-def _bnb_nf4_lora(model, r: int):
-    """What Hugging Face users pick for QLoRA: the model loaded through ``BitsAndBytesConfig`` (4-bit NF4,
-    double quant, bf16 compute; saved and reloaded, as from the Hub) and PEFT LoRA on every decoder linear."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    device = model.device
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        del model
-        torch.cuda.empty_cache()
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-        model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=q, dtype=torch.bfloat16,
-                                                     device_map={"": str(device)}, attn_implementation="sdpa")
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
-
-
-def mixed_precision_args(recipe: str) -> dict:
-    """The ``LowBitTrainingArguments`` fields of our INT8/FP8 recipe ``recipe`` (``int8``, ``fp8``, INT8_VARIANTS,
-    CACHE_VARIANTS)."""
-    if recipe in INT8_VARIANTS:
-        return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
-    if recipe in CACHE_VARIANTS:
-        return {f"{CACHE_VARIANTS[recipe]}_mixed_precision": True, "lowbit_weight_cache": True}
-    return {f"{recipe}_mixed_precision": True}
-
-
-def apply_lora_recipe(model, recipe: str, min_features: int, r: int):
-    """``recipe`` from LORA_RECIPES: returns the model to train (a ``PeftModel`` for ours)."""
-    from peft import LoraConfig
-
-    if recipe == "lora_bnb_nf4":
-        return _bnb_nf4_lora(model, r)
-    if recipe in ("lora_torchao_nf4", "lora_torchao_nf4_int8"):
-        return _torchao_nf4_lora(model, r, int8=recipe.endswith("int8"))
-    from hf_lowbit import LowBitTrainingArguments, prepare_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=min_features,
-                                       **_LORA_ARGS[recipe])
-        # lm_head stays full precision and adapter-free, as in PEFT's "all-linear"
-        return prepare_model(model, args, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
-
-
-def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = False):
-    """Swap the model's decoder linears for ``recipe`` (LM head and embeddings always stay bf16);
-    ``weight_cache``: our INT8/FP8 layers quantize each weight once per optimizer step (with gradient
-    accumulation), as ``LowBitTrainer`` does by default then."""
-    import torch
-    from torch import nn
-
-    if recipe == "bf16":
-        return
-    if recipe in OURS:
-        from hf_lowbit import LowBitTrainingArguments, prepare_model
-
-        with tempfile.TemporaryDirectory() as tmp:
-            fields = {"lowbit_weight_cache": weight_cache or None, **mixed_precision_args(recipe)}
-            args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=min_features, **fields)
-            prepare_model(model, args)
-        return
-    if recipe == "qat_8da4w":
-        from hf_lowbit import LowBitTrainingArguments, prepare_model
-
-        with tempfile.TemporaryDirectory() as tmp:
-            prepare_model(model, LowBitTrainingArguments(output_dir=tmp, report_to="none", qat_scheme="8da4w",
-                                                         qat_group_size=QAT_GROUP_SIZE))
-        return
-    not_head = lambda m, fqn: isinstance(m, nn.Linear) and "lm_head" not in fqn  # noqa: E731
-    if recipe == "torchao_int8":
-        from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
-        from torchao.quantization import quantize_
-
-        # module_swap=True: with torchao 0.18 the default tensor-subclass form leaves F.linear in full
-        # precision (outputs equal plain F.linear bit for bit; checked on CPU and seen on the H200)
-        quantize_(model, Int8MixedPrecisionTrainingConfig(module_swap=True), filter_fn=not_head)
-    elif recipe == "torchao_float8":
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
-                                   module_filter_fn=not_head)
-    elif recipe == "torchao_qat_8da4w":
-        from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
-        from torchao.quantization.qat import QATConfig
-
-        base = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(QAT_GROUP_SIZE))
-        quantize_(model, QATConfig(base, step="prepare"), filter_fn=not_head)
-    else:
-        raise ValueError(f"unknown recipe {recipe!r}; choose from {RECIPES}")
-
-
-def check_recipe_active(model, recipe: str, device: str) -> None:
-    """Fail loudly if ``recipe`` left the first decoder MLP projection computing plain ``F.linear``."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    if recipe == "bf16":
-        return
-    if recipe in LORA_RECIPES:
-        from hf_lowbit import Int8Linear, LoraLinear, Nf4Linear
-
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        mod = inner.model.layers[0].mlp.up_proj
-        want = {"lora_bf16": nn.Linear, "lora_nf4": Nf4Linear, "lora_nf4_int8": Nf4Linear, "lora_int8_int8": Int8Linear,
-                "lora_nf4_int8cache": Nf4Linear}.get(recipe)
-        base = getattr(mod, "base_layer", None)
-        if want is not None and not (isinstance(mod, LoraLinear if want is not nn.Linear else nn.Module)
-                                     and type(base) is want and (("int8" in recipe[5:]) == (getattr(base, "compute", None) is not None))):
-            raise RuntimeError(f"recipe {recipe!r} is not active: up_proj is {type(mod).__name__} over {type(base).__name__}")
-        return
-    mod = model.model.layers[0].mlp.up_proj
-    if recipe.endswith("_cache") and not getattr(mod, "weight_cache", False):
-        raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")
-    weight = getattr(mod.weight, "_data", mod.weight)
-    x = torch.randn(256, mod.in_features, device=device, dtype=torch.bfloat16)
-    with torch.no_grad():
-        if torch.equal(mod(x), F.linear(x, weight.to(x.dtype))):
-            raise RuntimeError(f"recipe {recipe!r} is not active: {type(mod).__name__} computes plain F.linear")
-
-
-def build_model(a, device: str, weight_cache: bool = False):
-    """The bench's model (``a``: the parsed flags) on ``device`` with ``a.recipe`` applied and checked."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
-                         num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
-                         max_position_embeddings=a.seq, tie_word_embeddings=False,
-                         use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", *OURS, *OURS_LORA):
-        return model  # the Trainer path: LowBitTrainer swaps and wraps (stock Trainer for bf16)
-    if getattr(a, "path", "layers") == "trainer" and a.recipe == "lora_bf16":
-        from peft import LoraConfig, get_peft_model  # what a stock Trainer user runs: PEFT's own LoRA
-
-        return get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear"))
-    if a.recipe in LORA_RECIPES:
-        model = apply_lora_recipe(model, a.recipe, a.min_features, a.lora_r)
-    else:
-        apply_recipe(model, a.recipe, a.min_features, weight_cache=weight_cache)
-    check_recipe_active(model, a.recipe, device)
-    if a.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def compile_layers(model, n_layers: int, forward_only: bool = False, mode: str | None = None) -> None:
-    """Compile each decoder layer (``nn.Module.compile``), or with ``forward_only`` just its ``forward``
-    so that module hooks (FSDP2's all-gather / reshard) run eagerly around the compiled graph."""
-    import torch
-    import torch._dynamo
-
-    # One compiled graph per decoder layer; each layer instance guards on its own attributes
-    # (layer_idx), so the recompile limit must cover the layer count or dynamo falls back to eager.
-    torch._dynamo.config.cache_size_limit = max(64, 2 * n_layers)
-    torch._dynamo.config.accumulated_cache_size_limit = max(256, 4 * n_layers)
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for layer in inner.model.layers:
-        if forward_only:
-            layer.forward = torch.compile(layer.forward, mode=mode)
-        else:
-            layer.compile(mode=mode)
-
+from benchmarks.driver import (FULL_RECIPES, LORA_RECIPES, OURS, OURS_LORA, RECIPES, _LORA_ARGS,  # noqa: E402
+                               add_int_flags, build_model, compile_layers, error_cell, load_blocks, meta,
+                               mixed_precision_args, plot_results, run_worker, save_json, timed_steps, torchao_version,
+                               train_step, write_results)
 
 # the flags trainer_worker reads beyond the model's, with main()'s defaults
 TRAINER_DEFAULTS = dict(lr=1e-5, liger="off", data=None, compile_mode="default", no_cuda_graphs=False)
@@ -366,18 +133,8 @@ def trainer_worker(a) -> dict:
             "timed_recompiles": graphs[total] - graphs[a.warmup]}
 
 
-def load_blocks(a):
-    """``--data``: token blocks ``[n, seq]`` (int64, ``torch.save``d) to train on instead of random ids."""
-    import torch
-
-    blocks = torch.load(a.data)
-    if blocks.dim() != 2 or blocks.shape[1] != a.seq or blocks.shape[0] < a.batch or int(blocks.max()) >= a.vocab:
-        raise SystemExit(f"--data {a.data}: need >= {a.batch} blocks of {a.seq} ids below {a.vocab}, "
-                         f"got shape {tuple(blocks.shape)}, max id {int(blocks.max())}")
-    return blocks
-
-
 def worker(a) -> dict:
+    """The hand loop: each decoder layer compiled, fused AdamW, ``--grad_accum`` micro-batches a step."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -396,7 +153,6 @@ def worker(a) -> dict:
         batches = list(blocks[: len(blocks) // a.batch * a.batch].to(a.device).split(a.batch))
     else:
         batches = [torch.randint(0, a.vocab, (a.batch, a.seq), device=a.device, generator=gen) for _ in range(4)]
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     # CUDA graphs + gradient accumulation: .grad must exist outside the graphs (else the next replay
     # overwrites the buffer .grad was given); zeroed in place between steps
     keep_grads = mode == "reduce-overhead" and a.grad_accum > 1
@@ -404,48 +160,26 @@ def worker(a) -> dict:
         for p in params:
             p.grad = torch.zeros_like(p)
 
-    def step(i):
-        for j in range(a.grad_accum):
-            ids = batches[(i * a.grad_accum + j) % len(batches)]
-            with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.autocast):
-                loss = model(input_ids=ids, labels=ids).loss / a.grad_accum
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=not keep_grads)
-        return loss * a.grad_accum
+    def step(i):  # the last micro-batch's loss
+        micro = [batches[(i * a.grad_accum + j) % len(batches)] for j in range(a.grad_accum)]
+        return train_step(model, micro, opt, autocast=a.autocast, set_to_none=not keep_grads)[-1] * a.grad_accum
 
-    t0 = time.perf_counter()
-    losses = [step(i).item() for i in range(a.warmup)]
-    warmup_s = time.perf_counter() - t0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    sync()
-    graphs_warm = counters["stats"]["unique_graphs"]
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(a.steps + 1)] if cuda else []
-    t0 = time.perf_counter()
-    timed = []
-    for i in range(a.steps):  # the batches after the warm-up's
-        if cuda:
-            events[i].record()
-        timed.append(step(a.warmup + i))
-    if cuda:
-        events[-1].record()
-    sync()
-    elapsed = time.perf_counter() - t0
-    step_times = sorted(events[i].elapsed_time(events[i + 1]) for i in range(a.steps)) if cuda else []
-    losses += [t.item() for t in timed]
+    graphs_warm = []
+    run = timed_steps(step, a.warmup, a.steps, cuda, warm=lambda loss: loss.item(),
+                      before_timing=lambda: graphs_warm.append(counters["stats"]["unique_graphs"]))
+    losses, step_times, elapsed = run["warm"] + [t.item() for t in run["timed"]], run["step_ms"], run["elapsed"]
     profile = None
     if a.profile and cuda:
         from benchmarks.driver import kernel_profile
 
         profile = kernel_profile(lambda: step(0))
     return {"recipe": a.recipe, "path": "layers", "tokens_per_s": a.batch * a.seq * a.grad_accum * a.steps / elapsed,
-            "step_ms": 1000 * elapsed / a.steps, "warmup_s": warmup_s,
+            "step_ms": 1000 * elapsed / a.steps, "warmup_s": run["warmup_s"],
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
             "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
             "compiled_graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values()), "profile": profile,
-            "timed_recompiles": counters["stats"]["unique_graphs"] - graphs_warm,
+            "timed_recompiles": counters["stats"]["unique_graphs"] - graphs_warm[0],
             "step_ms_median": step_times[len(step_times) // 2] if step_times else None,
             "step_ms_range": [step_times[0], step_times[-1]] if step_times else None}
 
@@ -454,10 +188,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help=f"comma-separated, from {FULL_RECIPES + LORA_RECIPES}")
-    for name, default in (("hidden", 4096), ("intermediate", 14336), ("heads", 32), ("kv_heads", 8),
-                          ("vocab", 32000), ("layers", 8), ("batch", 8), ("seq", 2048), ("warmup", 3),
-                          ("steps", 10), ("min_features", 64), ("lora_r", 16), ("grad_accum", 1)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_int_flags(p, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000, layers=8, batch=8, seq=2048,
+                  warmup=3, steps=10, min_features=64, lora_r=16, grad_accum=1)
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (constant)")
     p.add_argument("--data", default=None,
                    help="a torch.save'd int64 tensor [n, seq] of token blocks to train on (default: random ids)")
@@ -479,6 +211,7 @@ def main():
                         "without and then with it (both); needs liger-kernel installed")
     p.add_argument("--json", default=None, help="write results here (rewritten after every recipe)")
     p.add_argument("--markdown", default=None)
+    p.add_argument("--plot", default=None, help="PNG of the speed vs the reference (needs matplotlib)")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile two steps (CUDA): device time per kernel category and the top kernels")
     p.add_argument("--timeout", type=int, default=900, help="seconds per recipe process")
@@ -493,21 +226,10 @@ def main():
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmark_train.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
-    from benchmarks.driver import git_commit
-
-    meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
-            "command": " ".join(sys.argv), "config": {k: getattr(a, k) for k in (
-                "hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "batch", "seq", "warmup", "steps",
-                "lora_r", "grad_checkpointing", "autocast", "grad_accum", "path", "compile_mode", "liger", "lr",
-                "data")}}
-    try:
-        import torchao
-
-        meta["torchao"] = torchao.__version__
-    except ImportError:
-        meta["torchao"] = None
-    from benchmarks.driver import run_worker, write_results
-
+    info = meta(a.device, config={k: getattr(a, k) for k in (
+        "hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "batch", "seq", "warmup", "steps", "lora_r",
+        "grad_checkpointing", "autocast", "grad_accum", "path", "compile_mode", "liger", "lr", "data")},
+        torchao=torchao_version())
     rows = []
     # the worker gets --device, every int flag and every switch that is on
     base_args = ["--device", a.device]
@@ -537,16 +259,13 @@ def main():
             if r.get("liger") and plain and "error" not in r:
                 r["vs_no_liger"] = r["tokens_per_s"] / plain["tokens_per_s"]
         print(json.dumps(row), flush=True)
-        if a.json:
-            os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-            with open(a.json, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=2)
+        save_json(a.json, {"meta": info, "rows": rows}, indent=2)
     table = ["| recipe | tok/s | vs ref | MFU | peak GiB | mem vs ref | warm-up s | first loss | last loss | graphs | breaks |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         label = r["recipe"] + (" + liger" if r.get("liger") else "")
         if "error" in r:
-            table.append(f"| {label} | error: {r['error'].strip().splitlines()[-1][:80] if r['error'].strip() else '?'} ||||||||||")
+            table.append(f"| {label} | {error_cell(r['error'])} ||||||||||")
             continue
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "–"
         table.append(f"| {label} | {r['tokens_per_s']:.0f} | {r.get('vs_bf16', float('nan')):.2f}x | {mfu} | "
@@ -561,9 +280,11 @@ def main():
                   for c in cats]
         table.append("| **total** | " + " | ".join(f"{r['profile']['device_ms_per_step']:.1f}" for r in profiled) + " |")
 
-    write_results({"meta": meta, "rows": rows}, table,
-                  f"{meta['gpu']}, torch {meta['torch']}, torchao {meta['torchao']}, config {meta['config']}",
+    write_results({"meta": info, "rows": rows}, table,
+                  f"{info['gpu']}, torch {info['torch']}, torchao {info['torchao']}, config {info['config']}",
                   a.json, a.markdown)
+    if a.plot and a.json:
+        plot_results(a.json, a.plot)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Real text for the quality benchmarks, shipped with Python: nothing is downloaded.
+"""Real text for the benchmarks, shipped with Python: nothing is downloaded.
 
-:func:`python_docs_corpus` (pydoc topics + standard-library docstrings) and :func:`build_bpe_tokenizer`
-(a byte-level BPE trained on the spot), used by ``benchmark_quality.py`` and ``eval_qat.py``.
+:func:`python_docs_corpus` (pydoc topics + standard-library docstrings), :func:`build_bpe_tokenizer` (a byte-level
+BPE trained on the spot) and :func:`corpus_blocks` (both, packed into token blocks), used by
+``benchmark_quality.py``, ``eval_qat.py``, ``benchmark_seed_table.py`` and (the tokenizer) ``bench_data.py``.
 """
 
 from __future__ import annotations
@@ -85,3 +86,32 @@ def build_bpe_tokenizer(texts: list[str], vocab_size: int = 4096):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
+
+
+def corpus_blocks(seq: int, vocab: int, *, eval_fraction: float | None = 0.1, seed: int = 0, max_docs: int = 0,
+                  packages: tuple[str, ...] = ()):
+    """The corpus (its first ``max_docs`` documents, if given) in ``seq``-token blocks of a BPE of ``vocab`` tokens
+    trained here: ``(tokenizer, train blocks, held-out blocks, its record for a result's meta)``. ``eval_fraction``
+    of the documents is held out (split by ``seed``) before the tokenizer is trained on the rest; None: every
+    document, in order, trains the tokenizer and fills the train blocks, and nothing is held out."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from hf_lowbit.data import pack, split_records
+
+    docs = python_docs_corpus(packages=packages)
+    if max_docs:
+        docs = docs[:max_docs]
+    train_docs, eval_docs = (docs, []) if eval_fraction is None else split_records(docs, eval_fraction, seed)
+    tok = build_bpe_tokenizer(train_docs, vocab)
+    train, held_out = pack(train_docs, tok, seq).blocks, pack(eval_docs, tok, seq).blocks if eval_docs else None
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "?"
+
+    info = {"documents": len(docs), "train_tokens": train.numel(),
+            "eval_tokens": 0 if held_out is None else held_out.numel(), "chars": sum(map(len, docs)),
+            "packages": {name: installed(name) for name in packages}}
+    return tok, train, held_out, info

@@ -1,19 +1,36 @@
-"""Helpers shared by the benchmark scripts in ``benchmarks/``: timing, worker processes, writing results,
-kernel profiles, and FSDP2 in CPU processes for the CPU checks."""
+"""The one driver of the benchmarks (not part of the ``hf_lowbit`` package): every script in ``benchmarks/`` builds
+its model, applies its recipes, times its steps, writes its records and draws its plots with what is here, and
+adds only what it varies (benchmarks/README.md lists them).
+
+* the run: :func:`git_commit`, :func:`meta` (what a result records about the machine and the code);
+* the model: :func:`add_int_flags`, :func:`llama_config`, :func:`build_model` (a recipe applied and checked);
+* the recipes: ours (through ``LowBitTrainingArguments`` + ``prepare_model``) and the peers' (torchao,
+  bitsandbytes), :func:`apply_recipe` / :func:`apply_lora_recipe` / :func:`recipe_args`, :func:`compile_layers`;
+* a training step and its timing: :func:`train_step`, :func:`timed_steps`, :func:`median_ms`, :func:`graph_ms`,
+  :func:`kernel_profile`;
+* records: :func:`run_worker` (one process per recipe, its ``RESULT`` line), :func:`save_json`,
+  :func:`write_results` (JSON + markdown, the commit named), :func:`error_cell`;
+* plots: :func:`bar_plot`, :func:`plot_results` (``python benchmarks/driver.py plot IN.json OUT.png``);
+* :func:`allow_fsdp_on_cpu`: FSDP2 in gloo CPU processes, for the CPU checks of the distributed paths.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
+import sys
+import tempfile
 import time
 from typing import Callable
 
 import torch
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# ------------------------------------------------------------------------------------------------------- the run
 def git_commit() -> str:
     """The commit the measured code is at: ``HF_LOWBIT_COMMIT`` if set (a copy without ``.git``, e.g. on a lent
     GPU machine: export it before the run), else ``git rev-parse --short HEAD`` plus ``+dirty`` when tracked
@@ -21,13 +38,349 @@ def git_commit() -> str:
     if os.environ.get("HF_LOWBIT_COMMIT"):
         return os.environ["HF_LOWBIT_COMMIT"]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=30, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+
+
+def meta(device: str, key: str = "gpu", **more) -> dict:
+    """What every result records: the commit, the accelerator (under ``key``: "gpu" or "device"; off CUDA the
+    device's name), torch, Python and the command line; ``more`` adds to it."""
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    return {"commit": git_commit(), key: name, "torch": torch.__version__, "python": platform.python_version(),
+            "command": " ".join(sys.argv), **more}
+
+
+def torchao_version() -> str | None:
+    try:
+        import torchao
+    except ImportError:
+        return None
+    return torchao.__version__
+
+
+# ------------------------------------------------------------------------------------------------------ the model
+def add_int_flags(parser, **defaults) -> None:
+    """``--name`` integer flags with their defaults (the model's shape, batch, steps, ...)."""
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+
+
+def llama_config(a, vocab: int | None = None):
+    """A Llama of the flags' shape (``a.hidden``, ``a.intermediate``, ``a.layers``, ``a.heads``, ``a.kv_heads``,
+    ``a.vocab`` unless ``vocab``, ``a.seq`` positions), untied embeddings, no KV cache."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
+                       num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=vocab or a.vocab,
+                       max_position_embeddings=a.seq, tie_word_embeddings=False,
+                       use_cache=False)  # training: no KV cache (it also costs a recompile per layer)
+
+
+# ---------------------------------------------------------------------------------------------------- the recipes
+RECIPES = ("bf16", "int8", "fp8", "torchao_int8", "torchao_float8", "qat_8da4w", "torchao_qat_8da4w")
+# INT8 with matmuls switched off and/or stochastic rounding (the rows of issue 18's seed table,
+# benchmark_seed_table.py): "fwd" = only Y = X·Wᵀ in INT8, "fwd_gi" = also dX, "_sr" = stochastic rounding
+INT8_VARIANTS = {
+    "int8_fwd": dict(lowbit_grad_input=False, lowbit_grad_weight=False),
+    "int8_fwd_sr": dict(lowbit_grad_input=False, lowbit_grad_weight=False, lowbit_stochastic_rounding=True),
+    "int8_fwd_gi": dict(lowbit_grad_weight=False),
+    "int8_fwd_gi_sr": dict(lowbit_grad_weight=False, lowbit_stochastic_rounding=True),
+    "int8_sr": dict(lowbit_stochastic_rounding=True),
+}
+# INT8 / FP8 with the weight cache on whatever the accumulation (LowBitTrainer turns it on only with accumulation)
+CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
+OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS)  # full fine-tunes through hf_lowbit's recipes
+FULL_RECIPES = RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS)  # full fine-tunes: compared with bf16
+QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
+# LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
+# INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
+# and the peers: torchtune-style LoRA over a torchao NF4Tensor base (linear_nf4), and that base through
+# torchao's INT8 mixed-precision function. The first LoRA recipe run is the reference of the lora rows.
+LORA_RECIPES = ("lora_bf16", "lora_nf4", "lora_nf4_int8", "lora_nf4_int8cache", "lora_int8_int8",
+                "lora_torchao_nf4", "lora_torchao_nf4_int8", "lora_bnb_nf4")
+_LORA_ARGS = {"lora_bf16": {}, "lora_nf4": dict(lora_base_quant="nf4"),
+              "lora_nf4_int8": dict(lora_base_quant="nf4", int8_mixed_precision=True),
+              "lora_nf4_int8cache": dict(lora_base_quant="nf4", int8_mixed_precision=True, lora_base_int8_cache=True),
+              "lora_int8_int8": dict(lora_base_quant="int8", int8_mixed_precision=True)}
+OURS_LORA = tuple(r for r in _LORA_ARGS if r != "lora_bf16")  # through LowBitTrainer on the trainer path
+
+
+def _torchao_nf4_lora(model, r: int, int8: bool):
+    """torchtune-style LoRA (bf16 adapters beside an ``F.linear`` on a torchao ``NF4Tensor``) on every
+    decoder linear; ``int8`` runs the base through torchao's INT8 mixed-precision autograd function."""
+    import torch
+    from torch import nn
+    from torchao.prototype.quantized_training.int8_mixed_precision import (
+        Int8MixedPrecisionTrainingConfig, _Int8MixedPrecisionTrainingLinearFunction)
+    from torchao.quantization import to_nf4
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+    class TorchaoNf4LoraLinear(nn.Module):
+        def __init__(self, linear: nn.Linear):
+            super().__init__()
+            self.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
+            self.lora_a = nn.Linear(linear.in_features, r, bias=False, device=linear.weight.device,
+                                    dtype=linear.weight.dtype)
+            self.lora_b = nn.Linear(r, linear.out_features, bias=False, device=linear.weight.device,
+                                    dtype=linear.weight.dtype)
+            nn.init.zeros_(self.lora_b.weight)
+            self.config = Int8MixedPrecisionTrainingConfig(grad_weight=False) if int8 else None
+
+        def forward(self, x):
+            if self.config is not None:
+                y = _Int8MixedPrecisionTrainingLinearFunction.apply(x, self.weight, None, self.config)
+            else:
+                y = linear_nf4(x, self.weight)
+            return y + self.lora_b(self.lora_a(x)) * 2.0  # alpha / r = 2, as LoraConfig(lora_alpha=2r)
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in model.model.layers:
+        for name, mod in list(layer.named_modules()):
+            if type(mod) is nn.Linear:
+                parent, _, attr = name.rpartition(".")
+                setattr(layer.get_submodule(parent) if parent else layer, attr, TorchaoNf4LoraLinear(mod))
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return model
+
+
+def _bnb_nf4_lora(model, r: int):
+    """What Hugging Face users pick for QLoRA: the model loaded through ``BitsAndBytesConfig`` (4-bit NF4,
+    double quant, bf16 compute; saved and reloaded, as from the Hub) and PEFT LoRA on every decoder linear."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    device = model.device
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        del model
+        torch.cuda.empty_cache()
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=q, dtype=torch.bfloat16,
+                                                     device_map={"": str(device)}, attn_implementation="sdpa")
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
+
+
+def mixed_precision_args(recipe: str) -> dict:
+    """The ``LowBitTrainingArguments`` fields of our INT8/FP8 recipe ``recipe`` (``int8``, ``fp8``, INT8_VARIANTS,
+    CACHE_VARIANTS)."""
+    if recipe in INT8_VARIANTS:
+        return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
+    if recipe in CACHE_VARIANTS:
+        return {f"{CACHE_VARIANTS[recipe]}_mixed_precision": True, "lowbit_weight_cache": True}
+    return {f"{recipe}_mixed_precision": True}
+
+
+def apply_lora_recipe(model, recipe: str, min_features: int, r: int):
+    """``recipe`` from LORA_RECIPES: returns the model to train (a ``PeftModel`` for ours)."""
+    from peft import LoraConfig
+
+    if recipe == "lora_bnb_nf4":
+        return _bnb_nf4_lora(model, r)
+    if recipe in ("lora_torchao_nf4", "lora_torchao_nf4_int8"):
+        return _torchao_nf4_lora(model, r, int8=recipe.endswith("int8"))
+    from hf_lowbit import LowBitTrainingArguments, prepare_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=min_features,
+                                       **_LORA_ARGS[recipe])
+        # lm_head stays full precision and adapter-free, as in PEFT's "all-linear"
+        return prepare_model(model, args, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
+
+
+def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = False):
+    """Swap the model's decoder linears for ``recipe`` (LM head and embeddings always stay bf16);
+    ``weight_cache``: our INT8/FP8 layers quantize each weight once per optimizer step (with gradient
+    accumulation), as ``LowBitTrainer`` does by default then."""
+    import torch
+    from torch import nn
+
+    if recipe == "bf16":
+        return
+    if recipe in OURS:
+        from hf_lowbit import LowBitTrainingArguments, prepare_model
+
+        with tempfile.TemporaryDirectory() as tmp:
+            fields = {"lowbit_weight_cache": weight_cache or None, **mixed_precision_args(recipe)}
+            args = LowBitTrainingArguments(output_dir=tmp, report_to="none", lowbit_min_features=min_features, **fields)
+            prepare_model(model, args)
+        return
+    if recipe == "qat_8da4w":
+        from hf_lowbit import LowBitTrainingArguments, prepare_model
+
+        with tempfile.TemporaryDirectory() as tmp:
+            prepare_model(model, LowBitTrainingArguments(output_dir=tmp, report_to="none", qat_scheme="8da4w",
+                                                         qat_group_size=QAT_GROUP_SIZE))
+        return
+    not_head = lambda m, fqn: isinstance(m, nn.Linear) and "lm_head" not in fqn  # noqa: E731
+    if recipe == "torchao_int8":
+        from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
+        from torchao.quantization import quantize_
+
+        # module_swap=True: with torchao 0.18 the default tensor-subclass form leaves F.linear in full
+        # precision (outputs equal plain F.linear bit for bit; checked on CPU and seen on the H200)
+        quantize_(model, Int8MixedPrecisionTrainingConfig(module_swap=True), filter_fn=not_head)
+    elif recipe == "torchao_float8":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                                   module_filter_fn=not_head)
+    elif recipe == "torchao_qat_8da4w":
+        from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
+        from torchao.quantization.qat import QATConfig
+
+        base = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(QAT_GROUP_SIZE))
+        quantize_(model, QATConfig(base, step="prepare"), filter_fn=not_head)
+    else:
+        raise ValueError(f"unknown recipe {recipe!r}; choose from {RECIPES}")
+
+
+def check_recipe_active(model, recipe: str, device: str) -> None:
+    """Fail loudly if ``recipe`` left the first decoder MLP projection computing plain ``F.linear``."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    if recipe == "bf16":
+        return
+    if recipe in LORA_RECIPES:
+        from hf_lowbit import Int8Linear, LoraLinear, Nf4Linear
+
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        mod = inner.model.layers[0].mlp.up_proj
+        want = {"lora_bf16": nn.Linear, "lora_nf4": Nf4Linear, "lora_nf4_int8": Nf4Linear, "lora_int8_int8": Int8Linear,
+                "lora_nf4_int8cache": Nf4Linear}.get(recipe)
+        base = getattr(mod, "base_layer", None)
+        if want is not None and not (isinstance(mod, LoraLinear if want is not nn.Linear else nn.Module)
+                                     and type(base) is want and (("int8" in recipe[5:]) == (getattr(base, "compute", None) is not None))):
+            raise RuntimeError(f"recipe {recipe!r} is not active: up_proj is {type(mod).__name__} over {type(base).__name__}")
+        return
+    mod = model.model.layers[0].mlp.up_proj
+    if recipe.endswith("_cache") and not getattr(mod, "weight_cache", False):
+        raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")
+    weight = getattr(mod.weight, "_data", mod.weight)
+    x = torch.randn(256, mod.in_features, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        if torch.equal(mod(x), F.linear(x, weight.to(x.dtype))):
+            raise RuntimeError(f"recipe {recipe!r} is not active: {type(mod).__name__} computes plain F.linear")
+
+
+def build_model(a, device: str, weight_cache: bool = False):
+    """The bench's model (``a``: the parsed flags) on ``device`` with ``a.recipe`` applied and checked."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(llama_config(a), dtype=torch.bfloat16, attn_implementation="sdpa")
+    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", *OURS, *OURS_LORA):
+        return model  # the Trainer path: LowBitTrainer swaps and wraps (stock Trainer for bf16)
+    if getattr(a, "path", "layers") == "trainer" and a.recipe == "lora_bf16":
+        from peft import LoraConfig, get_peft_model  # what a stock Trainer user runs: PEFT's own LoRA
+
+        return get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear"))
+    if a.recipe in LORA_RECIPES:
+        model = apply_lora_recipe(model, a.recipe, a.min_features, a.lora_r)
+    else:
+        apply_recipe(model, a.recipe, a.min_features, weight_cache=weight_cache)
+    check_recipe_active(model, a.recipe, device)
+    if a.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def compile_layers(model, n_layers: int, forward_only: bool = False, mode: str | None = None) -> None:
+    """Compile each decoder layer (``nn.Module.compile``), or with ``forward_only`` just its ``forward``
+    so that module hooks (FSDP2's all-gather / reshard) run eagerly around the compiled graph."""
+    import torch
+    import torch._dynamo
+
+    # One compiled graph per decoder layer; each layer instance guards on its own attributes
+    # (layer_idx), so the recompile limit must cover the layer count or dynamo falls back to eager.
+    torch._dynamo.config.cache_size_limit = max(64, 2 * n_layers)
+    torch._dynamo.config.accumulated_cache_size_limit = max(256, 4 * n_layers)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in inner.model.layers:
+        if forward_only:
+            layer.forward = torch.compile(layer.forward, mode=mode)
+        else:
+            layer.compile(mode=mode)
+
+
+def load_blocks(a):
+    """``--data``: token blocks ``[n, seq]`` (int64, ``torch.save``d) to train on instead of random ids."""
+    import torch
+
+    blocks = torch.load(a.data)
+    if blocks.dim() != 2 or blocks.shape[1] != a.seq or blocks.shape[0] < a.batch or int(blocks.max()) >= a.vocab:
+        raise SystemExit(f"--data {a.data}: need >= {a.batch} blocks of {a.seq} ids below {a.vocab}, "
+                         f"got shape {tuple(blocks.shape)}, max id {int(blocks.max())}")
+    return blocks
+
+
+def recipe_args(recipe: str) -> dict:
+    """The ``LowBitTrainingArguments`` fields of ``recipe`` run through ``prepare_model``: ours (full fine-tunes and
+    LoRA over our bases); ``bf16`` and ``lora_bf16`` have none."""
+    if recipe in _LORA_ARGS:
+        return dict(_LORA_ARGS[recipe])
+    return {} if recipe == "bf16" else mixed_precision_args(recipe)
+
+
+# -------------------------------------------------------------------------------------- a training step, timed
+def train_step(model, micro_batches, opt, *, fwd=None, autocast: bool = False, clip: float | None = None,
+               sched=None, set_to_none: bool = True) -> list:
+    """One optimizer step over ``micro_batches`` (token ids, their own labels; gradient accumulation), the forward
+    through ``fwd`` (a compiled model) if given: the micro-batches' losses divided by their count, detached and not
+    read (a timed loop reads them after). ``clip``: the gradient norm; ``sched``: stepped after the optimizer."""
+    losses = []
+    for ids in micro_batches:
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = (model if fwd is None else fwd)(input_ids=ids, labels=ids).loss / len(micro_batches)
+        loss.backward()
+        losses.append(loss.detach())
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad(set_to_none=set_to_none)
+    return losses
+
+
+def timed_steps(step: Callable[[int], object], warmup: int, steps: int, cuda: bool, warm: Callable = lambda r: r,
+                before_timing: Callable[[], None] = lambda: None) -> dict:
+    """``step(i)`` for ``warmup`` steps (compile, autotune; each result through ``warm``), the peak memory reset, then
+    ``steps`` timed ones (CUDA events between them on a GPU): their results, ``warmup_s``, ``elapsed`` seconds and
+    the sorted per-step milliseconds ``step_ms`` (CUDA only)."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.perf_counter()
+    warm_results = [warm(step(i)) for i in range(warmup)]
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    before_timing()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
+    t0 = time.perf_counter()
+    results = []
+    for i in range(steps):  # the batches after the warm-up's
+        if cuda:
+            events[i].record()
+        results.append(step(warmup + i))
+    if cuda:
+        events[-1].record()
+    sync()
+    elapsed = time.perf_counter() - t0
+    step_ms = sorted(events[i].elapsed_time(events[i + 1]) for i in range(steps)) if cuda else []
+    return {"warm": warm_results, "timed": results, "warmup_s": warmup_s, "elapsed": elapsed, "step_ms": step_ms}
 
 
 def median_ms(fn: Callable[[], object], device: str = "cuda", reps: int = 20, warmup: int = 3) -> float:
@@ -77,70 +430,6 @@ def graph_ms(fn: Callable[[], object], reps: int = 10, inner: int = 10) -> float
     return sorted(times)[len(times) // 2]
 
 
-def run_worker(cmd: list[str], label: dict, timeout: int, env: dict | None = None) -> dict:
-    """Run one benchmark worker process (``env``: extra environment variables); its last
-    ``RESULT {json}`` line, or ``label`` + an ``error``."""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=None if env is None else {**os.environ, **env})
-    except subprocess.TimeoutExpired:
-        return {**label, "error": f"timed out after {timeout} s"}
-    out = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if out:
-        return json.loads(out[-1][len("RESULT "):])
-    # under torchrun the ranks' own tracebacks are the "[rankN]:" lines, before the launcher's
-    ranks = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
-    return {**label, "error": ("\n".join(ranks) if ranks else proc.stderr)[-1500:]}
-
-
-def allow_fsdp_on_cpu() -> None:
-    """Let accelerate run FSDP in CPU processes (gloo), for CPU tests of the distributed code paths.
-
-    accelerate 1.15 turns FSDP on only for accelerator devices: in CPU processes (``ACCELERATE_USE_CPU``)
-    ``AcceleratorState`` keeps ``MULTI_CPU`` and the model would silently get DDP. torch's ``fully_shard``
-    works on a CPU device mesh, so this makes the state take the FSDP plugin the launcher configured,
-    as it does on GPUs. Call it before creating the ``Accelerator`` / ``Trainer``.
-    """
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
-
-    init = AcceleratorState.__init__
-    if getattr(init, "_hf_lowbit_cpu_fsdp", False):
-        return
-
-    def init_with_cpu_fsdp(self, *args, fsdp_plugin=None, **kwargs):
-        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            if self.mixed_precision != "no":
-                fsdp_plugin.set_mixed_precision(self.mixed_precision)
-            # what AcceleratorState does for GPU processes (it keeps PartialState in step the same way)
-            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-            self.fsdp_plugin = fsdp_plugin
-
-    init_with_cpu_fsdp._hf_lowbit_cpu_fsdp = True
-    AcceleratorState.__init__ = init_with_cpu_fsdp
-
-
-def write_results(data: dict, table: list[str], header: str, json_path: str | None = None,
-                  markdown_path: str | None = None) -> None:
-    """Print the markdown ``table``; write ``data`` as JSON and ``header`` + table as markdown if asked.
-
-    ``data["meta"]["commit"]`` records the commit measured (:func:`git_commit`, unless the script set it); the
-    markdown header names it too."""
-    meta = data.setdefault("meta", {})
-    meta.setdefault("commit", git_commit())
-    header = f"{header}, commit {meta['commit']}"
-    print("\n".join(table))
-    if json_path:
-        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(data, f, indent=1)
-    if markdown_path:
-        os.makedirs(os.path.dirname(markdown_path) or ".", exist_ok=True)
-        with open(markdown_path, "w") as f:
-            f.write(header + "\n\n" + "\n".join(table) + "\n")
-
-
 # Kernel-name patterns -> category, first match wins (CUDA kernel names as the profiler records them;
 # Inductor's generated kernels all start with "triton_", cuBLAS FP8 GEMMs carry "qq" in nvjet names).
 _CATEGORIES = (
@@ -178,3 +467,138 @@ def kernel_profile(fn: Callable[[], object], steps: int = 2, top: int = 25) -> d
     return {"device_ms_per_step": sum(categories.values()),
             "categories_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
             "top_kernels": [{"name": n[:160], "ms": ms, "calls": c} for n, ms, c in kernels[:top]]}
+
+
+# -------------------------------------------------------------------------------------------------------- records
+def save_json(path: str | None, data, indent: int = 1) -> None:
+    """Write ``data`` to ``path`` (if any), its folder made; scripts rewrite it after every row, so a run cut short
+    keeps the rows it finished."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=indent)
+
+
+def error_cell(error: str, n: int = 80) -> str:
+    """A failed row's cell: the error's last line."""
+    return "error: " + (error.strip().splitlines()[-1][:n] if error.strip() else "?")
+
+
+def run_worker(cmd: list[str], label: dict, timeout: int, env: dict | None = None) -> dict:
+    """Run one benchmark worker process (``env``: extra environment variables); its last
+    ``RESULT {json}`` line, or ``label`` + an ``error``."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=None if env is None else {**os.environ, **env})
+    except subprocess.TimeoutExpired:
+        return {**label, "error": f"timed out after {timeout} s"}
+    out = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if out:
+        return json.loads(out[-1][len("RESULT "):])
+    # under torchrun the ranks' own tracebacks are the "[rankN]:" lines, before the launcher's
+    ranks = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
+    return {**label, "error": ("\n".join(ranks) if ranks else proc.stderr)[-1500:]}
+
+
+def write_results(data: dict, table: list[str], header: str, json_path: str | None = None,
+                  markdown_path: str | None = None) -> None:
+    """Print the markdown ``table``; write ``data`` as JSON and ``header`` + table as markdown if asked.
+
+    ``data["meta"]["commit"]`` records the commit measured (:func:`git_commit`, unless the script set it); the
+    markdown header names it too."""
+    meta = data.setdefault("meta", {})
+    meta.setdefault("commit", git_commit())
+    header = f"{header}, commit {meta['commit']}"
+    print("\n".join(table))
+    if json_path:
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(data, f, indent=1)
+    if markdown_path:
+        os.makedirs(os.path.dirname(markdown_path) or ".", exist_ok=True)
+        with open(markdown_path, "w") as f:
+            f.write(header + "\n\n" + "\n".join(table) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------- plots
+def bar_plot(path: str, groups: list, series: list, value: Callable, ylabel: str, title: str, *, width: float = 7,
+             fmt: str = "%.2fx", label=str, rotation: int = 0, fontsize: float = 8) -> None:
+    """Grouped bars: along x one group each, in it a bar per series, ``value(group, series)`` high (None: no bar);
+    a dashed line at 1 (the reference's ratio). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(width, 3.5 if width < 9 else 4))
+    step = 0.8 / max(1, len(series))
+    for j, s in enumerate(series):
+        pts = [(i + j * step, value(g, s)) for i, g in enumerate(groups)]
+        pts = [(x, v) for x, v in pts if v is not None]
+        bars = ax.bar([x for x, _ in pts], [v for _, v in pts], step, label=label(s))
+        ax.bar_label(bars, fmt=fmt, fontsize=fontsize - 1)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks([i + step * (len(series) - 1) / 2 for i in range(len(groups))], groups, rotation=rotation,
+                  ha="right" if rotation else "center", fontsize=fontsize)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10 if width < 9 else 9)
+    ax.legend(fontsize=fontsize - 1)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_results(src: str, dst: str) -> None:
+    """Bars of speed vs bf16 from a benchmark_linear.py, benchmark_train.py or benchmark_seed_table.py JSON."""
+    with open(src) as f:
+        data = json.load(f)
+    meta = data["meta"]
+    rows = [r for r in data["rows"] if "error" not in r]
+    for r in rows:  # benchmark_train rows: one mode, ratio under "vs_bf16" (benchmark_seed_table: "speedup")
+        r.setdefault("mode", "compiled step")
+        r.setdefault("speedup_vs_bf16", r.get("vs_bf16", r.get("speedup", 0)))
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    if "shape" in meta:
+        m, k, n = meta["shape"]
+        title = f"{meta['gpu']}: one linear fwd+bwd, {m} tokens x {k} -> {n}"
+    else:
+        c = meta["config"]
+        title = f"{meta['gpu']}: training step, {c['layers']} layers h{c['hidden']}, {c['batch']}x{c['seq']} tokens"
+    bar_plot(dst, recipes, modes, lambda rec, mode: next((r["speedup_vs_bf16"] for r in rows
+                                                          if r["recipe"] == rec and r["mode"] == mode), 0),
+             "speed vs bf16 (same mode)", title, rotation=20 if len(recipes) > 5 else 0,
+             fontsize=8 if len(recipes) > 5 else 10)
+
+
+def allow_fsdp_on_cpu() -> None:
+    """Let accelerate run FSDP in CPU processes (gloo), for CPU tests of the distributed code paths.
+
+    accelerate 1.15 turns FSDP on only for accelerator devices: in CPU processes (``ACCELERATE_USE_CPU``)
+    ``AcceleratorState`` keeps ``MULTI_CPU`` and the model would silently get DDP. torch's ``fully_shard``
+    works on a CPU device mesh, so this makes the state take the FSDP plugin the launcher configured,
+    as it does on GPUs. Call it before creating the ``Accelerator`` / ``Trainer``.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+    if getattr(init, "_hf_lowbit_cpu_fsdp", False):
+        return
+
+    def init_with_cpu_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            if self.mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self.mixed_precision)
+            # what AcceleratorState does for GPU processes (it keeps PartialState in step the same way)
+            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    init_with_cpu_fsdp._hf_lowbit_cpu_fsdp = True
+    AcceleratorState.__init__ = init_with_cpu_fsdp
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "plot":
+        raise SystemExit("python benchmarks/driver.py plot RESULTS.json PLOT.png   (needs matplotlib)")
+    plot_results(sys.argv[2], sys.argv[3])

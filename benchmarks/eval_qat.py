@@ -23,7 +23,6 @@ import argparse
 import copy
 import math
 import os
-import platform
 import sys
 import time
 
@@ -31,11 +30,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
-from benchmarks.driver import write_results  # noqa: E402
-from benchmarks.corpus import build_bpe_tokenizer, python_docs_corpus  # noqa: E402
-from hf_lowbit.data import pack, split_records  # noqa: E402
+from benchmarks.corpus import corpus_blocks  # noqa: E402
+from benchmarks.driver import add_int_flags, llama_config, meta, train_step, write_results  # noqa: E402
 from hf_lowbit.qat import QAT_SCHEMES, QATConfig, convert_qat, prepare_qat  # noqa: E402
 
 
@@ -51,14 +49,7 @@ def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None) -> list[
     model.train()
     for _ in range(steps):
         ids = blocks[torch.randint(0, blocks.shape[0], (a.batch,), generator=order)].to(a.device)
-        with torch.autocast(device_type=torch.device(a.device).type, dtype=torch.bfloat16):
-            loss = fwd(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(train_step(model, [ids], opt, fwd=fwd, autocast=True, clip=1.0, sched=sched)[0].item())
     return losses
 
 
@@ -91,11 +82,8 @@ def ptq(model, config: QATConfig):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # defaults sized to the corpus (~200k tokens per half): ~3 pre-training epochs, ~1 fine-tuning epoch
-    for name, default in (("layers", 4), ("hidden", 512), ("intermediate", 1536), ("heads", 8), ("kv_heads", 4),
-                          ("seq", 256), ("batch", 8), ("pretrain_steps", 300), ("finetune_steps", 100),
-                          ("vocab", 4096), ("group_size", 256), ("seed", 0), ("repeats", 1), ("max_docs", 0),
-                          ("eval_blocks", 0)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_int_flags(p, layers=4, hidden=512, intermediate=1536, heads=8, kv_heads=4, seq=256, batch=8, pretrain_steps=300,
+                  finetune_steps=100, vocab=4096, group_size=256, seed=0, repeats=1, max_docs=0, eval_blocks=0)
     p.add_argument("--scheme", default="8da4w", choices=list(QAT_SCHEMES))
     p.add_argument("--pretrain_lr", type=float, default=2e-3)
     p.add_argument("--finetune_lr", type=float, default=3e-4)
@@ -107,21 +95,14 @@ def main():
     t0 = time.time()
     config = QATConfig(a.scheme, a.group_size)
 
-    docs = python_docs_corpus()
-    if a.max_docs:
-        docs = docs[: a.max_docs]
-    train_docs, eval_docs = split_records(docs, 0.1, a.seed)
-    tok = build_bpe_tokenizer(train_docs, a.vocab)
-    train_blocks, eval_blocks = pack(train_docs, tok, a.seq).blocks, pack(eval_docs, tok, a.seq).blocks
+    tok, train_blocks, eval_blocks, corpus = corpus_blocks(a.seq, a.vocab, seed=a.seed, max_docs=a.max_docs)
     if a.eval_blocks:  # a smaller held-out set (smoke runs)
         eval_blocks = eval_blocks[: a.eval_blocks]
     # pretraining and fine-tuning see disjoint halves of the training blocks
     half = train_blocks.shape[0] // 2
     pre_blocks, ft_blocks = train_blocks[:half], train_blocks[half:]
 
-    model_config = LlamaConfig(vocab_size=len(tok), hidden_size=a.hidden, intermediate_size=a.intermediate,
-                               num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                               max_position_embeddings=a.seq, tie_word_embeddings=False, use_cache=False)
+    model_config = llama_config(a, len(tok))
     epochs = {"pretrain": a.pretrain_steps * a.batch / pre_blocks.shape[0],
               "finetune": a.finetune_steps * a.batch / ft_blocks.shape[0]}
     if max(epochs.values()) > 4:
@@ -132,12 +113,11 @@ def main():
     # mean perplexity of each model over the repeats; the recovery of the means (pooled over repeats)
     rows = {k: sum(r["perplexity"][k] for r in repeats) / len(repeats) for k in repeats[0]["perplexity"]}
     lost, recovered = recovery(rows)
-    meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
-            "python": platform.python_version(), "command": " ".join(sys.argv), "seconds": time.time() - t0,
-            "corpus": {"documents": len(docs), "pretrain_tokens": pre_blocks.numel(),
-                       "finetune_tokens": ft_blocks.numel(), "eval_tokens": eval_blocks.numel()},
-            "epochs": epochs, "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown")}}
-    result = {"meta": meta, "perplexity": rows, "ptq_loss": lost, "recovered": recovered, "repeats": repeats}
+    info = meta(a.device, key="device", seconds=time.time() - t0,
+                corpus={"documents": corpus["documents"], "pretrain_tokens": pre_blocks.numel(),
+                        "finetune_tokens": ft_blocks.numel(), "eval_tokens": eval_blocks.numel()},
+                epochs=epochs, config={k: v for k, v in vars(a).items() if k not in ("json", "markdown")})
+    result = {"meta": info, "perplexity": rows, "ptq_loss": lost, "recovered": recovered, "repeats": repeats}
     head = f"| model ({a.scheme}, group {a.group_size}) | held-out perplexity" + (
         f", mean of {a.repeats} seeds | per seed |" if a.repeats > 1 else " |")
     table = [head, "|---|---|" + ("---|" if a.repeats > 1 else "")]
@@ -146,8 +126,8 @@ def main():
                                               if a.repeats > 1 else ""))
     table.append(f"| **QAT recovers** | **{recovered:.0%}** of the {lost:.3f} perplexity PTQ loses |" + (
         " " + " / ".join(f"{r['recovered']:.0%}" for r in repeats) + " |" if a.repeats > 1 else ""))
-    write_results(result, table, f"{meta['device']}, torch {meta['torch']}, {meta['corpus']}, epochs "
-                  f"{epochs['pretrain']:.1f} + {epochs['finetune']:.1f}, {meta['seconds']:.0f} s", a.json, a.markdown)
+    write_results(result, table, f"{info['device']}, torch {info['torch']}, {info['corpus']}, epochs "
+                  f"{epochs['pretrain']:.1f} + {epochs['finetune']:.1f}, {info['seconds']:.0f} s", a.json, a.markdown)
 
 
 def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blocks, seed: int) -> dict:

@@ -298,8 +298,10 @@ def test_eval_qat_smoke(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("eval_qat", os.path.join(ROOT, "benchmarks", "eval_qat.py"))
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    from benchmarks import corpus
+
     topics = pydoc_data.topics.topics
-    monkeypatch.setattr(script, "python_docs_corpus", lambda: [topics[k] for k in sorted(topics)])
+    monkeypatch.setattr(corpus, "python_docs_corpus", lambda packages=(): [topics[k] for k in sorted(topics)])
     out = tmp_path / "qat.json"
     monkeypatch.setattr(sys, "argv", ["eval_qat.py", "--device", "cpu", "--layers", "1", "--hidden", "64",
                                       "--intermediate", "128", "--heads", "4", "--kv_heads", "2", "--seq", "32",

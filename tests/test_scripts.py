@@ -127,13 +127,10 @@ def test_python_docs_corpus_packages(stdlib_corpus):
 
 
 def test_benchmark_refuses_a_recipe_that_is_not_active():
-    import importlib.util
-
     from conftest import tiny_model
 
-    spec = importlib.util.spec_from_file_location("benchmark_train", os.path.join(ROOT, "benchmarks", "benchmark_train.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import driver as bench
+
     model = tiny_model().bfloat16()
     with pytest.raises(RuntimeError, match="not active"):
         bench.check_recipe_active(model, "int8", "cpu")  # nothing swapped yet
@@ -168,20 +165,12 @@ def test_benchmark_train_lora_recipes_smoke_on_cpu(tmp_path):
     assert rows[0]["reference"] == "lora_nf4_int8" and 4 < rows[0]["first_loss"] < 5  # ~ln(96) at init
 
 
-def _bench_train():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("benchmark_train", os.path.join(ROOT, "benchmarks", "benchmark_train.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_benchmark_lora_peers_and_checks_in_process():
     import torch
     from conftest import tiny_model
 
-    bench = _bench_train()
+    from benchmarks import driver as bench
+
     ids = torch.randint(0, 96, (2, 16))
     losses = {}
     for recipe in ("lora_nf4", "lora_torchao_nf4", "lora_torchao_nf4_int8"):
@@ -324,3 +313,4 @@ def test_results_name_the_commit_measured(tmp_path, monkeypatch):
     write_results({"meta": {"device": "cpu"}, "rows": []}, ["| x |"], "cpu", str(tmp_path / "r.json"), str(tmp_path / "r.md"))
     assert json.loads((tmp_path / "r.json").read_text())["meta"] == {"device": "cpu", "commit": "abc1234"}
     assert (tmp_path / "r.md").read_text().startswith("cpu, commit abc1234\n")
+
