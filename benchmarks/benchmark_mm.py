@@ -1,29 +1,43 @@
 #!/usr/bin/env python
-"""Scaled low-bit matmuls and quantization kernels against bf16 and the copy bandwidth, one run.
+"""The low-bit matmul kernels and the quantization kernels, against bf16 and the copy bandwidth, one run each.
 
     python benchmarks/benchmark_mm.py --json docs/results/mm_h200.json --markdown docs/results/mm_h200.md
+    python benchmarks/benchmark_mm.py --backends --sweep --quant --json docs/results/mm_backends_h200.json \\
+        --markdown docs/results/mm_backends_h200.md
 
-For each LLM shape (tokens x in -> out of the Llama-8B-shaped bench) and each layout training needs:
+Every matmul of training in its layout (reduction dim contiguous, as the tensor cores need it):
   fwd    Y  = X·Wᵀ   (X reduced over dim 1, W over dim 1)
   dgrad  dX = dY·W   (dY over dim 1, W over dim 0)
   wgrad  dW = dYᵀ·X  (both over dim 0, the tokens)
-it times bf16 (torch.matmul on the same layout), the low-bit matmul kernel alone on pre-quantized
-operands, and quantize + matmul compiled together (what training runs). Quantization alone is
-timed in GB/s (bytes read + written) beside a device-to-device copy measured in the same run.
+
+Default (``--shapes``, ``--tokens`` 16384, median of CUDA events; ``--device cpu`` smoke-tests it): bf16
+(torch.matmul on the same layout), the low-bit matmul op alone on pre-quantized operands, and quantize + matmul
+compiled together (what training runs); then quantization alone in GB/s (bytes read + written) beside a
+device-to-device copy measured in the same run.
+
+``--backends`` (CUDA): which kernel should run each matmul of a Llama-8B-shaped decoder layer at fine-tuning
+micro-batches (``--tokens``, default here 2048): on operands already quantized, cuBLAS bf16; our Triton INT8 kernel
+with the scales in its epilogue (launched directly, after autotuning, as Inductor's generated code launches it);
+cuBLAS INT8 (``torch._int_mm``) followed by the scale multiply, compiled together; cuBLAS FP8 row-wise
+(``torch._scaled_mm``). GPU time only (10 calls captured in a CUDA graph, median of 10 replays: with events around
+single calls a first run timed the Python launch as much as these ~0.1 ms kernels). ``--sweep``: also every tile
+configuration in ``SWEEP`` (a superset of the kernel's autotune list) on each matmul, launched directly without the
+autotuner, to see which tiles the list lacks. ``--quant``: also the quantization kernels on the shapes training
+feeds them (``quantize_t`` on each weight-gradient operand, the weight cache's refresh of both layouts on each
+weight), as the bandwidth of the bytes they must move (read once, write once).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.driver import median_ms, write_results  # noqa: E402
+from benchmarks.driver import graph_ms, median_ms, meta, write_results  # noqa: E402
 from hf_lowbit.kernels import get_format, quantize_t, scaled_matmul  # noqa: E402
 
 LAYOUTS = {"fwd": (1, 1), "dgrad": (1, 0), "wgrad": (0, 0)}
@@ -39,18 +53,8 @@ def operands(layout: str, m: int, k: int, n: int, device: str):
     return g(m, n), 0, g(m, k), 0, (n, k, m)  # wgrad: dY[m,n]ᵀ · X[m,k] -> [n,k], reduce m
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--shapes", default="4096x4096,4096x1024,4096x14336,14336x4096", help="in x out, comma-separated")
-    p.add_argument("--formats", default="int8,fp8")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the script)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--markdown", default=None)
-    a = p.parse_args()
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("benchmark_mm.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
+def layouts(a) -> None:
+    """The default: each layout on LLM shapes, and quantization against the copy (see the module docstring)."""
     torch.manual_seed(0)
     rows = []
     for shape in a.shapes.split(","):
@@ -91,15 +95,164 @@ def main():
             moved = nbytes + big.numel()  # read bf16, write 1-byte codes (scales are negligible)
             quant.append({"kernel": f"quantize {fmt} dim={dim}" + (" (quantize_t, transposed)" if dim == 0 else ""),
                           "ms": t, "gb_s": moved / t / 1e6, "vs_copy": (moved / t) / (2 * nbytes / copy_ms)})
-    meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
-            "python": platform.python_version(), "tokens": a.tokens, "command": " ".join(sys.argv)}
+    info = meta(a.device, key="device", tokens=a.tokens)
     table = ["| in x out | layout | recipe | ms | TFLOP/s | vs bf16 |", "|---|---|---|---|---|---|"]
     table += [f"| {r['shape']} | {r['layout']} | {r['recipe']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
               f"{r.get('vs_bf16', 1.0):.2f}x |" for r in rows]
     table += ["", "| kernel | ms | GB/s | vs copy |", "|---|---|---|---|"]
     table += [f"| {q['kernel']} | {q['ms']:.3f} | {q['gb_s']:.0f} | {q.get('vs_copy', 1.0):.2f} |" for q in quant]
-    write_results({"meta": meta, "matmuls": rows, "quantize": quant}, table,
-                  f"{meta['device']}, torch {meta['torch']}, {a.tokens} tokens", a.json, a.markdown)
+    write_results({"meta": info, "matmuls": rows, "quantize": quant}, table,
+                  f"{info['device']}, torch {info['torch']}, {a.tokens} tokens", a.json, a.markdown)
+
+
+LINEARS = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
+           "gate": (4096, 14336), "up": (4096, 14336), "down": (14336, 4096)}  # name -> (in, out)
+
+
+def _direct(fn, *args):
+    """Launch the Triton kernel itself: eagerly, ``wrap_triton``'s dispatch costs more host time than these
+    kernels take, so timing the op measured the launch (a first run read ~0.10 ms for every small shape)."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    with set_wrap_triton_enabled(False):
+        return fn(*args)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tried by --sweep beside the autotune list (the kernel's _configs)
+SWEEP = [(128, 128, 256, 8, 3), (128, 128, 128, 8, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 4),
+         (128, 256, 64, 8, 5), (64, 256, 128, 4, 4), (128, 128, 128, 4, 5), (256, 64, 128, 8, 4),
+         (64, 128, 256, 4, 3), (128, 64, 256, 4, 3)]
+
+
+def _sweep(qa, qb, sa, sb) -> dict:
+    """Milliseconds of each tile configuration (autotune list + SWEEP) on one matmul; None where it does not fit."""
+    import triton
+
+    from hf_lowbit.kernels.triton_int8 import _configs, _int8_scaled_mm_kernel
+
+    m, k = qa.shape
+    n = qb.shape[0]
+    out = torch.empty(m, n, device=qa.device, dtype=torch.bfloat16)
+    listed = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+              for c in _configs()]
+    res = {}
+    for bm, bn, bk, w, st in dict.fromkeys(listed + SWEEP):
+        def launch():
+            grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+            _int8_scaled_mm_kernel.fn[grid](qa, qb, sa, sb, out, m, n, k, qa.stride(0), qa.stride(1), qb.stride(0),
+                                            qb.stride(1), out.stride(0), out.stride(1), A_K_CONTIG=True,
+                                            B_K_CONTIG=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                                            num_warps=w, num_stages=st)
+        key = f"{bm}x{bn}x{bk}/w{w}/s{st}" + ("" if (bm, bn, bk, w, st) in listed else " (new)")
+        try:
+            res[key] = graph_ms(launch)
+        except Exception as e:  # noqa: BLE001 - too much shared memory for this tile: record why, go on
+            res[key] = None
+            print(f"  {key}: {type(e).__name__}", flush=True)
+    return res
+
+
+def _quant_rows(tokens: int) -> list[dict]:
+    """quantize_t on each weight-gradient operand and the weight refresh (both layouts) on each weight: ms and the
+    bandwidth of the minimal traffic (bf16 read once, codes written once per layout)."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from hf_lowbit.kernels import quantize_weight
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
+
+    rows = []
+    for name, (k_in, n_out) in LINEARS.items():
+        for what, shape in (("X (wgrad)", (tokens, k_in)), ("dY (wgrad)", (tokens, n_out))):
+            x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+            with set_wrap_triton_enabled(False):
+                ms = graph_ms(lambda: quantize_t_triton(x, torch.int8, 127.0))
+            rows.append({"linear": name, "operand": what, "shape": list(shape), "ms": ms,
+                         "gb_s": x.numel() * 3 / ms / 1e6})
+        w = torch.randn(n_out, k_in, device="cuda", dtype=torch.bfloat16)
+        ms = graph_ms(lambda: quantize_weight("int8", w))
+        rows.append({"linear": name, "operand": "W (cache refresh, both layouts)", "shape": [n_out, k_in], "ms": ms,
+                     "gb_s": w.numel() * 4 / ms / 1e6})
+        print(rows[-3:], flush=True)
+    return rows
+
+
+def _int_mm_scaled(a, b_t, sa, sb):
+    return (torch._int_mm(a, b_t).float() * sa[:, None] * sb[None, :]).to(torch.bfloat16)
+
+
+def backends(a) -> None:
+    """``--backends``: each matmul of a Llama-8B layer on each backend (see the module docstring)."""
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE
+    from hf_lowbit.kernels.triton_int8 import int8_scaled_mm_triton
+
+    dev = "cuda"
+    int_mm = torch.compile(_int_mm_scaled)
+    rows, totals = [], {"bf16": 0.0, "triton_int8": 0.0, "cublas_int8": 0.0, "cublas_fp8": 0.0}
+    for name, (k_in, n_out) in LINEARS.items():
+        # (rows, cols, reduction) of each matmul's output
+        for mm, (m, n, k) in {"fwd": (a.tokens, n_out, k_in), "dgrad": (a.tokens, k_in, n_out),
+                              "wgrad": (n_out, k_in, a.tokens)}.items():
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            qa = torch.randint(-127, 128, (m, k), device=dev, dtype=torch.int8)
+            qb = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
+            sa, sb = torch.rand(m, device=dev) + 0.5, torch.rand(n, device=dev) + 0.5
+            fa, fb = x.to(FP8_DTYPE), w.to(FP8_DTYPE)
+            t = {"bf16": graph_ms(lambda: x @ w.T),
+                 "triton_int8": graph_ms(lambda: _direct(int8_scaled_mm_triton, qa, qb, sa, sb, torch.bfloat16)),
+                 "cublas_int8": graph_ms(lambda: int_mm(qa, qb.T, sa, sb)),
+                 "cublas_fp8": graph_ms(lambda: torch._scaled_mm(fa, fb.T, scale_a=sa[:, None], scale_b=sb[None, :],
+                                                                  out_dtype=torch.bfloat16))}
+            for key in t:
+                totals[key] += t[key]
+            rows.append({"linear": name, "matmul": mm, "m": m, "n": n, "k": k, **{f"{k_}_ms": v for k_, v in t.items()},
+                         "tops": {k_: 2 * m * n * k / v / 1e9 for k_, v in t.items()}})
+            if a.sweep:
+                rows[-1]["sweep_ms"] = sw = _sweep(qa, qb, sa, sb)
+                best = min((v, c) for c, v in sw.items() if v is not None)
+                rows[-1]["sweep_best"] = {"config": best[1], "ms": best[0]}
+                totals["sweep_best"] = totals.get("sweep_best", 0.0) + best[0]
+            print(rows[-1], flush=True)
+    table = ["| linear | matmul | M×N×K | bf16 ms | Triton INT8 ms | cuBLAS INT8 (+scale) ms | cuBLAS FP8 ms |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['linear']} | {r['matmul']} | {r['m']}×{r['n']}×{r['k']} | {r['bf16_ms']:.3f} | "
+                     f"{r['triton_int8_ms']:.3f} | {r['cublas_int8_ms']:.3f} | {r['cublas_fp8_ms']:.3f} |")
+    table.append(f"| **one layer** | all | | {totals['bf16']:.2f} | {totals['triton_int8']:.2f} | "
+                 f"{totals['cublas_int8']:.2f} | {totals['cublas_fp8']:.2f} |")
+    if a.sweep:
+        table += ["", "| linear | matmul | autotuned ms | best tile of the sweep | its ms |", "|---|---|---|---|---|"]
+        table += [f"| {r['linear']} | {r['matmul']} | {r['triton_int8_ms']:.3f} | {r['sweep_best']['config']} | "
+                  f"{r['sweep_best']['ms']:.3f} |" for r in rows]
+        table.append(f"| **one layer** | | {totals['triton_int8']:.2f} | | {totals['sweep_best']:.2f} |")
+    quant = _quant_rows(a.tokens) if a.quant else []
+    if quant:
+        table += ["", "| linear | operand | shape | ms | GB/s (bf16 read once + codes written once per layout) |",
+                  "|---|---|---|---|---|"]
+        table += [f"| {r['linear']} | {r['operand']} | {'×'.join(map(str, r['shape']))} | {r['ms']:.4f} | "
+                  f"{r['gb_s']:,.0f} |" for r in quant]
+    info = meta("cuda", key="device", tokens=a.tokens, totals_ms=totals)
+    write_results({"meta": info, "rows": rows, "quant": quant}, table, f"{info['device']}, torch {info['torch']}, "
+                  f"{a.tokens} tokens", a.json, a.markdown)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", action="store_true", help="each matmul of a Llama-8B layer on each backend (CUDA)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per matmul (default 16384; --backends: 2048)")
+    p.add_argument("--shapes", default="4096x4096,4096x1024,4096x14336,14336x4096", help="in x out, comma-separated")
+    p.add_argument("--formats", default="int8,fp8")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="--backends: also time every tile configuration of SWEEP")
+    p.add_argument("--quant", action="store_true", help="--backends: also the quantization kernels on training's shapes")
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the default mode)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    a = p.parse_args()
+    a.tokens = a.tokens or (2048 if a.backends else 16384)
+    if (a.device == "cuda" or a.backends) and not torch.cuda.is_available():
+        raise SystemExit("benchmark_mm.py needs a CUDA GPU (--device cpu only smoke-tests the default mode)")
+    (backends if a.backends else layouts)(a)
 
 
 if __name__ == "__main__":
