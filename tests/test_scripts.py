@@ -314,3 +314,59 @@ def test_results_name_the_commit_measured(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "r.json").read_text())["meta"] == {"device": "cpu", "commit": "abc1234"}
     assert (tmp_path / "r.md").read_text().startswith("cpu, commit abc1234\n")
 
+
+def _parsed_flags(script: str, argv: list[str]):
+    """``script``'s command-line parser applied to ``argv``, nothing run: the script's ``main`` up to its
+    ``parse_args`` (or ``parse_known_args``), which hands back ``(flags, unrecognised words)`` by an exception."""
+    import argparse
+    import importlib.util
+    from unittest import mock
+
+    class Parsed(Exception):
+        pass
+
+    def stop(self, args=None, namespace=None):
+        raise Parsed(argparse.ArgumentParser.parse_known_args.__wrapped__(self, args, namespace))
+
+    spec = importlib.util.spec_from_file_location(f"_flags_{os.path.basename(script)[:-3]}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    real = argparse.ArgumentParser.parse_known_args
+    stop.__wrapped__ = real
+    with mock.patch.object(argparse.ArgumentParser, "parse_known_args", stop), \
+            mock.patch.object(sys, "argv", [script, *argv]), pytest.raises(Parsed) as got:
+        module.main()
+    return got.value.args[0]
+
+
+def test_every_stage_command_runs_its_script_with_flags_it_has():
+    """benchmarks/run.py's table: every command names a script that exists, with flags that script parses (each
+    committed result's command stays runnable); ``$OUT`` and the stages' variables filled in."""
+    import re
+    import shlex
+
+    from benchmarks.run import STAGES
+
+    env = {"OUT": "/tmp/out", "BLOCKS": "layers_b1", "BATCH": "1", "GA": "8", "GPUS": "1", "RECIPES": "bf16,int8"}
+    checked = 0
+    for stage, (_, _, commands) in STAGES.items():
+        for command in commands:
+            words = shlex.split(re.sub(r"\$\{?(\w+)(?::[-?][^}]*)?\}?", lambda m: env[m.group(1)], command))
+            words = words[:words.index("2>&1")] if "2>&1" in words else words
+            words = words[2:] if words[0] == "timeout" else words
+            if words[0] == "bash":  # a runner script of its own
+                assert os.path.exists(os.path.join(ROOT, words[1])), (stage, command)
+                continue
+            if words[:3] == ["python3", "-m", "pytest"]:
+                continue
+            assert words[0] == "python3" and words[1].startswith("benchmarks/"), (stage, command)
+            parsed, unknown = _parsed_flags(os.path.join(ROOT, words[1]), words[2:])
+            # only benchmark_regimes.py passes flags through (to benchmark_train.py, which must know them)
+            assert not unknown or words[1].endswith("benchmark_regimes.py"), (stage, unknown)
+            checked += 1
+    assert checked >= 18
+    # what the check catches: a flag a script does not have, a value a flag does not take
+    train = os.path.join(ROOT, "benchmarks", "benchmark_train.py")
+    assert _parsed_flags(train, ["--no_such_flag"])[1] == ["--no_such_flag"]
+    with pytest.raises(SystemExit):
+        _parsed_flags(train, ["--batch", "eight"])

@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""The GPU measurements behind docs/benchmarks.md: one table of stages, each sized to fit a 10-minute device call.
+
+    python benchmarks/run.py --list                  # the stages and what each measures
+    python benchmarks/run.py STAGE OUTDIR            # run one: its commands, in order, results into OUTDIR
+
+A stage's commands are bash lines run from the repository root with ``$OUT`` set to OUTDIR; ``${NAME:-default}``
+reads an environment variable (``${NAME:?}``: one the stage needs). Export ``HF_LOWBIT_COMMIT`` (the commit you
+measure) in the device command: the copied tree's git metadata there is the session's starting commit. On the
+lent H200, carry torchao's wheel in ``.whl/`` and put where it was installed on ``PYTHONPATH`` (bitsandbytes' and
+liger-kernel's too, for the stages that use them). ``tests/test_scripts.py`` checks that every command's flags are
+its script's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+B = "python3 benchmarks/"
+
+STAGES = {  # stage: (what it measures, roughly how long on one H200, its commands)
+    "cuda_tests": ("every test with 'cuda' in its id, the quick kernel checks first", "4-5 min (autotune)", [
+        "python3 -m pytest -q -p no:cacheprovider -k cuda tests/ --deselect "
+        "tests/test_triton_int8.py::test_triton_int8_scaled_mm_cuda 2>&1 | tee $OUT/pytest_cuda.txt",
+        "python3 -m pytest -q -p no:cacheprovider tests/test_triton_int8.py::test_triton_int8_scaled_mm_cuda "
+        "2>&1 | tee -a $OUT/pytest_cuda.txt"]),
+    "regimes": ("1x2048 / 8x2048 tokens, gradient accumulation, hand loop and Trainer, Liger (docs/benchmarks.md "
+                "'Regimes'); BLOCKS: a subset (all: ~25 min, so split them over calls or GPUs; *_liger blocks need "
+                "liger-kernel)", "~5 min per block", [
+        B + "benchmark_regimes.py --timeout 240 --blocks ${BLOCKS:-all} --keep_dir $OUT --json $OUT/regimes_h200.json "
+        "--markdown $OUT/regimes_h200.md"]),
+    "qlora_regimes": ("issue 24: LoRA r16 over a bf16 base, our NF4+INT8 and INT8+INT8 bases, PEFT + bitsandbytes; hand "
+                      "loop and Trainer; BLOCKS: a subset of the qlora_* blocks", "4-5 min per block", [
+        B + "benchmark_regimes.py --timeout 200 --keep_dir $OUT --blocks "
+        "${BLOCKS:-qlora_b1,qlora_trainer_b1_ga8,qlora_trainer_b8,qlora_trainer_b1_ga8_gc,qlora_trainer_b8_gc} "
+        "--json $OUT/qlora_regimes_h200.json --markdown $OUT/qlora_regimes_h200.md"]),
+    "train": ("the 8-layer bench: 7 recipes and a kernel profile", "~6 min", [
+        B + "benchmark_train.py --timeout 110 --profile --json $OUT/train_h200.json --markdown $OUT/train_h200.md "
+        "--plot $OUT/train_h200.png"]),
+    "kernels": ("one linear; the matmuls per layout; each matmul of a layer per backend, tiles swept, quantization "
+                "kernels", "~5 min", [
+        B + "benchmark_linear.py --json $OUT/linear_h200.json --markdown $OUT/linear_h200.md --plot $OUT/linear_h200.png",
+        B + "benchmark_mm.py --json $OUT/mm_h200.json --markdown $OUT/mm_h200.md",
+        B + "benchmark_mm.py --backends --sweep --quant --json $OUT/mm_backends_h200.json "
+        "--markdown $OUT/mm_backends_h200.md"]),
+    "quality": ("300-step loss curves, bf16 / INT8 / FP8", "> 170 s: give it ~5 min", [
+        B + "benchmark_quality.py --compile --json $OUT/quality_h200.json --markdown $OUT/quality_h200.md "
+        "--plot $OUT/quality_h200.png"]),
+    "quality_parity": ("issue 14's loss parity: 143M Llama, 1,500 steps, the recipes at once on one GPU, each layer "
+                       "compiled; the corpus adds installed packages' docstrings (~5.6M tokens) so the steps do not "
+                       "repeat it; run it alone in a call", "~9.5 min", [
+        "timeout 570 " + B + "benchmark_quality.py --compile_layers --parallel --corpus_packages "
+        "torch,transformers,sympy,networkx,numpy --layers 12 --hidden 1024 --intermediate 2816 --heads 16 --kv_heads 4 "
+        "--seq 256 --batch 8 --steps 1500 --warmup 100 --lr 3e-4 --json $OUT/quality_parity_h200.json "
+        "--markdown $OUT/quality_parity_h200.md --plot $OUT/quality_parity_h200.png"]),
+    "seed_table": ("issue 18's seed table: TinyLlama-1.1B shape, 16x2048 real-text tokens, bf16 + 5 INT8 rows; BATCH: "
+                   "16 as in the seed (if bf16 runs out of memory the script says so: rerun with BATCH=8)", "7-8 min", [
+        B + "benchmark_seed_table.py --batch ${BATCH:-16} --timeout 170 --raw $OUT/seed_table_rows.json "
+        "--json $OUT/seed_table_h200.json --markdown $OUT/seed_table_h200.md --plot $OUT/seed_table_h200.png"]),
+    "sr_quality": ("bf16 / INT8 / INT8+SR late in training: 300 bf16 steps, then 200 at lr 3e-5 each", "3-4 min", [
+        B + "benchmark_quality.py --compile --recipes bf16,int8,int8_sr --pretrain_steps 300 --late_lr 3e-5 --steps 200 "
+        "--json $OUT/sr_quality_h200.json --markdown $OUT/sr_quality_h200.md --plot $OUT/sr_quality_h200.png"]),
+    "qlora_train": ("LoRA r16 over bf16 / NF4 / INT8 bases beside the torchao NF4 (+ INT8) peers, 8 layers 8x2048, "
+                    "bf16 autocast as Trainer(bf16=True) runs it", "~7 min", [
+        B + "benchmark_train.py --timeout 110 --autocast --json $OUT/qlora_train_h200.json --markdown "
+        "$OUT/qlora_train_h200.md --plot $OUT/qlora_train_h200.png --recipes "
+        "lora_bf16,lora_nf4,lora_nf4_int8,lora_nf4_int8cache,lora_int8_int8,lora_torchao_nf4,lora_torchao_nf4_int8"]),
+    "qlora_train_noautocast": ("the same without autocast: PEFT's float32 adapters compute in float32", "~3 min", [
+        B + "benchmark_train.py --timeout 110 --json $OUT/qlora_train_noautocast_h200.json --markdown "
+        "$OUT/qlora_train_noautocast_h200.md --recipes lora_bf16,lora_nf4_int8,lora_int8_int8"]),
+    "qat": ("QAT 8da4w beside bf16 and torchao's QAT (8 layers 8x2048), then what QAT recovers at group 256", "~6 min", [
+        B + "benchmark_train.py --timeout 150 --recipes bf16,qat_8da4w,torchao_qat_8da4w --json $OUT/train_qat_h200.json "
+        "--markdown $OUT/train_qat_h200.md --plot $OUT/train_qat_h200.png",
+        B + "eval_qat.py --group_size 256 --json $OUT/qat_h200.json --markdown $OUT/qat_h200.md"]),
+    "qlora_memory": ("peak memory: 32 layers, 1x2048, checkpointing, eager", "~3 min", [
+        B + "benchmark_train.py --timeout 150 --layers 32 --batch 1 --grad_checkpointing --no_compile --warmup 1 "
+        "--steps 3 --recipes lora_bf16,lora_nf4,lora_nf4_int8 --json $OUT/qlora_memory_h200.json "
+        "--markdown $OUT/qlora_memory_h200.md"]),
+    "qlora_nf4": ("the NF4 quantizer vs torchao to_nf4 (128256x4096), quantize-on-load", "~2 min", [
+        B + "benchmark_nf4.py --json $OUT/nf4_h200.json --markdown $OUT/nf4_h200.md"]),
+    "qlora_nf4_decode": ("the NF4 -> INT8 operand per call on a Llama-8B layer's shapes: our one-pass decode (both "
+                         "layouts) vs dequantize-then-quantize, bitsandbytes' dequantize and a copy", "~2 min", [
+        B + "benchmark_nf4_decode.py --json $OUT/nf4_decode_h200.json --markdown $OUT/nf4_decode_h200.md"]),
+    "qlora_quality": ("LoRA adapters over a bf16-pretrained base, 200 steps", "~4 min", [
+        B + "benchmark_quality.py --compile --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --steps 200 "
+        "--pretrain_steps 300 --json $OUT/qlora_quality_h200.json --markdown $OUT/qlora_quality_h200.md "
+        "--plot $OUT/qlora_quality_h200.png"]),
+    "fsdp2": ("needs 2 GPUs: the FSDP2 bench, 32 layers, 1 and 2 GPUs", "~7 min + ~3 min LoRA", [
+        B + "benchmark_fsdp2.py --concurrent --gpus 1,2 --timeout 240 --recipes bf16,int8,fp8,qat_8da4w,torchao_float8 "
+        "--json $OUT/fsdp2_h200x2.json --markdown $OUT/fsdp2_h200x2.md --plot $OUT/fsdp2_h200x2.png",
+        B + "benchmark_fsdp2.py --concurrent --gpus 1,2 --timeout 150 --recipes lora_bf16,lora_nf4_int8 "
+        "--json $OUT/fsdp2_lora_h200x2.json --markdown $OUT/fsdp2_lora_h200x2.md --plot $OUT/fsdp2_lora_h200x2.png"]),
+    "fsdp2_regimes": ("needs 2 GPUs: LowBitTrainer under accelerate_configs/fsdp2.yaml, 32 layers, one regime and GPU "
+                      "count per call, appended to one file; each launch <= 240 s, so <= 2 launches per call (1-GPU "
+                      "runs go two at a time). The calls, in order: BATCH=1 GA=8 GPUS=1 RECIPES=bf16,int8,fp8,lora_bf16; "
+                      "BATCH=1 GA=8 GPUS=1 RECIPES=lora_nf4_int8; BATCH=1 GA=8 GPUS=2 RECIPES=bf16,int8, then "
+                      "fp8,lora_bf16, then lora_nf4_int8; BATCH=4 GA=1 GPUS=2 the same three (4x2048 does not fit 1 "
+                      "GPU)", "<= 8 min per call", [
+        B + "benchmark_fsdp2.py --path trainer --concurrent --append --timeout 240 --gpus ${GPUS:?GPUS} "
+        "--batch ${BATCH:?BATCH} --grad_accum ${GA:?GA} --recipes ${RECIPES:?RECIPES} --warmup 3 --steps 5 "
+        "--json $OUT/fsdp2_regimes_h200x2.json --markdown $OUT/fsdp2_regimes_h200x2.md "
+        "--plot $OUT/fsdp2_regimes_h200x2.png"]),
+    "fsdp2_sft": ("scripts/sft.py under FSDP2 for each recipe, then a resume from the sharded half-way checkpoint; "
+                  "NPROC GPUs (default 1), STEPS (default 40; 4 for a quick CPU check)", "2-3 min", [
+        "bash benchmarks/run_fsdp2_h200.sh $OUT"]),
+}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--list"]:
+        for name, (what, how_long, _) in STAGES.items():
+            print(f"{name:24s} {how_long:22s} {what}")
+        return 0
+    if len(argv) != 2 or argv[0] not in STAGES:
+        print(f"usage: python benchmarks/run.py STAGE OUTDIR  (--list; stages: {', '.join(STAGES)})", file=sys.stderr)
+        return 2
+    stage, out = argv
+    os.makedirs(out, exist_ok=True)
+    env = {**os.environ, "OUT": os.path.abspath(out), "PYTHONUNBUFFERED": "1"}
+    for command in STAGES[stage][2]:
+        print("+", command, flush=True)
+        done = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=ROOT, env=env)
+        if done.returncode:
+            return done.returncode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
