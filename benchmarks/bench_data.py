@@ -95,7 +95,8 @@ def worker(method: str, path: str, tokenizer_dir: str, block_size: int, num_proc
     import datasets
     from transformers import AutoTokenizer
 
-    from hf_lowbit import data, packing
+    from hf_lowbit import data
+    from hf_lowbit.data import packing
 
     datasets.disable_progress_bars()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

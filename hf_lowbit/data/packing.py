@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import os
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -304,6 +304,38 @@ def _flatten_chunked(column):
     import pyarrow as pa
 
     return pa.chunked_array([c.flatten() for c in column.chunks if len(c)], type=column.type.value_type)
+
+
+# ------------------------------------------------------------------------------ packing texts in memory
+class PackedDataset(Dataset):
+    """Fixed-length blocks of token ids in one tensor (``blocks [n, block_size]``); labels are the inputs."""
+
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> dict:
+        return _example(self.blocks[i], None)
+
+
+def pack(texts: Iterable[str], tokenizer, block_size: int) -> PackedDataset:
+    """Tokenize, append EOS to each text, concatenate, cut into ``block_size`` blocks (remainder dropped), all in
+    memory: the packer for a list of texts (tests, the benchmarks' corpora). Files and streams take the paths above,
+    which give the same blocks without holding the data."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos_token: packing needs one to separate documents")
+    stream: list[int] = []
+    for t in texts:
+        stream.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+        stream.append(tokenizer.eos_token_id)
+    n = len(stream) // block_size
+    if n == 0:
+        raise ValueError(f"the data holds {len(stream)} tokens, fewer than one block of block_size={block_size}")
+    return PackedDataset(torch.tensor(stream[: n * block_size], dtype=torch.long).view(n, block_size))
 
 
 class StreamingBlocks(IterableDataset):

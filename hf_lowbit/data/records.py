@@ -1,8 +1,7 @@
-"""Data for supervised fine-tuning: loading, chat/instruction formatting, packing into fixed blocks.
+"""Data for supervised fine-tuning: loading records, chat/instruction formatting, splitting off a held-out share.
 
-Packing matters for low-bit training: every block has the same shape, so a compiled model never
-recompiles and the matmul autotuner sees one shape. Also here: the embedded default task
-(arithmetic Q/A, generated, no download) with its character tokenizer and accuracy check.
+Packing the formatted texts into fixed blocks is :mod:`hf_lowbit.data.packing`'s. Also here: the embedded default
+task (arithmetic Q/A, generated, no download) with its character tokenizer and accuracy check.
 """
 
 from __future__ import annotations
@@ -10,10 +9,9 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
-from torch.utils.data import Dataset
 
 LOCAL_FORMATS = (".json", ".jsonl", ".parquet")
 RECORD_FORMATS = ("'text'", "'messages' (list of {role, content})", "'prompt' + 'completion'",
@@ -186,37 +184,6 @@ def _render_turn(messages: list[dict], i: int, tokenizer) -> tuple[str, str]:
 
 def format_records(records: list[dict], tokenizer, source: str) -> list[str]:
     return [format_record(r, tokenizer, where=f"{source}, record {i}") for i, r in enumerate(records)]
-
-
-# --------------------------------------------------------------------------------------- packing
-class PackedDataset(Dataset):
-    """Fixed-length blocks of token ids; labels are the inputs (the model shifts them)."""
-
-    def __init__(self, blocks: torch.Tensor):
-        self.blocks = blocks
-
-    def __len__(self) -> int:
-        return self.blocks.shape[0]
-
-    def __getitem__(self, i: int) -> dict:
-        ids = self.blocks[i]
-        return {"input_ids": ids, "labels": ids.clone()}
-
-
-def pack(texts: Iterable[str], tokenizer, block_size: int) -> PackedDataset:
-    """Tokenize, append EOS to each text, concatenate, cut into ``block_size`` blocks (remainder dropped)."""
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2, got {block_size}")
-    if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos_token: packing needs one to separate documents")
-    stream: list[int] = []
-    for t in texts:
-        stream.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
-        stream.append(tokenizer.eos_token_id)
-    n = len(stream) // block_size
-    if n == 0:
-        raise ValueError(f"the data holds {len(stream)} tokens, fewer than one block of block_size={block_size}")
-    return PackedDataset(torch.tensor(stream[: n * block_size], dtype=torch.long).view(n, block_size))
 
 
 def split_records(records: list, eval_fraction: float, seed: int) -> tuple[list, list]:
