@@ -139,9 +139,10 @@ def _sweep(qa, qb, sa, sb) -> dict:
     for bm, bn, bk, w, st in dict.fromkeys(listed + SWEEP):
         def launch():
             grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-            _int8_scaled_mm_kernel.fn[grid](qa, qb, sa, sb, out, m, n, k, qa.stride(0), qa.stride(1), qb.stride(0),
-                                            qb.stride(1), out.stride(0), out.stride(1), A_K_CONTIG=True,
-                                            B_K_CONTIG=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+            _int8_scaled_mm_kernel.fn[grid](qa, qb, sa, sb, out, sa, sa, m, n, k, 0, qa.stride(0), qa.stride(1),
+                                            qb.stride(0), qb.stride(1), out.stride(0), out.stride(1), 0, 0, 0, 0,
+                                            A_K_CONTIG=True, B_K_CONTIG=True, HAS_ADD=False, BLOCK_R=16,
+                                            ADD_IEEE=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                                             num_warps=w, num_stages=st)
         key = f"{bm}x{bn}x{bk}/w{w}/s{st}" + ("" if (bm, bn, bk, w, st) in listed else " (new)")
         try:

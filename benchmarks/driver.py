@@ -103,12 +103,16 @@ QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
 # and the peers: torchtune-style LoRA over a torchao NF4Tensor base (linear_nf4), and that base through
 # torchao's INT8 mixed-precision function. The first LoRA recipe run is the reference of the lora rows.
+# *_unfused: the same with the LoRA up-projection beside the base matmul instead of in its epilogue
+# (LoraLinear.fuse_into_base = False), to measure the fusion in the same run.
 LORA_RECIPES = ("lora_bf16", "lora_nf4", "lora_nf4_int8", "lora_nf4_int8cache", "lora_int8_int8",
-                "lora_torchao_nf4", "lora_torchao_nf4_int8", "lora_bnb_nf4")
+                "lora_nf4_int8_unfused", "lora_int8_int8_unfused", "lora_torchao_nf4", "lora_torchao_nf4_int8",
+                "lora_bnb_nf4")
 _LORA_ARGS = {"lora_bf16": {}, "lora_nf4": dict(lora_base_quant="nf4"),
               "lora_nf4_int8": dict(lora_base_quant="nf4", int8_mixed_precision=True),
               "lora_nf4_int8cache": dict(lora_base_quant="nf4", int8_mixed_precision=True, lora_base_int8_cache=True),
               "lora_int8_int8": dict(lora_base_quant="int8", int8_mixed_precision=True)}
+_LORA_ARGS.update({r + "_unfused": _LORA_ARGS[r] for r in ("lora_nf4_int8", "lora_int8_int8")})
 OURS_LORA = tuple(r for r in _LORA_ARGS if r != "lora_bf16")  # through LowBitTrainer on the trainer path
 
 
@@ -258,7 +262,9 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         mod = inner.model.layers[0].mlp.up_proj
         want = {"lora_bf16": nn.Linear, "lora_nf4": Nf4Linear, "lora_nf4_int8": Nf4Linear, "lora_int8_int8": Int8Linear,
-                "lora_nf4_int8cache": Nf4Linear}.get(recipe)
+                "lora_nf4_int8cache": Nf4Linear}.get(recipe.removesuffix("_unfused"))
+        if LoraLinear.fuse_into_base == recipe.endswith("_unfused"):
+            raise RuntimeError(f"recipe {recipe!r} is not active: LoraLinear.fuse_into_base is {LoraLinear.fuse_into_base}")
         base = getattr(mod, "base_layer", None)
         if want is not None and not (isinstance(mod, LoraLinear if want is not nn.Linear else nn.Module)
                                      and type(base) is want and (("int8" in recipe[5:]) == (getattr(base, "compute", None) is not None))):
@@ -278,6 +284,10 @@ def build_model(a, device: str, weight_cache: bool = False):
     """The bench's model (``a``: the parsed flags) on ``device`` with ``a.recipe`` applied and checked."""
     from transformers import AutoModelForCausalLM
 
+    if a.recipe.endswith("_unfused"):  # one recipe a process: the class switch holds for this run only
+        from hf_lowbit import LoraLinear
+
+        LoraLinear.fuse_into_base = False
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(llama_config(a), dtype=torch.bfloat16, attn_implementation="sdpa")

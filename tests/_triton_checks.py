@@ -89,6 +89,42 @@ def check_int8_scaled_mm(device: str) -> int:
     return n
 
 
+def check_int8_scaled_mm_addend(device: str) -> int:
+    """The low-rank addend in the epilogue, ``+ c @ d.T`` (a LoRA branch): against the reference op (plain torch,
+    float32), whose sum differs from the kernel's only in the order of R float32 additions. float32 outputs: to
+    1e-6 relative; bf16: within one bf16 spacing of the reference's rounding (an order-of-addition difference can
+    flip one rounding), and on CUDA bit for bit on all but 1%. ``d`` is a transposed view (``A.T`` in the backward)."""
+    from hf_lowbit.kernels.int8 import int8_scaled_mm
+
+    shapes = CUDA_SHAPES if device == "cuda" else CPU_SHAPES
+    n = 0
+    g = torch.Generator().manual_seed(0)
+    for M, N, K in shapes:
+        for R in (16, 8, 20):
+            a = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=g).to(device)
+            b = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g).to(device)
+            sa, sb = (torch.rand(M, generator=g) / 1000 + 1e-4).to(device), (torch.rand(N, generator=g) / 1000 + 1e-4).to(device)
+            for dtype in (torch.float32, torch.bfloat16):
+                c = torch.randn(M, R, generator=g).to(device, dtype)
+                d = torch.randn(R, N, generator=g).to(device, dtype).T
+                with PoisonedAllocations() as poison:
+                    out = int8_scaled_mm_triton(a, b, sa, sb, dtype, c, d)
+                assert ((M, N), dtype) in poison.shapes and torch.isfinite(out).all()
+                ref = int8_scaled_mm(a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), dtype, c.cpu(), d.cpu())
+                got = out.cpu()
+                if dtype == torch.float32:
+                    rel = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+                    assert rel < 1e-6, f"{(M, N, K, R)} float32: rel err {rel:.2e}"
+                else:
+                    spacing = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp(min=1e-30)
+                    assert ((got.float() - ref.float()).abs() <= spacing).all(), f"{(M, N, K, R)} bf16: beyond 1 ulp"
+                    if device == "cuda":  # the interpreter casts float32 to bf16 by truncation: half the values
+                        # differ by one spacing there; the GPU rounds to nearest like torch
+                        assert (got != ref).float().mean().item() < 0.01, f"{(M, N, K, R)} bf16: too many flips"
+                n += 1
+    return n
+
+
 def check_quantize_t(device: str) -> int:
     """The column-quantize-and-transpose kernels against the plain-torch reference (CPU op impl)."""
     from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX
@@ -298,4 +334,5 @@ if __name__ == "__main__":
     elif sys.argv[1:] == ["stochastic_saturates"]:
         print("checked", check_quantize_t_stochastic_saturates("cpu"), "saturating stochastic quantizations")
     else:
-        print("checked", check_int8_scaled_mm("cpu"), "matmuls and", check_quantize_t("cpu"), "quantizations")
+        print("checked", check_int8_scaled_mm("cpu"), "matmuls,", check_int8_scaled_mm_addend("cpu"),
+              "with an addend and", check_quantize_t("cpu"), "quantizations")

@@ -205,9 +205,10 @@ def test_compiled_qlora_layer_saves_no_more_than_bf16_lora(quant, compute):
     assert saved["ours"] <= x.numel() * 2 + (m_tokens + k + n) * r * 2 + 4096, saved  # + small scales
 
 
-def test_lora_linear_forward_vs_peft():
-    """Under autocast LoraLinear's forward is PEFT's bit for bit; without it the branch computes in the input's
-    dtype (bf16) where PEFT casts x to its float32 adapters: the same up to bf16 rounding."""
+def test_lora_linear_forward_vs_peft(monkeypatch):
+    """Under autocast LoraLinear's unfused forward is PEFT's bit for bit; without it the branch computes in the
+    input's dtype (bf16) where PEFT casts x to its float32 adapters: the same up to bf16 rounding."""
+    monkeypatch.setattr(LoraLinear, "fuse_into_base", False)
     m = nn.Sequential(nn.Linear(128, 64)).bfloat16()
     quantize_base(m, QuantizedBaseConfig("int8", compute=INT8), LinearFilter(exclude=()))
     pm = get_peft_model(m, LoraConfig(r=4, target_modules=["0"], init_lora_weights="gaussian"))
@@ -227,6 +228,50 @@ def test_lora_linear_forward_vs_peft():
         assert [r.dtype for r in results[0]] == [r.dtype for r in results[1]]
         for ours, peft in zip(*results):
             assert torch.equal(ours, peft) if autocast else snr_db(peft.float(), ours.float()) > 40
+
+
+@pytest.mark.parametrize("quant,dropout,bias", [("nf4", 0.0, False), ("int8", 0.0, True), ("nf4", 0.1, False)])
+def test_lora_fused_into_int8_base_matches_unfused(monkeypatch, quant, dropout, bias):
+    """One adapter over an INT8-compute base: the up-projection added in the base matmul's epilogue (and dH·A in
+    the input gradient's, without dropout) against the unfused layer. The fused form rounds the sum once where
+    the unfused rounds the base output, the LoRA output and their sum, so outputs agree to bf16 rounding: 99% of
+    elements within one bf16 spacing of each other's magnitude and high SNR; gradients (x, A, B, bias) the same
+    matmuls in another order (SNR > 40 dB). Dropout: the same mask on both sides (one seed). The bias is frozen
+    with its base and added in the compute dtype on both sides."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(128, 192, bias=bias)).bfloat16()
+    quantize_base(m, QuantizedBaseConfig(quant, compute=INT8), LinearFilter(exclude=()))
+    pm = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=["0"],
+                                      init_lora_weights="gaussian"))
+    layer = pm.base_model.model[0]
+    nn.init.normal_(layer.lora_B["default"].weight, std=0.05)
+    x = torch.randn(3, 40, 128, dtype=torch.bfloat16)
+    results, calls = {}, []
+    monkeypatch.setattr(type(layer.base_layer), "forward_with_lora", lambda self, *a: _record(calls, self, *a))
+    for fused in (False, True):
+        monkeypatch.setattr(LoraLinear, "fuse_into_base", fused)
+        torch.manual_seed(1)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16):
+            y = layer(xi)
+        y.float().square().sum().backward()
+        results[fused] = [y, xi.grad] + [p.grad.clone() for p in layer.parameters() if p.requires_grad]
+        layer.zero_grad()
+    assert calls == [dropout == 0.0], calls  # the fused path ran once (no dropout: xd is None)
+    (y0, *g0), (y1, *g1) = results[False], results[True]
+    assert y1.dtype == y0.dtype and y1.shape == y0.shape
+    close = (y1.float() - y0.float()).abs() <= torch.finfo(torch.bfloat16).eps * y0.float().abs() * 2 + 1e-3
+    assert close.float().mean() > 0.99 and snr_db(y0.float(), y1.float()) > 40
+    assert len(g0) == len(g1) == 3  # x, A, B (the base and its bias are frozen)
+    for a, b in zip(g0, g1):
+        assert a.dtype == b.dtype and snr_db(a.float(), b.float()) > 40
+
+
+def _record(calls, self, x, xd, *rest):
+    from hf_lowbit.qlora.base import QuantizedBaseLinear
+
+    calls.append(xd is None)
+    return QuantizedBaseLinear.forward_with_lora(self, x, xd, *rest)
 
 
 # ---- PEFT ---------------------------------------------------------------------------------------

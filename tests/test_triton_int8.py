@@ -61,7 +61,7 @@ def run_interpreted(*args: str) -> str:
 
 
 def test_triton_int8_scaled_mm_interpreted():
-    assert "checked 24 matmuls and 60 quantizations" in run_interpreted()
+    assert "checked 24 matmuls, 18 with an addend and 60 quantizations" in run_interpreted()
 
 
 @pytest.mark.cuda
@@ -69,6 +69,13 @@ def test_triton_int8_scaled_mm_cuda():
     from _triton_checks import check_int8_scaled_mm
 
     assert check_int8_scaled_mm("cuda") > 0
+
+
+@pytest.mark.cuda
+def test_triton_int8_scaled_mm_addend_cuda():
+    from _triton_checks import check_int8_scaled_mm_addend
+
+    assert check_int8_scaled_mm_addend("cuda") > 0
 
 
 @pytest.mark.cuda

@@ -42,10 +42,15 @@ def quantize_operand(fmt: str, x: Tensor, dim: int, stochastic: bool = False) ->
 
 
 def scaled_matmul_quantized(fmt: str, x: Tensor, x_dim: int, qw: Tensor, sw: Tensor, out_dtype: torch.dtype,
-                            stochastic: bool = False) -> Tensor:
-    """:func:`scaled_matmul` with the second operand already quantized (``qw [N, K]``, ``sw [N]``)."""
+                            stochastic: bool = False, add: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """:func:`scaled_matmul` with the second operand already quantized (``qw [N, K]``, ``sw [N]``). ``add``:
+    ``(c [M, R], d [N, R])``, a low-rank ``c @ d.T`` added in the matmul's epilogue (INT8 only: a LoRA branch)."""
     qx, sx = quantize_operand(fmt, x, x_dim, stochastic)
-    return FORMATS[fmt].scaled_mm(qx, qw, sx, sw, out_dtype)
+    if add is None:
+        return FORMATS[fmt].scaled_mm(qx, qw, sx, sw, out_dtype)
+    if fmt != "int8":
+        raise ValueError(f"scaled_matmul_quantized: a low-rank addend is implemented for INT8, not {fmt!r}")
+    return FORMATS[fmt].scaled_mm(qx, qw, sx, sw, out_dtype, *add)
 
 
 def quantize_weight_t(fmt: str, w: Tensor, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -62,7 +67,7 @@ def quantize_weight_t(fmt: str, w: Tensor, scale: Tensor | None = None) -> tuple
 
 
 def scaled_matmul_input_grad(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor, out_dtype: torch.dtype,
-                             stochastic: bool = False) -> Tensor:
+                             stochastic: bool = False, add: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The input gradient ``dX = dY · W`` of ``Y = X · Wᵀ`` with the weight in its forward quantization,
     ``W ≈ diag(s) · Wq`` (per output row): ``dX = q(dY · diag(s)) · Wq``.
 
@@ -72,12 +77,15 @@ def scaled_matmul_input_grad(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor,
     :func:`quantize_weight_t`). ``g [M, N]``; ``stochastic``: stochastic rounding of the scaled ``dY``, through
     ``hf_lowbit::quantize_t`` on ``g``'s transposed view (row-wise quantization, the product and the random
     numbers in registers; the plain-torch form measured 144 MiB more peak memory than nearest rounding in a
-    compiled 8192×2048→5632 linear on the H200)."""
+    compiled 8192×2048→5632 linear on the H200). ``add``: a low-rank addend for the epilogue, as in
+    :func:`scaled_matmul_quantized` (a LoRA branch's ``dH · A``)."""
     ones = torch.ones(qw_t.shape[0], dtype=torch.float32, device=qw_t.device)
     if stochastic:  # the Triton kernel forms dY·diag(s) and draws the random numbers in registers
+        if add is not None:
+            raise ValueError("scaled_matmul_input_grad: the addend is not implemented with stochastic rounding")
         qg, sg = quantize_t(g.T, fmt, True, w_scale.reshape(-1).float())
         return FORMATS[fmt].scaled_mm(qg, qw_t, sg, ones, out_dtype)
-    return scaled_matmul_quantized(fmt, g.float() * w_scale.reshape(1, -1), 1, qw_t, ones, out_dtype)
+    return scaled_matmul_quantized(fmt, g.float() * w_scale.reshape(1, -1), 1, qw_t, ones, out_dtype, add=add)
 
 
 @torch.no_grad()

@@ -48,6 +48,20 @@ def _check_mm_args(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> No
     check_scaled_mm_args("int8_scaled_mm", torch.int8, a, b, a_scale, b_scale)
 
 
+def _check_addend(a: Tensor, b: Tensor, add_a: Tensor | None, add_b: Tensor | None) -> None:
+    if (add_a is None) != (add_b is None):
+        raise RuntimeError("int8_scaled_mm: add_a and add_b come together (the addend is add_a @ add_b.T)")
+    if add_a is None:
+        return
+    if add_a.dim() != 2 or add_b.dim() != 2 or add_a.shape[0] != a.shape[0] or add_b.shape[0] != b.shape[0] \
+            or add_a.shape[1] != add_b.shape[1]:
+        raise RuntimeError(f"int8_scaled_mm: the addend needs add_a [M={a.shape[0]}, R] and add_b [N={b.shape[0]}, R], "
+                           f"got {tuple(add_a.shape)} and {tuple(add_b.shape)}")
+    if add_a.dtype != add_b.dtype or not add_a.is_floating_point():
+        raise RuntimeError(f"int8_scaled_mm: add_a and add_b must share one floating dtype, got {add_a.dtype} and "
+                           f"{add_b.dtype}")
+
+
 # fp32 holds every integer below 2**24 exactly; a chunk of k int8×int8 products sums to at most
 # k * 127 * 127, so chunks of 1024 are exact and the chunk sums can be added in int32.
 _EXACT_FP32_CHUNK = 1024
@@ -65,19 +79,25 @@ def int8_mm_reference(a: Tensor, b: Tensor) -> Tensor:
 
 @torch.library.triton_op("hf_lowbit::int8_scaled_mm", mutates_args=())
 def int8_scaled_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
-                   out_dtype: torch.dtype) -> Tensor:
-    """``(a @ b.T) * a_scale[:, None] * b_scale[None, :]`` in ``out_dtype``.
+                   out_dtype: torch.dtype, add_a: Tensor | None = None, add_b: Tensor | None = None) -> Tensor:
+    """``(a @ b.T) * a_scale[:, None] * b_scale[None, :] (+ add_a @ add_b.T)`` in ``out_dtype``.
 
     ``a`` is int8 ``[M, K]``, ``b`` int8 ``[N, K]`` (any strides: transposed views are fine),
     ``a_scale`` float32 with M elements, ``b_scale`` float32 with N elements. Accumulation is int32.
+    ``add_a [M, R]``, ``add_b [N, R]`` (one floating dtype, R small): a low-rank addend formed in float32 in the
+    epilogue and rounded to ``out_dtype`` once with the product (a LoRA branch fused into its base's matmul).
 
     A ``triton_op``: under ``torch.compile`` Inductor sees the Triton kernel itself and launches it from
     its generated code (no Python dispatch per call, CUDA-graph friendly); eagerly it is a plain op.
     """
     _check_mm_args(a, b, a_scale, b_scale)
+    _check_addend(a, b, add_a, add_b)
     if a.device.type == "cuda":
         from .triton_int8 import int8_scaled_mm_triton
 
-        return int8_scaled_mm_triton(a, b, a_scale, b_scale, out_dtype)
+        return int8_scaled_mm_triton(a, b, a_scale, b_scale, out_dtype, add_a, add_b)
     acc = int8_mm_reference(a, b).float()
-    return (acc * a_scale.reshape(-1, 1).float() * b_scale.reshape(1, -1).float()).to(out_dtype)
+    out = acc * a_scale.reshape(-1, 1).float() * b_scale.reshape(1, -1).float()
+    if add_a is not None:
+        out = out + add_a.float() @ add_b.float().T
+    return out.to(out_dtype)

@@ -1,7 +1,9 @@
-"""Triton scaled INT8 matmul: ``out = (a @ b.T) * a_scale[:, None] * b_scale[None, :]``.
+"""Triton scaled INT8 matmul: ``out = (a @ b.T) * a_scale[:, None] * b_scale[None, :] (+ c @ d.T)``.
 
 A tiled tensor-core matmul with int32 accumulation and the row/column scales applied in the
-epilogue, so the int32 product never goes to memory. Operands may be transposed views (any
+epilogue, so the int32 product never goes to memory. The optional low-rank addend ``c @ d.T`` (``c [M, R]``,
+``d [N, R]``, R small: a LoRA branch's ``x·Aᵀ`` and ``B·scaling``) is one more ``tl.dot`` in the same epilogue,
+in float32, so a LoRA layer's output is written once instead of three times (base output, LoRA output, sum). Operands may be transposed views (any
 strides). Autotuned per (M, N, K, layout); under ``TRITON_INTERPRET=1`` one small tile is used so the
 kernel can be checked on a CPU.
 """
@@ -31,13 +33,14 @@ def _configs():
                           num_warps=w, num_stages=s) for bm, bn, bk, w, s in shapes]
 
 
-@triton.autotune(configs=_configs(), key=["M", "N", "K", "A_K_CONTIG", "B_K_CONTIG"])
+@triton.autotune(configs=_configs(), key=["M", "N", "K", "A_K_CONTIG", "B_K_CONTIG", "HAS_ADD"])
 @triton.jit
 def _int8_scaled_mm_kernel(
-    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_on,
-    A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr, c_ptr, d_ptr,
+    M, N, K, R,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_on, stride_cm, stride_cr, stride_dn, stride_dr,
+    A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_R: tl.constexpr,
+    ADD_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped ordering of output tiles for L2 reuse.
@@ -74,15 +77,32 @@ def _int8_scaled_mm_kernel(
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
     out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
+    if HAS_ADD:  # + c @ d.T over the small R, in float32 (R padded to BLOCK_R >= 16 with zeros)
+        offs_r = tl.arange(0, BLOCK_R)
+        c = tl.load(c_ptr + offs_m[:, None] * stride_cm + offs_r[None, :] * stride_cr,
+                    mask=mask_m & (offs_r[None, :] < R), other=0.0)
+        d = tl.load(d_ptr + offs_n[None, :] * stride_dn + offs_r[:, None] * stride_dr,
+                    mask=mask_n & (offs_r[:, None] < R), other=0.0)
+        if ADD_IEEE:  # float32 operands (no TF32), and the interpreter, whose bf16 dot is wrong (Triton 3.6);
+            # bf16 products are exact in float32, so both forms compute the same sums
+            out += tl.dot(c.to(tl.float32), d.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            out += tl.dot(c, d, out_dtype=tl.float32)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
 
 
 def int8_scaled_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
-                          b_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Launch the kernel; ``a`` [M, K] and ``b`` [N, K] int8 of any strides, scales float32."""
+                          b_scale: torch.Tensor, out_dtype: torch.dtype, c: torch.Tensor | None = None,
+                          d: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the kernel; ``a`` [M, K] and ``b`` [N, K] int8 of any strides, scales float32; ``c`` [M, R] and
+    ``d`` [N, R] (any strides, one floating dtype) add ``c @ d.T`` in the epilogue."""
     M, K = a.shape
     N = b.shape[0]
+    has_add = c is not None
+    R = c.shape[1] if has_add else 0
+    c_, d_ = (c, d) if has_add else (a_scale, a_scale)  # never read without HAS_ADD
+    sc = (c.stride(0), c.stride(1), d.stride(0), d.stride(1)) if has_add else (0, 0, 0, 0)
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     a_scale = a_scale.reshape(-1).float().contiguous()
     b_scale = b_scale.reshape(-1).float().contiguous()
@@ -91,8 +111,9 @@ def int8_scaled_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tenso
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     wrap_triton(_int8_scaled_mm_kernel)[grid](
-        a, b, a_scale, b_scale, out, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        A_K_CONTIG=a.stride(1) == 1, B_K_CONTIG=b.stride(1) == 1,
+        a, b, a_scale, b_scale, out, c_, d_, M, N, K, R,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), *sc,
+        A_K_CONTIG=a.stride(1) == 1, B_K_CONTIG=b.stride(1) == 1, HAS_ADD=has_add,
+        BLOCK_R=max(16, triton.next_power_of_2(R)), ADD_IEEE=has_add and (c.dtype == torch.float32 or _INTERPRET),
     )
     return out

@@ -108,6 +108,63 @@ class _FrozenQuantizedLinearFn(torch.autograd.Function):
         return dx, db, None, None, None, None
 
 
+class _FrozenQuantizedLoraFn(torch.autograd.Function):
+    """``base(x) + (xd · Aᵀ) · (B · scaling)ᵀ`` for a frozen base with INT8 compute and one LoRA adapter, the
+    up-projection added in the base matmul's epilogue (``kernels.scaled_matmul_quantized(add=...)``).
+
+    Unfused, a LoRA layer writes its ``[tokens, out]`` output three times (the base's, the up-projection's, their
+    sum) and its ``[tokens, in]`` input gradient three times; here once each. ``xd`` is ``None`` when the adapter
+    has no dropout (its input is ``x``): then the backward also adds ``dH · A`` in the input-gradient matmul's
+    epilogue; with dropout, ``dH · A`` is returned as ``xd``'s gradient and autograd carries it through the dropout.
+    The adapter weights' gradients are the same matmuls PEFT's autograd runs (in the compute dtype).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, xd: Tensor | None, lora_a: Tensor, lora_b: Tensor, bias: Tensor | None,
+                tensors: tuple[Tensor, ...], storage: str, scaling: float, int8_grad_input: bool) -> Tensor:
+        dtype = compute_dtype(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        xa = x2 if xd is None else xd.reshape(-1, xd.shape[-1])
+        a, bs = lora_a.to(dtype), lora_b.to(dtype) * scaling
+        h = xa.to(dtype) @ a.T  # [tokens, r]
+        qw, sw = _int8_weight(storage, tensors)
+        y = scaled_matmul_quantized("int8", x2, 1, qw, sw, dtype, add=(h, bs))
+        if bias is not None:
+            y = y + bias.to(dtype)
+        ctx.save_for_backward(xa, h, a, bs, *tensors)
+        ctx.flags = (storage, scaling, int8_grad_input, xd is None, dtype, x.dtype, x.shape,
+                     None if xd is None else xd.dtype, None if bias is None else bias.dtype, lora_a.dtype,
+                     lora_b.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        xa, h, a, bs, *tensors = ctx.saved_tensors
+        storage, scaling, int8_grad_input, no_dropout, dtype, x_dtype, x_shape, xd_dtype, bias_dtype, a_dtype, \
+            b_dtype = ctx.flags
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        gd = g2.to(dtype)
+        dh = gd @ bs  # [tokens, r]
+        da = (dh.T @ xa.to(dtype)).to(a_dtype) if ctx.needs_input_grad[2] else None
+        db = (gd.T @ h).to(b_dtype) * scaling if ctx.needs_input_grad[3] else None
+        dx = dxd = dbias = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            fuse = no_dropout and int8_grad_input
+            if int8_grad_input:
+                qw_t, sw = _int8_weight(storage, tuple(tensors), transposed=True)
+                dx = scaled_matmul_input_grad("int8", g2, qw_t, sw, x_dtype, add=(dh, a.T) if fuse else None)
+            else:
+                dx = gd @ _dense_weight(storage, tuple(tensors), dtype)
+            if no_dropout and not fuse:
+                dx = dx + dh @ a
+            elif not no_dropout:
+                dxd = (dh @ a).to(xd_dtype).reshape(x_shape)
+            dx = dx.to(x_dtype).reshape(x_shape)
+        if bias_dtype is not None and ctx.needs_input_grad[4]:
+            dbias = g2.sum(0, dtype=torch.float32).to(bias_dtype)
+        return dx, dxd, da, db, dbias, None, None, None, None
+
+
 class QuantizedBaseLinear(nn.Module):
     """Shared behaviour of the frozen quantized bases (see :class:`Nf4Linear`, :class:`Int8Linear`).
 
@@ -200,10 +257,29 @@ class QuantizedBaseLinear(nn.Module):
             out.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
         return out
 
+    def _operands(self) -> tuple[tuple[Tensor, ...], str]:
+        """The tensors the matmuls read and their storage (an ``Nf4Linear`` with an INT8 cache: the cache)."""
+        return self._stored(), self.storage
+
     def forward(self, x: Tensor) -> Tensor:
         c = self.compute
-        return _FrozenQuantizedLinearFn.apply(x, self.bias, self._stored(), self.storage, bool(c and c.output),
+        tensors, storage = self._operands()
+        return _FrozenQuantizedLinearFn.apply(x, self.bias, tensors, storage, bool(c and c.output),
                                               bool(c and c.grad_input))
+
+    def fuses_lora(self) -> bool:
+        """Whether :meth:`forward_with_lora` applies: INT8 compute on the forward, and no hooks on this module
+        (the fused path computes the base without calling it)."""
+        return bool(self.compute is not None and self.compute.output and not self._forward_hooks
+                    and not self._forward_pre_hooks)
+
+    def forward_with_lora(self, x: Tensor, xd: Tensor | None, lora_a: Tensor, lora_b: Tensor,
+                          scaling: float) -> Tensor:
+        """``self(x) + (xd · lora_aᵀ) · lora_bᵀ · scaling`` (``xd`` None: ``x``) with the LoRA up-projection in this
+        base's INT8 matmul epilogue (and ``dH · A`` in the input gradient's): see :class:`_FrozenQuantizedLoraFn`."""
+        tensors, storage = self._operands()
+        return _FrozenQuantizedLoraFn.apply(x, xd, lora_a, lora_b, self.bias, tensors, storage, float(scaling),
+                                            bool(self.compute.grad_input))
 
     def extra_repr(self) -> str:
         compute = "bf16" if self.compute is None else "+".join(
@@ -265,12 +341,10 @@ class Nf4Linear(QuantizedBaseLinear):
             q, s = _int8_weight("nf4", self._stored())
             self._cache_q, self._cache_s = q, s
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _operands(self) -> tuple[tuple[Tensor, ...], str]:
         if self._cache_q is not None and self.compute is not None:
-            c = self.compute
-            return _FrozenQuantizedLinearFn.apply(x, self.bias, (self._cache_q, self._cache_s), "int8", c.output,
-                                                  c.grad_input)
-        return super().forward(x)
+            return (self._cache_q, self._cache_s), "int8"
+        return super()._operands()
 
 
 class Int8Linear(QuantizedBaseLinear):

@@ -36,6 +36,11 @@ class LoraLinear(PeftLoraLinear):
     training (DoRA, PiSSA, OLoRA, LoftQ, …) are refused with a clear error.
     """
 
+    # One active adapter over a base with INT8 compute: its up-projection is added in the base matmul's epilogue
+    # (QuantizedBaseLinear.forward_with_lora; the layer's output written once, not three times). False: the
+    # unfused form (for measuring the difference).
+    fuse_into_base: bool = True
+
     def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig, **kwargs):
         if kwargs.get("init_lora_weights", config.init_lora_weights) not in _PLAIN_INITS:
             raise ValueError(f"hf_lowbit.LoraLinear: init_lora_weights={config.init_lora_weights!r} reads the base "
@@ -69,11 +74,16 @@ class LoraLinear(PeftLoraLinear):
         """
         if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:
             return super().forward(x, *args, **kwargs)
-        result = self.base_layer(x)
+        active = [name for name in self.active_adapters if name in self.lora_A]
+        base = self.base_layer
+        if self.fuse_into_base and len(active) == 1 and isinstance(base, QuantizedBaseLinear) and base.fuses_lora():
+            name = active[0]
+            dropout = self.lora_dropout[name]
+            return base.forward_with_lora(x, None if isinstance(dropout, nn.Identity) else dropout(x),
+                                          self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
+        result = base(x)
         dtype = compute_dtype(x)
-        for name in self.active_adapters:
-            if name not in self.lora_A:
-                continue
+        for name in active:
             a, b = self.lora_A[name].weight, self.lora_B[name].weight
             h = F.linear(self.lora_dropout[name](x).to(dtype), a.to(dtype))
             result = result + F.linear(h, b.to(dtype)) * self.scaling[name]
