@@ -397,7 +397,9 @@ def test_trainer_qlora_end_to_end(tmp_path):
 # ---- CUDA (run on the device) --------------------------------------------------------------------
 
 @pytest.mark.cuda
-def test_cuda_nf4_codes_and_compiled_qlora_layer():
+def test_cuda_nf4_codes_and_compiled_qlora_layer(monkeypatch):
+    """NF4 codes against torchao's; the compiled LoRA layer over each base: INT8 compute (the up-projection in the
+    INT8 matmul's epilogue) against bf16 compute (SNR > 20 dB), and fused against unfused (SNR > 40 dB)."""
     from torchao.quantization import to_nf4
 
     w = torch.randn(1024, 4096, dtype=torch.bfloat16, device="cuda") * 0.02
@@ -407,10 +409,13 @@ def test_cuda_nf4_codes_and_compiled_qlora_layer():
     assert snr_db(w.float(), dequantize_nf4(ours).float()) > 18
     grads = {}
     for fmt in ("nf4", "int8"):
-        for compute in (None, INT8):
+        for compute in (None, INT8, "unfused"):
+            monkeypatch.setattr(LoraLinear, "fuse_into_base", compute != "unfused")
+            torch._dynamo.reset()
             torch.manual_seed(0)
             m = nn.Sequential(nn.Linear(4096, 1024, bias=False)).to("cuda", torch.bfloat16)
-            quantize_base(m, QuantizedBaseConfig(fmt, compute=compute), LinearFilter(exclude=()))
+            quantize_base(m, QuantizedBaseConfig(fmt, compute=INT8 if compute == "unfused" else compute),
+                          LinearFilter(exclude=()))
             pm = get_peft_model(m, LoraConfig(r=16, target_modules=["0"], init_lora_weights="gaussian"))
             for n, p in pm.named_parameters():
                 if "lora_B" in n:
@@ -420,3 +425,5 @@ def test_cuda_nf4_codes_and_compiled_qlora_layer():
             grads[fmt, compute] = [p.grad.float() for p in pm.parameters() if p.requires_grad] + [x.grad.float()]
         for ref_g, g in zip(grads[fmt, None], grads[fmt, INT8]):
             assert snr_db(ref_g, g) > 20
+        for unfused, fused in zip(grads[fmt, "unfused"], grads[fmt, INT8]):
+            assert snr_db(unfused, fused) > 40
