@@ -74,7 +74,8 @@ BLOCKS = {
     # the user's path: stock Trainer + PEFT LoRA (bf16 base, bitsandbytes) vs LowBitTrainer (ours), same arguments
     "qlora_trainer_b1_ga8": ("trainer", 1, 8, "default", QLORA, []),
     # + the INT8 base with the LoRA branch beside its matmul (before the epilogue fusion), in the same run
-    "qlora_trainer_b1_ga8_fusion": ("trainer", 1, 8, "default", QLORA + ",lora_int8_int8_unfused", []),
+    "qlora_trainer_b1_ga8_fusion": ("trainer", 1, 8, "default", "lora_bf16,lora_nf4_int8,lora_int8_int8,lora_bnb_nf4,"
+                                    "lora_int8_int8_unfused", []),
     "qlora_trainer_b8": ("trainer", 8, 1, "default", QLORA, []),
     "qlora_trainer_b1_ga8_nocg": ("trainer", 1, 8, "default", "lora_bf16,lora_nf4_int8", ["--no_cuda_graphs"]),
     "qlora_trainer_b1_ga8_gc": ("trainer", 1, 8, "default", QLORA, ["--grad_checkpointing"]),

@@ -37,11 +37,8 @@ def _round_product(a, b, RINT: tl.constexpr):
 def _configs():
     if _INTERPRET:
         return [triton.Config({"BLOCK_N": 8, "GROUPS": 2}, num_warps=1)]
-    # (rows, 64-element blocks a row, warps). The first five measured 1.3-1.4 TB/s in one layout of each Llama-8B
-    # shape and 0.6-0.7 TB/s in the other (docs/benchmarks.md "QLoRA regimes"); the rest widen the search towards
-    # long transposed stores (many rows, few blocks) and long row-major ones (few rows, many blocks)
-    shapes = [(32, 4, 4), (64, 4, 8), (16, 8, 4), (64, 2, 4), (128, 2, 8),
-              (256, 1, 8), (128, 1, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8)]
+    # (rows, 64-element blocks a row, warps)
+    shapes = [(32, 4, 4), (64, 4, 8), (16, 8, 4), (64, 2, 4), (128, 2, 8)]
     return [triton.Config({"BLOCK_N": bn, "GROUPS": g}, num_warps=w) for bn, g, w in shapes]
 
 
