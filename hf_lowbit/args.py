@@ -73,11 +73,13 @@ class LowBitArgumentsMixin:
         "DeepSpeed.")})
     qat_scheme: str | None = field(default=None, metadata={"help": (
         "Quantization-aware training: fake-quantize the linears during training, then convert with "
-        f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)} ('8da4w': int8 per-token dynamic "
-        "activations, int4 per-group weights). Default: off.")})
+        f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)}: '8da4w' (int8 per-token dynamic "
+        "activations, int4 per-group weights) and 'int4_weight_only' export for ExecuTorch/CPU; 'int4_tinygemm' "
+        "(int4 per-group weights, torch's tinygemm kernel, sm_80+) and 'fp8_rowwise' (FP8 row-wise activations and "
+        "weights, sm_89+) for serving on NVIDIA GPUs (docs/qat.md). Default: off.")})
     qat_group_size: int = field(default=256, metadata={"help": (
         "QAT weight group size along in_features; linears whose in_features is not a multiple of it are "
-        "skipped and reported.")})
+        "skipped and reported. 'int4_tinygemm' takes 32, 64, 128 or 256; 'fp8_rowwise' is per row and ignores it.")})
     qat_fake_quant_after_n_steps: int = field(default=0, metadata={"help": (
         "QAT: train the first N optimizer steps without fake quantization, then with it (follows "
         "global_step, so resuming from a checkpoint is correct). 0: from the first step.")})
@@ -147,6 +149,11 @@ class LowBitArgumentsMixin:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{cls}.{name} must be an integer >= {low}, got {value!r}")
+        if self.qat_scheme is not None:
+            problem = QAT_SCHEMES[self.qat_scheme].group_size_problem(self.qat_group_size)
+            if problem:
+                raise ValueError(f"{cls}.qat_group_size={self.qat_group_size} with qat_scheme={self.qat_scheme!r}: "
+                                 f"{problem}; choose one of them")
         if not isinstance(self.qat_include_lm_head, bool):
             raise TypeError(f"{cls}.qat_include_lm_head must be True or False, "
                             f"got {self.qat_include_lm_head!r}")
