@@ -205,6 +205,18 @@ def test_gpu_scheme_shape_and_group_rules():
                                               report_to="none"))
 
 
+@pytest.mark.parametrize("scheme", ["int4_tinygemm", "fp8_rowwise"])
+def test_gpu_scheme_configs_survive_config_json(scheme):
+    """What save_quantized writes into config.json reads back as the same torchao config (the packing format, the
+    qparams algorithm and the row granularity are enums torchao serializes by name)."""
+    from transformers import TorchAoConfig
+
+    config = QATConfig(scheme, 64).base_config()
+    text = json.dumps(TorchAoConfig(quant_type=config, modules_to_not_convert=["lm_head"]).to_dict())
+    back = TorchAoConfig.from_dict(json.loads(text)).quant_type
+    assert type(back) is type(config) and back == config
+
+
 def test_gpu_scheme_convert_without_a_gpu_is_one_line_and_leaves_the_model(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for scheme in ("int4_tinygemm", "fp8_rowwise"):
