@@ -297,7 +297,14 @@ def check_qat_device(args: LowBitArgumentsMixin, device: torch.device, args_name
     export serves with is almost always the GPU it will be served on, so the run is stopped before it
     trains for a checkpoint this GPU cannot use (nor convert: torchao's FP8 convert needs sm_89 too).
     """
-    if args.qat_scheme is None or torch.device(device).type != "cuda":
+    if args.qat_scheme is None:
+        return
+    if torch.device(device).type != "cuda":
+        problem = cuda_capability_problem(args.qat_scheme)
+        if problem:  # training here is fine; the export is not
+            warnings.warn(f"qat_scheme={args.qat_scheme!r} trains here with fake quantization, but save_quantized "
+                          f"cannot convert in this process: {problem}; keep the trained model (save_model) and export "
+                          "it where that GPU is (docs/qat.md, 'Where they convert')", LowBitWarning, stacklevel=3)
         return
     problem = cuda_capability_problem(args.qat_scheme, device)
     if problem is None:

@@ -257,6 +257,25 @@ def test_fp8_refused_at_trainer_construction_below_sm89(monkeypatch, tmp_path):
     check_qat_device(_args(tmp_path, qat_scheme="8da4w"), torch.device("cuda", 0), "Args")
 
 
+def test_gpu_scheme_trains_on_cpu_and_says_where_to_export(monkeypatch, tmp_path, capsys):
+    """No GPU: LowBitTrainer warns at construction that the export needs one; the CLI trains, saves the plain
+    checkpoint and skips the export with the reason, instead of failing after training."""
+    from hf_lowbit import LowBitWarning
+    from hf_lowbit.sft import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.warns(LowBitWarning, match="qat_scheme='fp8_rowwise' trains here .* save_quantized cannot convert"):
+        LowBitTrainer(tiny_model(vocab_size=len(ARITH_TOKENIZER)), _args(tmp_path, qat_scheme="fp8_rowwise"),
+                      train_dataset=arithmetic_blocks(8))
+    metrics = main(["--output_dir", str(tmp_path / "cli"), "--max_steps", "2", "--eval_strategy", "no",
+                    "--qat_scheme", "int4_tinygemm", "--qat_group_size", "32", "--arithmetic_train_records", "300",
+                    "--arithmetic_eval_records", "4", "--disable_tqdm", "True"])
+    out = capsys.readouterr().out
+    assert "[hf_lowbit] int4_tinygemm export skipped: its kernels need an NVIDIA GPU" in out
+    assert metrics["quantized_dir"] is None and not (tmp_path / "cli" / "quantized").exists()
+    assert (tmp_path / "cli" / "model.safetensors").exists()  # the trained model, exportable where the GPU is
+
+
 _LOAD = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
