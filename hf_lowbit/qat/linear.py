@@ -1,9 +1,12 @@
 """Quantization-aware training: fake-quantize during fine-tuning, then convert to torchao's quantized tensors.
 
-* :data:`QAT_SCHEMES`: scheme name -> how to fake-quantize and the torchao PTQ config that convert
-  applies (``"8da4w"``: int8 per-token asymmetric dynamic activations + int4 per-group symmetric
-  weights = ``Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
-  weight_granularity=PerGroup(g))``; ``"int4_weight_only"``: ``IntxWeightOnlyConfig``).
+* :data:`QAT_SCHEMES`: scheme name -> how to fake-quantize, the torchao PTQ config that convert applies, and
+  where the export is meant to run. For ExecuTorch / CPU (torchao's unpacked int4-in-int8 layout): ``"8da4w"``
+  (int8 per-token asymmetric dynamic activations + int4 per-group symmetric weights =
+  ``Int8DynamicActivationIntxWeightConfig``) and ``"int4_weight_only"`` (``IntxWeightOnlyConfig``). For NVIDIA
+  GPUs: ``"int4_tinygemm"`` (``Int4WeightOnlyConfig`` in the ``tile_packed_to_4d`` packing, torch's tinygemm
+  kernel, sm_80+) and ``"fp8_rowwise"`` (``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``,
+  ``torch._scaled_mm``, sm_89+).
 * :class:`QATConfig` and :func:`convert_to_qat` (the recipe's shape, as for the other recipes): swap
   eligible ``nn.Linear`` for :class:`QATLinear` through ``swap_linears``; layers whose ``in_features``
   is not a multiple of the group size are skipped and reported. Layer size does not matter here
