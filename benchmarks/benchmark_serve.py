@@ -3,6 +3,7 @@
 
     python benchmarks/benchmark_serve.py --modes eager --json OUT/serve_eager.json --markdown OUT/serve_eager.md
     python benchmarks/benchmark_serve.py --modes compiled --checkpoints bf16,qat_int4_tinygemm,ptq_int4_tinygemm ...
+    python benchmarks/benchmark_serve.py --probe_only --json OUT/serve_probe.json   # which torchao kernels run here
     python benchmarks/benchmark_serve.py --merge OUT/serve_*.json --json docs/results/serve_h200.json \\
         --markdown docs/results/serve_h200.md --plot docs/results/serve_h200.png
 
@@ -409,7 +410,7 @@ def write(data: dict, a) -> None:
     header = (f"{meta.get('gpu')}, torch {meta.get('torch')}, transformers {meta.get('transformers')}, torchao "
               f"{meta.get('torchao')}: {c['layers']} Llama-8B-shaped layers (h{c['hidden']}), prefill 1x{c['prefill']}, "
               f"decode {c['decode_tokens']} new tokens after a {c['prompt']}-token prompt, LM head {c['lm_head']}")
-    lines = table(rows, modes, c["batches"])
+    lines = table(rows, modes, c["batches"]) if rows else []
     if data.get("probe"):
         lines += ["", "torchao serving configs on this machine (one bf16 linear 1024 -> 512, 16 tokens; SNR vs the exact "
                   "product):", "", "| config | its kernel | runs | weight type | SNR dB eager | SNR dB compiled |",
@@ -447,6 +448,7 @@ def main():
     p.add_argument("--plot", default=None, help="PNG (needs matplotlib)")
     p.add_argument("--probe", action="store_true",
                    help="first, which of torchao's int4/FP8 serving configs run on this machine (one small linear each)")
+    p.add_argument("--probe_only", action="store_true", help="the probe alone (no model, no checkpoints)")
     p.add_argument("--worker", choices=("build", "measure", "probe"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--kind", default=None, help=argparse.SUPPRESS)
     p.add_argument("--scheme", default=None, help=argparse.SUPPRESS)
@@ -519,11 +521,6 @@ def run(a) -> None:
         meta["torchao"] = torchao.__version__
     except ImportError:
         meta["torchao"] = None
-    # a device call's `timeout` sends SIGTERM: exit through the finally below (the running worker is killed by
-    # subprocess.run, the checkpoints removed); the JSON already holds every finished row
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    workdir = a.workdir or tempfile.mkdtemp(prefix="serve-")
-    os.makedirs(workdir, exist_ok=True)
     common = [sys.executable, os.path.abspath(__file__), "--device", a.device, "--seed", str(a.seed)]
     for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "prefill", "prompt", "group_size",
               "qat_steps", "qat_seq", "reps"):
@@ -531,11 +528,19 @@ def run(a) -> None:
     common += ["--decode_tokens", ",".join(map(str, a.decode_tokens)), "--batches", ",".join(map(str, a.batches)),
                "--modes", ",".join(a.modes), "--lm_head", a.lm_head, "--compile_backend", a.compile_backend]
     data = {"meta": meta, "rows": []}
-    base_dir = os.path.join(workdir, "bf16")
-    if a.probe:
+    if a.probe or a.probe_only:
         got, err = _run(common + ["--worker", "probe"], a.timeout)
         data["probe"] = (got or {}).get("probe") or [{"config": "all", "ok": False, "error": err}]
         print(json.dumps(data["probe"]), flush=True)
+        if a.probe_only:
+            write(data, a)
+            return
+    # a device call's `timeout` sends SIGTERM: exit through the finally below (the running worker is killed by
+    # subprocess.run, the checkpoints removed); the JSON already holds every finished row
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    workdir = a.workdir or tempfile.mkdtemp(prefix="serve-")
+    os.makedirs(workdir, exist_ok=True)
+    base_dir = os.path.join(workdir, "bf16")
     try:
         t = time.perf_counter()
         meta["params"] = build_base(a, base_dir)["params"]

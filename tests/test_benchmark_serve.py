@@ -92,10 +92,11 @@ def test_serve_merge_keeps_ratios_within_each_run(tmp_path, monkeypatch):
     parts = [[_row("bf16", 0, 10.0, 100.0, 4000), _row("qat_int4_tinygemm", 0, 8.0, 200.0, 1200)],
              [_row("bf16", 0, 20.0, 50.0, 4000), _row("qat_fp8_rowwise", 0, 10.0, 60.0, 2100),
               {"checkpoint": "ptq_fp8_rowwise", "run": 0, "stage": "build", "error": "AssertionError: no sm_89"}]]
+    probe = [{"config": "Int4WeightOnlyConfig(plain)", "needs": "mslk", "ok": False, "error": "ImportError: Requires mslk"}]
     files = []
     for i, rows in enumerate(parts):
         files.append(tmp_path / f"part{i}.json")
-        files[-1].write_text(json.dumps({"meta": meta, "rows": rows}))
+        files[-1].write_text(json.dumps({"meta": meta, "rows": rows, **({"probe": probe} if i else {})}))
     monkeypatch.setattr(sys, "argv", ["benchmark_serve.py", "--merge", *map(str, files), "--json",
                                       str(tmp_path / "all.json"), "--markdown", str(tmp_path / "all.md")])
     _script().main()
@@ -106,6 +107,7 @@ def test_serve_merge_keeps_ratios_within_each_run(tmp_path, monkeypatch):
     assert int4["size_vs_bf16"] == 0.3
     md = (tmp_path / "all.md").read_text()
     assert "| ptq_fp8_rowwise | error (build): AssertionError: no sm_89 |" in md
+    assert "| Int4WeightOnlyConfig(plain) | mslk | no: ImportError: Requires mslk |" in md  # the probe of a part
 
 
 def test_serve_rejects_bad_arguments():
