@@ -39,6 +39,7 @@ import glob
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -142,8 +143,9 @@ def build_quantized(a, kind: str, scheme: str) -> dict:
 
         keep = _quantized_filter(a)
         quantize_(model, config.base_config(), filter_fn=keep)
-        kept = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not keep(m, n)]
-        qconfig = TorchAoConfig(quant_type=config.base_config(), modules_to_not_convert=kept or None)
+        kept = [re.escape(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not keep(m, n)]
+        # the linears left in bf16, as save_quantized records them
+        qconfig = TorchAoConfig(quant_type=config.base_config(), modules_to_not_convert=kept)
         model.config.quantization_config = qconfig
         model.hf_quantizer = AutoHfQuantizer.from_config(qconfig, pre_quantized=True)
         model.save_pretrained(a.out_dir, safe_serialization=True)

@@ -68,6 +68,33 @@ def test_serve_build_worker_reports_a_scheme_it_cannot_convert_in_one_line(tmp_p
     assert "\n" not in row["error"] and not (tmp_path / "q").exists()
 
 
+@pytest.mark.parametrize("lm_head", ["int4", "bf16"])
+def test_serve_ptq_checkpoint_loads_with_the_same_layers_quantized(tmp_path, lm_head):
+    """torchao's PTQ row: quantize_ on the same linears as the QAT export (the LM head only with --lm_head int4),
+    saved with a TorchAoConfig that plain from_pretrained loads back to the same tensors."""
+    import argparse
+
+    from torchao.quantization import quantize_
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(vocab_size=128))
+    base.save_pretrained(tmp_path / "base")
+    script = _script()
+    a = argparse.Namespace(base_dir=str(tmp_path / "base"), out_dir=str(tmp_path / "q"), device="cpu", group_size=32,
+                           lm_head=lm_head, seed=0, vocab=128)
+    assert script.build_quantized(a, "ptq", "8da4w")["weight_type"] == "IntxUnpackedToInt8Tensor"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    head = type(loaded.lm_head.weight).__name__
+    assert head == ("IntxUnpackedToInt8Tensor" if lm_head == "int4" else "Parameter")
+    from hf_lowbit.qat import QATConfig
+
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)  # as the build loads it
+    quantize_(reference, QATConfig("8da4w", 32).base_config(), filter_fn=script._quantized_filter(a))
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
 def test_serve_runner_keeps_what_a_crashed_or_timed_out_worker_printed():
     script = _script()
     crash = "import sys; print('RESULT {\"load_s\": 1.5}', flush=True); sys.exit('kernel missing: no mslk')"
