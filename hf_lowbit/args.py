@@ -73,13 +73,11 @@ class LowBitArgumentsMixin:
         "DeepSpeed.")})
     qat_scheme: str | None = field(default=None, metadata={"help": (
         "Quantization-aware training: fake-quantize the linears during training, then convert with "
-        f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)}: '8da4w' (int8 per-token dynamic "
-        "activations, int4 per-group weights) and 'int4_weight_only' export for ExecuTorch/CPU; 'int4_tinygemm' "
-        "(int4 per-group weights, torch's tinygemm kernel, sm_80+) and 'fp8_rowwise' (FP8 row-wise activations and "
-        "weights, sm_89+) for serving on NVIDIA GPUs (docs/qat.md). Default: off.")})
+        f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)}: 8da4w / int4_weight_only export for "
+        "ExecuTorch/CPU, int4_tinygemm (sm_80+) / fp8_rowwise (sm_89+) for NVIDIA GPUs (docs/qat.md). Default: off.")})
     qat_group_size: int = field(default=256, metadata={"help": (
-        "QAT weight group size along in_features; linears whose in_features is not a multiple of it are "
-        "skipped and reported. 'int4_tinygemm' takes 32, 64, 128 or 256; 'fp8_rowwise' is per row and ignores it.")})
+        "QAT weight group size along in_features (int4_tinygemm: 32-256); linears whose in_features is not a "
+        "multiple of it are skipped and reported.")})
     qat_fake_quant_after_n_steps: int = field(default=0, metadata={"help": (
         "QAT: train the first N optimizer steps without fake quantization, then with it (follows "
         "global_step, so resuming from a checkpoint is correct). 0: from the first step.")})
