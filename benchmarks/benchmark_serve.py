@@ -403,7 +403,7 @@ def plot(rows: list[dict], modes, batches, path: str, title: str) -> None:
 
 
 def write(data: dict, a) -> None:
-    from benchmarks.common import write_results
+    from benchmarks.driver import write_results
 
     rows, meta = data["rows"], data["meta"]
     modes = list(dict.fromkeys(m for r in rows for m in ("eager", "compiled") if r.get(m)))
@@ -502,7 +502,8 @@ def run(a) -> None:
     import torch
     import transformers
 
-    from benchmarks.common import git_commit
+    from benchmarks.driver import meta as run_meta
+    from benchmarks.driver import torchao_version
     from hf_lowbit.qat import QAT_SCHEMES
 
     names = [c for c in a.checkpoints.split(",") if c and c != "bf16"]
@@ -510,19 +511,12 @@ def run(a) -> None:
     specs = [(n, *parse_checkpoint(n, QAT_SCHEMES)) for n in names]
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmark_serve.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
-    meta = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if a.device == "cuda" else
-            (platform.processor() or "cpu"), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "command": " ".join(sys.argv),
-            "config": {k: getattr(a, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "layers",
-                                                  "prefill", "prompt", "decode_tokens", "batches", "group_size",
-                                                  "qat_steps", "qat_seq", "reps", "lm_head", "compile_backend",
-                                                  "modes")}}
-    try:
-        import torchao
-
-        meta["torchao"] = torchao.__version__
-    except ImportError:
-        meta["torchao"] = None
+    meta = run_meta(a.device if a.device == "cuda" else (platform.processor() or "cpu"),
+                    transformers=transformers.__version__, torchao=torchao_version(),
+                    config={k: getattr(a, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "layers",
+                                                       "prefill", "prompt", "decode_tokens", "batches", "group_size",
+                                                       "qat_steps", "qat_seq", "reps", "lm_head", "compile_backend",
+                                                       "modes")})
     common = [sys.executable, os.path.abspath(__file__), "--device", a.device, "--seed", str(a.seed)]
     for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "prefill", "prompt", "group_size",
               "qat_steps", "qat_seq", "reps"):

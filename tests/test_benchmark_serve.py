@@ -50,7 +50,15 @@ def test_serve_smoke_on_cpu(tmp_path):
             assert phase["prefill_ms"] > 0 and len(phase["decode_ms_b1"]) == 2
             assert phase["prefill_vs_bf16"] > 0
     assert bf16["eager"]["prefill_vs_bf16"] == 1.0
-    assert data["meta"]["config"]["modes"] == ["eager", "compiled"]
+    meta = data["meta"]
+    assert meta["config"]["modes"] == ["eager", "compiled"]
+    import torchao
+    import transformers
+
+    # the record every benchmark writes (benchmarks.driver.meta), plus the versions serving depends on
+    assert {"commit", "gpu", "torch", "python", "command", "params"} <= set(meta) and meta["commit"]
+    assert meta["torch"] == torch.__version__ and meta["transformers"] == transformers.__version__
+    assert meta["torchao"] == torchao.__version__ and "--checkpoints qat_8da4w" in meta["command"]
     assert "| qat_8da4w | IntxUnpackedToInt8Tensor |" in (tmp_path / "serve.md").read_text()
 
 

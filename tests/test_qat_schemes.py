@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
-from hf_lowbit.ops.fake_quant import fake_quant_fp8_rowwise, fake_quant_int4_tinygemm
+from hf_lowbit.kernels.fake_quant import fake_quant_fp8_rowwise, fake_quant_int4_tinygemm
 from hf_lowbit.qat import QATConfig, QATLinear, convert_qat, prepare_qat, qat_linear
 from hf_lowbit.trainer import check_qat_device
 
@@ -262,7 +262,7 @@ def test_gpu_scheme_trains_on_cpu_and_says_where_to_export(monkeypatch, tmp_path
     """No GPU: LowBitTrainer warns at construction that the export needs one; the CLI trains, saves the plain
     checkpoint and skips the export with the reason, instead of failing after training."""
     from hf_lowbit import LowBitWarning
-    from hf_lowbit.sft import main
+    from hf_lowbit.cli.sft import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.warns(LowBitWarning, match="qat_scheme='fp8_rowwise' trains here .* save_quantized cannot convert"):
@@ -307,7 +307,7 @@ def test_fp8_rowwise_train_export_load_generate_on_cpu(tmp_path, monkeypatch):
     ``Float8Tensor`` weights and computes the converted model's logits exactly (torch's CPU ``_scaled_mm``)."""
     import torchao.quantization.quant_api as quant_api
 
-    import hf_lowbit.qat as qat
+    import hf_lowbit.qat.linear as qat  # where convert_qat looks it up
 
     trainer = LowBitTrainer(tiny_model(vocab_size=len(ARITH_TOKENIZER)), _args(tmp_path / "run", qat_scheme="fp8_rowwise"),
                             train_dataset=arithmetic_blocks(32), processing_class=ARITH_TOKENIZER)

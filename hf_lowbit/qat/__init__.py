@@ -25,5 +25,6 @@ from .linear import (QAT_SCHEMES, FakeQuantScheduleCallback, QATConfig, QATLinea
 from .export import merge_lora, push_quantized_to_hub, save_quantized
 
 __all__ = ["QAT_SCHEMES", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
-           "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled", "fake_quant_enabled_at", "FakeQuantScheduleCallback", "get_scheme",
+           "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled", "fake_quant_enabled_at",
+           "FakeQuantScheduleCallback", "get_scheme",
            "save_quantized", "push_quantized_to_hub", "merge_lora"]

@@ -51,7 +51,7 @@ class QATScheme:
     """One QAT scheme: how it fake-quantizes, what convert makes of it, and where the result is meant to run.
 
     ``fake_quant_weight(w, group_size)`` and ``fake_quant_act(x)`` (None: activations unquantized) are
-    torchao's arithmetic for ``base_config(group_size)``'s convert (:mod:`hf_lowbit.ops.fake_quant`).
+    torchao's arithmetic for ``base_config(group_size)``'s convert (:mod:`hf_lowbit.kernels.fake_quant`).
     ``weight_dtype``: the converted tensor's dtype where torchao fixes it (the weight is cast to it before the
     fake quant and before convert); ``act_dtype``: the dtype the converted kernel takes activations in (its
     output is cast back). ``grouped``: weights in groups of ``group_size`` along ``in_features`` (else per
@@ -434,4 +434,5 @@ def convert_qat(model: nn.Module, config: QATConfig) -> list[str]:
 
 
 __all__ = ["QAT_SCHEMES", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
-           "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled", "fake_quant_enabled_at", "FakeQuantScheduleCallback", "get_scheme"]
+           "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled", "fake_quant_enabled_at",
+           "FakeQuantScheduleCallback", "get_scheme"]
