@@ -487,12 +487,17 @@ def main():
     if a.merge:
         data = {"meta": None, "rows": [], "probe": None}
         for i, path in enumerate(a.merge):
+            if not os.path.exists(path):  # a call that did not run (or ran out of time before writing)
+                print(f"--merge: {path} does not exist; merging the others", flush=True)
+                continue
             with open(path) as f:
                 part = json.load(f)
             data["meta"] = data["meta"] or {**part["meta"], "merged": []}
             data["meta"]["merged"].append({"file": os.path.basename(path), "command": part["meta"].get("command")})
             data["rows"] += [{**r, "run": f"{i}:{r.get('run', 0)}"} for r in part["rows"]]
             data["probe"] = data["probe"] or part.get("probe")
+        if data["meta"] is None:
+            raise SystemExit(f"--merge: none of {' '.join(a.merge)} exists")
         write(data, a)
         return
     run(a)

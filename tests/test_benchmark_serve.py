@@ -145,6 +145,29 @@ def test_serve_merge_keeps_ratios_within_each_run(tmp_path, monkeypatch):
     assert "| Int4WeightOnlyConfig(plain) | mslk | no: ImportError: Requires mslk |" in md  # the probe of a part
 
 
+def test_serve_merge_leaves_out_a_call_that_wrote_nothing(tmp_path, monkeypatch, capsys):
+    """Stage serve_merge names every call's file; one that did not run (or was cut before its first row) is left
+    out, said so, and absent from the merged record; none at all is an error, not an empty table."""
+    meta = {"config": {"layers": 8, "hidden": 4096, "prefill": 2048, "decode_tokens": [16, 80], "prompt": 128,
+                       "lm_head": "int4", "batches": [1]}, "command": "eager call"}
+    eager = tmp_path / "serve_eager_all_h200.json"
+    eager.write_text(json.dumps({"meta": meta, "rows": [_row("bf16", 0, 10.0, 100.0, 4000),
+                                                        _row("qat_int4_tinygemm", 0, 8.0, 200.0, 1200)]}))
+    missing = tmp_path / "serve_compiled_int4_h200.json"
+    monkeypatch.setattr(sys, "argv", ["benchmark_serve.py", "--merge", str(eager), str(missing), "--json",
+                                      str(tmp_path / "all.json")])
+    _script().main()
+    assert f"--merge: {missing} does not exist; merging the others" in capsys.readouterr().out
+    data = json.loads((tmp_path / "all.json").read_text())
+    assert data["meta"]["merged"] == [{"file": eager.name, "command": "eager call"}]
+    assert [r["run"] for r in data["rows"]] == ["0:0", "0:0"]
+    assert data["rows"][1]["compiled"]["decode_vs_bf16_b1"] == 2.0
+    monkeypatch.setattr(sys, "argv", ["benchmark_serve.py", "--merge", str(missing), "--json", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="none of .*serve_compiled_int4_h200.json exists"):
+        _script().main()
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_serve_rejects_bad_arguments():
     for args, msg in ((["--decode_tokens", "80,16"], "two lengths T1 < T2"),
                       (["--modes", "fast"], "choose from eager, compiled"),
