@@ -79,8 +79,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                       "~5.6M tokens (about one epoch), int4 everywhere but the input embedding (SCHEME int4_tinygemm, "
                       "GROUP 256: the largest tinygemm group dividing 1024 and 2816), REPEATS seeds with the spread; "
                       "first REPEATS=1 to see whether PTQ costs >= 2% held-out loss (on the CPU its damage grew with "
-                      "the pre-training rate: raise PRETRAIN_LR if not), then REPEATS=3",
-                      "~3 min per seed (estimate; not yet run)", [
+                      "the pre-training rate: raise PRETRAIN_LR if not), then REPEATS=3; not yet run",
+                      "~3 min/seed (estimate)", [
         "timeout 580 " + B + "eval_qat.py --compile --include_lm_head --scheme ${SCHEME:-int4_tinygemm} "
         "--group_size ${GROUP:-256} --repeats ${REPEATS:-3} --corpus_packages torch,transformers,sympy,networkx,numpy "
         "--layers 12 --hidden 1024 --intermediate 2816 --heads 16 --kv_heads 4 --vocab 8192 --seq 256 --batch 8 "
@@ -96,8 +96,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
               "8da4w and int4_weight_only; load time, bytes, prefill 1x2048, decode at batch 1 and 8, peak memory. "
               "One call per MODES / CHECKPOINTS set, each with its own bf16 row: MODES=eager (all, the default); "
               "then MODES=compiled TAG=int4 CHECKPOINTS=qat_int4_tinygemm,ptq_int4_tinygemm; then MODES=compiled "
-              "TAG=fp8 CHECKPOINTS=qat_fp8_rowwise,ptq_fp8_rowwise; then serve_merge",
-              "6-7 min eager, 6-8 min per compiled call (estimates; not yet run)", [
+              "TAG=fp8 CHECKPOINTS=qat_fp8_rowwise,ptq_fp8_rowwise; then serve_merge. Not yet run: the eager call "
+              "is expected to take 6-7 min, each compiled one 6-8", "6-8 min/call (est.)", [
         "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes ${MODES:-eager} --checkpoints "
         "${CHECKPOINTS:-qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,qat_int4_weight_only} "
         "--json $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.json --markdown $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.md"]),
