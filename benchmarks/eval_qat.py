@@ -10,7 +10,13 @@
 3. Held-out perplexity of: the base; the base PTQ'd; the bf16 fine-tune; the bf16 fine-tune PTQ'd
    (what PTQ loses); the QAT fine-tune converted (what QAT keeps). All evaluated in float32.
 
-recovered = (ppl[ft PTQ] - ppl[QAT converted]) / (ppl[ft PTQ] - ppl[ft bf16]).
+recovered = (ppl[ft PTQ] - ppl[QAT converted]) / (ppl[ft PTQ] - ppl[ft bf16]), and the same in held-out loss
+(log perplexity): PTQ's loss increase (% of the bf16 fine-tune's loss) and the share QAT recovers, per seed and
+their mean, min, max and standard deviation.
+
+Where PTQ hurts: `--include_lm_head` quantizes the LM head too (PTQ and QAT alike), `--group_size` as large as
+`--hidden` makes most weights one group per row, and `--scheme` picks the format (`int4_tinygemm` converts on a
+CUDA GPU only). Measured settings are in docs/qat.md.
 
 The corpus is small (~400k tokens), so the defaults train for few epochs (a model that memorizes the
 training half tells nothing about held-out text); `--repeats N` repeats steps 1-3 from N seeds (same
@@ -71,10 +77,27 @@ def recovery(ppl: dict) -> tuple[float, float]:
     return lost, (ppl["fine-tuned PTQ"] - ppl["QAT fine-tuned, converted"]) / lost if lost > 0 else float("nan")
 
 
+def loss_recovery(ppl: dict) -> dict:
+    """The same in held-out loss (mean token NLL = log perplexity): PTQ's loss increase relative to the bf16
+    fine-tune's loss, and the share of that increase QAT recovers."""
+    bf16, ptq_, qat = (math.log(ppl[k]) for k in ("fine-tuned bf16", "fine-tuned PTQ", "QAT fine-tuned, converted"))
+    lost = ptq_ - bf16
+    return {"loss_bf16": bf16, "loss_ptq": ptq_, "loss_qat": qat, "ptq_loss_increase": lost / bf16,
+            "qat_loss_increase": (qat - bf16) / bf16,
+            "recovered_loss": (ptq_ - qat) / lost if lost > 0 else float("nan")}
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, min, max and sample standard deviation (0 for one value)."""
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return {"mean": mean, "min": min(values), "max": max(values), "std": math.sqrt(var), "n": len(values)}
+
+
 def ptq(model, config: QATConfig):
     """A converted copy of ``model`` (no training): torchao's quantization of its weights as they are."""
     q = copy.deepcopy(model)
-    prepare_qat(q, config)
+    prepare_qat(q, config, include_lm_head=config.include_lm_head)
     convert_qat(q, config)
     return q
 
@@ -89,13 +112,24 @@ def main():
     p.add_argument("--finetune_lr", type=float, default=3e-4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
+    p.add_argument("--corpus_packages", default="",
+                   help="comma-separated installed packages whose docstrings join the corpus (e.g. "
+                        "torch,transformers,sympy,networkx,numpy, ~5.6M tokens: room for a larger model to train without "
+                        "repeating the text)")
+    p.add_argument("--include_lm_head", action="store_true",
+                   help="quantize the LM head too (PTQ and QAT): int4 everywhere but the input embedding")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args()
     t0 = time.time()
-    config = QATConfig(a.scheme, a.group_size)
+    config = QATConfig(a.scheme, a.group_size, include_lm_head=a.include_lm_head)
 
-    tok, train_blocks, eval_blocks, corpus = corpus_blocks(a.seq, a.vocab, seed=a.seed, max_docs=a.max_docs)
+    try:
+        tok, train_blocks, eval_blocks, corpus = corpus_blocks(
+            a.seq, a.vocab, seed=a.seed, max_docs=a.max_docs,
+            packages=tuple(x for x in a.corpus_packages.split(",") if x))
+    except ValueError as e:  # a package that is not installed
+        raise SystemExit(f"--corpus_packages: {e}") from None
     if a.eval_blocks:  # a smaller held-out set (smoke runs)
         eval_blocks = eval_blocks[: a.eval_blocks]
     # pretraining and fine-tuning see disjoint halves of the training blocks
@@ -117,8 +151,10 @@ def main():
                 corpus={"documents": corpus["documents"], "pretrain_tokens": pre_blocks.numel(),
                         "finetune_tokens": ft_blocks.numel(), "eval_tokens": eval_blocks.numel()},
                 epochs=epochs, config={k: v for k, v in vars(a).items() if k not in ("json", "markdown")})
-    result = {"meta": info, "perplexity": rows, "ptq_loss": lost, "recovered": recovered, "repeats": repeats}
-    head = f"| model ({a.scheme}, group {a.group_size}) | held-out perplexity" + (
+    loss = {k: spread([r["loss"][k] for r in repeats]) for k in repeats[0]["loss"]}
+    result = {"meta": info, "perplexity": rows, "ptq_loss": lost, "recovered": recovered, "loss": loss,
+              "repeats": repeats}
+    head = f"| model ({a.scheme}, group {a.group_size}{', LM head too' if a.include_lm_head else ''}) | held-out perplexity" + (
         f", mean of {a.repeats} seeds | per seed |" if a.repeats > 1 else " |")
     table = [head, "|---|---|" + ("---|" if a.repeats > 1 else "")]
     for k, v in rows.items():
@@ -126,6 +162,16 @@ def main():
                                               if a.repeats > 1 else ""))
     table.append(f"| **QAT recovers** | **{recovered:.0%}** of the {lost:.3f} perplexity PTQ loses |" + (
         " " + " / ".join(f"{r['recovered']:.0%}" for r in repeats) + " |" if a.repeats > 1 else ""))
+    inc, rec = loss["ptq_loss_increase"], loss["recovered_loss"]
+    table += ["", f"Held-out loss ({a.repeats} seed{'s' if a.repeats > 1 else ''}; mean, min-max, std):", "",
+              "| | mean | min | max | std | per seed |", "|---|---|---|---|---|---|"]
+    for key, label in (("ptq_loss_increase", "PTQ loss increase"), ("qat_loss_increase", "QAT (converted) loss increase"),
+                       ("recovered_loss", "**QAT recovers** (of PTQ's loss increase)")):
+        st = loss[key]
+        table.append(f"| {label} | {st['mean']:.2%} | {st['min']:.2%} | {st['max']:.2%} | {st['std']:.2%} | "
+                     + " / ".join(f"{r['loss'][key]:.2%}" for r in repeats) + " |")
+    print(f"PTQ loss increase {inc['mean']:.2%} (min {inc['min']:.2%}); QAT recovers {rec['mean']:.0%} "
+          f"(min {rec['min']:.0%}, max {rec['max']:.0%}, std {rec['std']:.0%}) over {a.repeats} seed(s)", flush=True)
     write_results(result, table, f"{info['device']}, torch {info['torch']}, {info['corpus']}, epochs "
                   f"{epochs['pretrain']:.1f} + {epochs['finetune']:.1f}, {info['seconds']:.0f} s", a.json, a.markdown)
 
@@ -141,7 +187,7 @@ def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blo
     for kind in ("bf16", "qat"):
         model = copy.deepcopy(base)
         if kind == "qat":
-            report = prepare_qat(model, config)
+            report = prepare_qat(model, config, include_lm_head=config.include_lm_head)
             print(report.summary(), flush=True)
         runs[kind] = train(model, ft_blocks, a, a.finetune_steps, a.finetune_lr, seed + 1,
                            torch.compile(model) if a.compile else None)
@@ -153,8 +199,10 @@ def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blo
             convert_qat(model, config)
             rows["QAT fine-tuned, converted"] = perplexity(model, eval_blocks, a)
     _, recovered = recovery(rows)
-    print(f"seed {seed}: {rows}, QAT recovers {recovered:.0%}", flush=True)
-    return {"seed": seed, "perplexity": rows, "recovered": recovered, "pretrain_losses": pre_losses,
+    loss = loss_recovery(rows)
+    print(f"seed {seed}: {rows}, QAT recovers {recovered:.0%} of the perplexity, {loss['recovered_loss']:.0%} of the "
+          f"{loss['ptq_loss_increase']:.2%} loss PTQ adds", flush=True)
+    return {"seed": seed, "perplexity": rows, "recovered": recovered, "loss": loss, "pretrain_losses": pre_losses,
             "finetune_losses": runs}
 
 if __name__ == "__main__":

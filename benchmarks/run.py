@@ -75,6 +75,38 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         B + "benchmark_train.py --timeout 150 --recipes bf16,qat_8da4w,torchao_qat_8da4w --json $OUT/train_qat_h200.json "
         "--markdown $OUT/train_qat_h200.md --plot $OUT/train_qat_h200.png",
         B + "eval_qat.py --group_size 256 --json $OUT/qat_h200.json --markdown $OUT/qat_h200.md"]),
+    "qat_ptq_hurts": ("issue 26: QAT where int4 PTQ hurts: the 143M Llama of quality_parity pretrained from scratch on "
+                      "~5.6M tokens (about one epoch), int4 everywhere but the input embedding (SCHEME int4_tinygemm, "
+                      "GROUP 256: the largest tinygemm group dividing 1024 and 2816), REPEATS seeds with the spread; "
+                      "first REPEATS=1 to see whether PTQ costs >= 2% held-out loss (on the CPU its damage grew with "
+                      "the pre-training rate: raise PRETRAIN_LR if not), then REPEATS=3; not yet run",
+                      "~3 min/seed (estimate)", [
+        "timeout 580 " + B + "eval_qat.py --compile --include_lm_head --scheme ${SCHEME:-int4_tinygemm} "
+        "--group_size ${GROUP:-256} --repeats ${REPEATS:-3} --corpus_packages torch,transformers,sympy,networkx,numpy "
+        "--layers 12 --hidden 1024 --intermediate 2816 --heads 16 --kv_heads 4 --vocab 8192 --seq 256 --batch 8 "
+        "--pretrain_steps 1500 --pretrain_lr ${PRETRAIN_LR:-2e-3} --finetune_steps 300 --finetune_lr ${FINETUNE_LR:-3e-4} "
+        "--json $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.json --markdown $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.md"]),
+    "serve_probe": ("issue 26: which of torchao 0.18's int4 / FP8 serving configs quantize and run (eager and "
+                    "compiled) on this image, one small linear each, with the one-line reason for the others",
+                    "1-2 min (estimate)", [
+        B + "benchmark_serve.py --probe_only --timeout 300 --json $OUT/serve_probe_h200.json "
+        "--markdown $OUT/serve_probe_h200.md"]),
+    "serve": ("issue 26: QAT exports served by plain transformers (from_pretrained + generate, one process each) on 8 "
+              "Llama-8B-shaped layers: bf16, our QAT export and torchao's PTQ of int4_tinygemm and fp8_rowwise, QAT "
+              "8da4w and int4_weight_only; load time, bytes, prefill 1x2048, decode at batch 1 and 8, peak memory. "
+              "One call per MODES / CHECKPOINTS set, each with its own bf16 row: MODES=eager (all, the default); "
+              "then MODES=compiled TAG=int4 CHECKPOINTS=qat_int4_tinygemm,ptq_int4_tinygemm; then MODES=compiled "
+              "TAG=fp8 CHECKPOINTS=qat_fp8_rowwise,ptq_fp8_rowwise; then serve_merge. Not yet run: the eager call "
+              "is expected to take 6-7 min, each compiled one 6-8", "6-8 min/call (est.)", [
+        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes ${MODES:-eager} --checkpoints "
+        "${CHECKPOINTS:-qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,qat_int4_weight_only} "
+        "--json $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.json --markdown $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.md"]),
+    "serve_merge": ("issue 26: the serve calls' JSON (and the probe's) joined, ratios kept per call (a call's file "
+                    "that is missing is left out, and said so); the PNG needs matplotlib (merge on any machine that "
+                    "has it)", "seconds", [
+        B + "benchmark_serve.py --merge $OUT/serve_eager_all_h200.json $OUT/serve_compiled_int4_h200.json "
+        "$OUT/serve_compiled_fp8_h200.json $OUT/serve_probe_h200.json --json $OUT/serve_h200.json "
+        "--markdown $OUT/serve_h200.md --plot $OUT/serve_h200.png"]),
     "qlora_memory": ("peak memory: 32 layers, 1x2048, checkpointing, eager", "~3 min", [
         B + "benchmark_train.py --timeout 150 --layers 32 --batch 1 --grad_checkpointing --no_compile --warmup 1 "
         "--steps 3 --recipes lora_bf16,lora_nf4,lora_nf4_int8 --json $OUT/qlora_memory_h200.json "

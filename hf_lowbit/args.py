@@ -73,11 +73,11 @@ class LowBitArgumentsMixin:
         "DeepSpeed.")})
     qat_scheme: str | None = field(default=None, metadata={"help": (
         "Quantization-aware training: fake-quantize the linears during training, then convert with "
-        f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)} ('8da4w': int8 per-token dynamic "
-        "activations, int4 per-group weights). Default: off.")})
+        f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)}: 8da4w / int4_weight_only export for "
+        "ExecuTorch/CPU, int4_tinygemm (sm_80+) / fp8_rowwise (sm_89+) for NVIDIA GPUs (docs/qat.md). Default: off.")})
     qat_group_size: int = field(default=256, metadata={"help": (
-        "QAT weight group size along in_features; linears whose in_features is not a multiple of it are "
-        "skipped and reported.")})
+        "QAT weight group size along in_features (int4_tinygemm: 32-256); linears whose in_features is not a "
+        "multiple of it are skipped and reported.")})
     qat_fake_quant_after_n_steps: int = field(default=0, metadata={"help": (
         "QAT: train the first N optimizer steps without fake quantization, then with it (follows "
         "global_step, so resuming from a checkpoint is correct). 0: from the first step.")})
@@ -147,6 +147,11 @@ class LowBitArgumentsMixin:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{cls}.{name} must be an integer >= {low}, got {value!r}")
+        if self.qat_scheme is not None:
+            problem = QAT_SCHEMES[self.qat_scheme].group_size_problem(self.qat_group_size)
+            if problem:
+                raise ValueError(f"{cls}.qat_group_size={self.qat_group_size} with qat_scheme={self.qat_scheme!r}: "
+                                 f"{problem}; choose one of them")
         if not isinstance(self.qat_include_lm_head, bool):
             raise TypeError(f"{cls}.qat_include_lm_head must be True or False, "
                             f"got {self.qat_include_lm_head!r}")

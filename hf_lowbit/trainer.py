@@ -22,7 +22,7 @@ from .integrations.liger import apply_liger
 from .integrations.throughput import ThroughputMeter, peak_tflops
 from .mixed_precision import MixedPrecisionLinear
 from .prepare import apply_recipes, log_reports
-from .qat import FakeQuantScheduleCallback, QATConfig, merge_lora, save_quantized
+from .qat import QAT_SCHEMES, FakeQuantScheduleCallback, QATConfig, cuda_capability_problem, merge_lora, save_quantized
 from .warnings import LowBitWarning, check_training_setup
 
 DATA_STATE_NAME = "hf_lowbit_data_state.json"
@@ -60,6 +60,7 @@ class LowBitTrainerMixin:
             raise ValueError(f"{name} prepares the model when it is constructed: pass model=<a loaded model>; "
                              "model names and model_init are not supported")
         check_deepspeed(args)  # before the swaps: under ZeRO-3 the weights may already be empty placeholders
+        check_qat_device(args, args.device, args_name)
         base_takes_peft = "peft_config" in inspect.signature(super().__init__).parameters
         model, self.lowbit_reports = apply_recipes(model, args, peft_config, attach_peft=not base_takes_peft)
         log_reports(self.lowbit_reports)
@@ -287,6 +288,33 @@ class LowBitTrainerMixin:
 class LowBitTrainer(LowBitTrainerMixin, Trainer):
     """A ``Trainer`` whose model is prepared by ``hf_lowbit.prepare_model`` when it is constructed
     (everything is ``LowBitTrainerMixin``'s; ``args`` are ``LowBitTrainingArguments``)."""
+
+
+def check_qat_device(args: LowBitArgumentsMixin, device: torch.device, args_name: str) -> None:
+    """Refuse, in one line, a QAT scheme whose converted kernels the training GPU lacks (FP8 below sm_89).
+
+    Fake quantization itself runs anywhere (CPU training is fine); a CUDA device that cannot run what the
+    export serves with is almost always the GPU it will be served on, so the run is stopped before it
+    trains for a checkpoint this GPU cannot use (nor convert: torchao's FP8 convert needs sm_89 too).
+    """
+    if args.qat_scheme is None:
+        return
+    if torch.device(device).type != "cuda":
+        problem = cuda_capability_problem(args.qat_scheme)
+        if problem:  # training here is fine; the export is not
+            warnings.warn(f"qat_scheme={args.qat_scheme!r} trains here with fake quantization, but save_quantized "
+                          f"cannot convert in this process: {problem}; keep the trained model (save_model) and export "
+                          "it where that GPU is (docs/qat.md, 'Where they convert')", LowBitWarning, stacklevel=3)
+        return
+    problem = cuda_capability_problem(args.qat_scheme, device)
+    if problem is None:
+        return
+    have = torch.cuda.get_device_capability(device)
+    gpu = [n for n, s in QAT_SCHEMES.items() if s.min_capability is not None and s.min_capability <= have]
+    cpu = [n for n, s in QAT_SCHEMES.items() if s.min_capability is None]
+    alternative = (f"qat_scheme={gpu[0]!r} to serve on this GPU, or " if gpu else "") + \
+        " / ".join(repr(n) for n in cpu) + " for ExecuTorch/CPU"
+    raise ValueError(f"{args_name}.qat_scheme={args.qat_scheme!r}: {problem}; use {alternative}")
 
 
 def _use_cuda_graphs(args: LowBitArgumentsMixin, adapters: bool = False) -> bool:

@@ -1,6 +1,7 @@
 """QAT: fake quant against torchao's quantization, the delay (also across resume), convert -> export -> load."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -306,7 +307,8 @@ def test_eval_qat_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["eval_qat.py", "--device", "cpu", "--layers", "1", "--hidden", "64",
                                       "--intermediate", "128", "--heads", "4", "--kv_heads", "2", "--seq", "32",
                                       "--batch", "4", "--pretrain_steps", "3", "--finetune_steps", "2", "--vocab", "300",
-                                      "--group_size", "32", "--eval_blocks", "8", "--repeats", "2", "--json", str(out)])
+                                      "--group_size", "32", "--eval_blocks", "8", "--repeats", "2", "--include_lm_head",
+                                      "--json", str(out)])
     script.main()
     data = json.loads(out.read_text())
     ppl = data["perplexity"]
@@ -319,3 +321,17 @@ def test_eval_qat_smoke(tmp_path, monkeypatch):
     assert runs[0]["pretrain_losses"] != runs[1]["pretrain_losses"]  # another seed: another init and batch order
     for k in ppl:  # the table's figures are the means over the seeds
         assert ppl[k] == pytest.approx((runs[0]["perplexity"][k] + runs[1]["perplexity"][k]) / 2)
+    # held-out loss = log perplexity: PTQ's relative loss increase and QAT's share of it, per seed and their spread
+    for r in runs:
+        p, loss = r["perplexity"], r["loss"]
+        assert loss["ptq_loss_increase"] == pytest.approx(math.log(p["fine-tuned PTQ"]) / math.log(p["fine-tuned bf16"]) - 1)
+        lost = math.log(p["fine-tuned PTQ"] / p["fine-tuned bf16"])
+        if lost > 0:
+            assert loss["recovered_loss"] == pytest.approx(math.log(p["fine-tuned PTQ"] / p["QAT fine-tuned, converted"]) / lost)
+        else:  # PTQ lost nothing (a 3-step model): there is nothing to recover
+            assert math.isnan(loss["recovered_loss"])
+    rec = data["loss"]["ptq_loss_increase"]
+    values = [r["loss"]["ptq_loss_increase"] for r in runs]
+    assert rec["mean"] == pytest.approx(sum(values) / 2) and rec["min"] == min(values) and rec["max"] == max(values)
+    assert rec["std"] == pytest.approx(abs(values[0] - values[1]) / math.sqrt(2)) and rec["n"] == 2
+    assert data["meta"]["config"]["include_lm_head"]

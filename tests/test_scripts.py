@@ -347,7 +347,9 @@ def test_every_stage_command_runs_its_script_with_flags_it_has():
 
     from benchmarks.run import STAGES
 
-    env = {"OUT": "/tmp/out", "BLOCKS": "layers_b1", "BATCH": "1", "GA": "8", "GPUS": "1", "RECIPES": "bf16,int8"}
+    env = {"OUT": "/tmp/out", "BLOCKS": "layers_b1", "BATCH": "1", "GA": "8", "GPUS": "1", "RECIPES": "bf16,int8",
+           "MODES": "compiled", "CHECKPOINTS": "qat_int4_tinygemm", "TAG": "int4", "REPEATS": "1",
+           "SCHEME": "int4_tinygemm", "GROUP": "256", "PRETRAIN_LR": "2e-3", "FINETUNE_LR": "3e-4"}
     checked = 0
     for stage, (_, _, commands) in STAGES.items():
         for command in commands:
@@ -370,3 +372,27 @@ def test_every_stage_command_runs_its_script_with_flags_it_has():
     assert _parsed_flags(train, ["--no_such_flag"])[1] == ["--no_such_flag"]
     with pytest.raises(SystemExit):
         _parsed_flags(train, ["--batch", "eight"])
+
+
+def test_serve_merge_joins_what_the_serve_calls_write():
+    """benchmarks/run.py: serve_merge names the files serve_probe and the three serve calls (as the serve stage
+    lists them) write; a name that drifted would be left out of the merge with only a printed line."""
+    import shlex
+
+    from benchmarks.run import STAGES
+
+    def words(stage, **env):  # the stage's command as run.py's bash expands it
+        (command,) = STAGES[stage][2]
+        echo = subprocess.run(["bash", "-c", f"echo {command}"], env={"PATH": os.environ["PATH"], "OUT": "/o", **env},
+                              capture_output=True, text=True, check=True)
+        return shlex.split(echo.stdout)
+
+    calls = [{}, {"MODES": "compiled", "TAG": "int4", "CHECKPOINTS": "qat_int4_tinygemm,ptq_int4_tinygemm"},
+             {"MODES": "compiled", "TAG": "fp8", "CHECKPOINTS": "qat_fp8_rowwise,ptq_fp8_rowwise"}]
+    for call in calls[1:]:  # the serve stage's description spells out each call
+        assert " ".join(f"{k}={v}" for k, v in call.items()) in STAGES["serve"][0]
+    written = [(w := words("serve", **call))[w.index("--json") + 1] for call in calls]
+    written.append((w := words("serve_probe"))[w.index("--json") + 1])
+    merge = words("serve_merge")
+    assert merge[merge.index("--merge") + 1:merge.index("--json")] == written
+    assert len(set(written)) == 4 and merge[merge.index("--json") + 1] not in written

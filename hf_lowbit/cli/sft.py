@@ -28,6 +28,7 @@ from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 from .. import atomic
 from ..args import LowBitTrainingArguments
 from ..data.records import ARITHMETIC_CHARS, DataFormatError, arithmetic_records, build_char_tokenizer, completion_accuracy
+from ..qat import cuda_capability_problem
 from ..warnings import UnsupportedSetupError
 
 
@@ -512,7 +513,12 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(args.output_dir)
     quantized_dir = None
-    if args.qat_scheme is not None:  # every rank: a distributed run gathers the model, rank 0 writes it
+    no_export = args.qat_scheme is not None and cuda_capability_problem(args.qat_scheme)
+    if no_export:  # a GPU scheme trained without its GPU (LowBitTrainer warned): the plain checkpoint is the result
+        metrics["quantized_dir"] = None
+        print(f"[hf_lowbit] {args.qat_scheme} export skipped: {no_export}; export {args.output_dir} where that GPU is "
+              "(docs/qat.md, 'Where they convert')")
+    elif args.qat_scheme is not None:  # every rank: a distributed run gathers the model, rank 0 writes it
         quantized_dir = os.path.join(args.output_dir, "quantized")  # converted: loads with from_pretrained
         trainer.save_quantized(quantized_dir)
         metrics["quantized_dir"] = quantized_dir

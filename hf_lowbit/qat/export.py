@@ -1,7 +1,8 @@
 """Export a QAT model as a checkpoint that stock transformers + torchao load: :func:`save_quantized`.
 
 The model is converted (:func:`hf_lowbit.qat.convert_qat`: torchao tensor subclasses, e.g.
-``IntxUnpackedToInt8Tensor`` for 8da4w), given a ``TorchAoConfig`` quantization config and an
+``IntxUnpackedToInt8Tensor`` for 8da4w, ``Int4TilePackedTo4dTensor`` for int4_tinygemm, ``Float8Tensor`` for
+fp8_rowwise; all three are on torchao's safetensors allow-list), given a ``TorchAoConfig`` quantization config and an
 ``hf_quantizer`` so that ``save_pretrained`` flattens the subclasses into ``model.safetensors`` with
 torchao's metadata, and written with the tokenizer files and a model card into ``.tmp-<name>`` beside
 ``path``, swapped in only when everything is written (:mod:`hf_lowbit.atomic`; the next export removes what
@@ -34,9 +35,10 @@ tags:
 # {name}
 
 Quantization-aware fine-tuned with hf_lowbit and converted to torchao's
-**{scheme}** scheme: {description}, weight group size {group_size}.
+**{scheme}** scheme: {description}, {granularity}.
 
-- quantization_config: `TorchAoConfig(quant_type={base_config})` (in `config.json`)
+- made for: {runtime}
+- quantization_config: `TorchAoConfig(quant_type={base_config})` (in `config.json`); weights: `{tensor_type}`
 - quantized linears: {n_converted}; kept in {dtype}: {kept}
 - weights: `model.safetensors` with torchao tensor-subclass metadata
 
@@ -90,8 +92,10 @@ def save_quantized(model: nn.Module, path: str, config: QATConfig, tokenizer=Non
         spec = config.spec
         dtype = str(getattr(model, "dtype", "")).replace("torch.", "")
         with open(os.path.join(tmp, "README.md"), "w") as f:
+            granularity = f"weight group size {config.group_size}" if spec.grouped else "one scale per weight row"
             f.write(MODEL_CARD.format(name=name, scheme=spec.name, description=spec.description,
-                                      group_size=config.group_size, base_config=type(config.base_config()).__name__,
+                                      granularity=granularity, runtime=spec.runtime, tensor_type=spec.tensor_type,
+                                      base_config=type(config.base_config()).__name__,
                                       n_converted=len(converted), dtype=dtype,
                                       kept=", ".join(f"`{k}`" for k in kept) or "none"))
         atomic.replace_dir(tmp, path)  # an earlier export is swapped out in one step where the OS can

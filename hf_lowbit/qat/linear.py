@@ -1,9 +1,12 @@
 """Quantization-aware training: fake-quantize during fine-tuning, then convert to torchao's quantized tensors.
 
-* :data:`QAT_SCHEMES`: scheme name -> how to fake-quantize and the torchao PTQ config that convert
-  applies (``"8da4w"``: int8 per-token asymmetric dynamic activations + int4 per-group symmetric
-  weights = ``Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
-  weight_granularity=PerGroup(g))``; ``"int4_weight_only"``: ``IntxWeightOnlyConfig``).
+* :data:`QAT_SCHEMES`: scheme name -> how to fake-quantize, the torchao PTQ config that convert applies, and
+  where the export is meant to run. For ExecuTorch / CPU (torchao's unpacked int4-in-int8 layout): ``"8da4w"``
+  (int8 per-token asymmetric dynamic activations + int4 per-group symmetric weights =
+  ``Int8DynamicActivationIntxWeightConfig``) and ``"int4_weight_only"`` (``IntxWeightOnlyConfig``). For NVIDIA
+  GPUs: ``"int4_tinygemm"`` (``Int4WeightOnlyConfig`` in the ``tile_packed_to_4d`` packing, torch's tinygemm
+  kernel, sm_80+) and ``"fp8_rowwise"`` (``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``,
+  ``torch._scaled_mm``, sm_89+).
 * :class:`QATConfig` and :func:`convert_to_qat` (the recipe's shape, as for the other recipes): swap
   eligible ``nn.Linear`` for :class:`QATLinear` through ``swap_linears``; layers whose ``in_features``
   is not a multiple of the group size are skipped and reported. Layer size does not matter here
@@ -38,19 +41,48 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from transformers import TrainerCallback
 
 from ..compute import compute_dtype
-from ..kernels.fake_quant import fake_quant_per_group_sym, fake_quant_per_token_asym
+from ..kernels.fake_quant import (fake_quant_fp8_rowwise, fake_quant_int4_tinygemm, fake_quant_per_group_sym,
+                                  fake_quant_per_token_asym)
 from ..swap import LinearFilter, SwapReport, name_matches, swap_linears
 
 
 @dataclass(frozen=True)
 class QATScheme:
-    """How a scheme fake-quantizes (``act_bits`` None: activations stay as they are) and converts."""
+    """One QAT scheme: how it fake-quantizes, what convert makes of it, and where the result is meant to run.
+
+    ``fake_quant_weight(w, group_size)`` and ``fake_quant_act(x)`` (None: activations unquantized) are
+    torchao's arithmetic for ``base_config(group_size)``'s convert (:mod:`hf_lowbit.kernels.fake_quant`).
+    ``weight_dtype``: the converted tensor's dtype where torchao fixes it (the weight is cast to it before the
+    fake quant and before convert); ``act_dtype``: the dtype the converted kernel takes activations in (its
+    output is cast back). ``grouped``: weights in groups of ``group_size`` along ``in_features`` (else per
+    output row, the group size unused); ``group_sizes``: the only group sizes the converted kernel takes.
+    ``alignment``: in and out features must be multiples of it (else torchao's convert leaves the layer
+    unquantized, so the swap skips it too). ``min_capability``: the CUDA compute capability the converted
+    kernels need (None: any device). ``convert_on_cuda``: torchao's convert packs the weight with a CUDA op.
+    ``runtime``: where the exported checkpoint is meant to be served (model card, docs).
+    """
 
     name: str
-    act_bits: int | None
-    weight_bits: int
     description: str
+    tensor_type: str
+    runtime: str
+    fake_quant_weight: Callable[[Tensor, int], Tensor]
+    fake_quant_act: Callable[[Tensor], Tensor] | None
     base_config: Callable[[int], object]  # group_size -> torchao AOBaseConfig applied by convert
+    weight_dtype: torch.dtype | None = None
+    act_dtype: torch.dtype | None = None
+    grouped: bool = True
+    group_sizes: tuple[int, ...] | None = None
+    alignment: int = 1
+    min_capability: tuple[int, int] | None = None
+    convert_on_cuda: bool = False
+
+    def group_size_problem(self, group_size: int) -> str | None:
+        """Why ``group_size`` does not suit this scheme's converted kernel (None: it does)."""
+        if self.group_sizes is not None and group_size not in self.group_sizes:
+            return (f"the {self.tensor_type} kernel takes groups of {', '.join(map(str, self.group_sizes))} "
+                    "elements only")
+        return None
 
 
 def _8da4w(group_size: int):
@@ -65,11 +97,46 @@ def _int4_weight_only(group_size: int):
     return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
 
 
+def _int4_tinygemm(group_size: int):
+    from torchao.quantization import Int4WeightOnlyConfig
+    from torchao.quantization.quantize_.workflows import Int4ChooseQParamsAlgorithm, Int4PackingFormat
+
+    return Int4WeightOnlyConfig(group_size=group_size, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D,
+                                int4_choose_qparams_algorithm=Int4ChooseQParamsAlgorithm.TINYGEMM)
+
+
+def _fp8_rowwise(group_size: int):
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+
+
+_EXECUTORCH = ("ExecuTorch / CPU: torchao's unpacked int4-in-int8 layout, meant for lowering to ExecuTorch "
+               "(XNNPACK, KleidiAI); on a GPU it runs slower than the bf16 model")
+
 QAT_SCHEMES: dict[str, QATScheme] = {
-    "8da4w": QATScheme("8da4w", 8, 4, "int8 per-token asymmetric dynamic activations, int4 per-group symmetric weights",
-                       _8da4w),
-    "int4_weight_only": QATScheme("int4_weight_only", None, 4, "int4 per-group symmetric weights, activations unquantized",
-                                  _int4_weight_only),
+    "8da4w": QATScheme(
+        "8da4w", "int8 per-token asymmetric dynamic activations, int4 per-group symmetric weights",
+        "IntxUnpackedToInt8Tensor", _EXECUTORCH,
+        lambda w, g: fake_quant_per_group_sym(w, g, 4), lambda x: fake_quant_per_token_asym(x, 8), _8da4w),
+    "int4_weight_only": QATScheme(
+        "int4_weight_only", "int4 per-group symmetric weights, activations unquantized",
+        "IntxUnpackedToInt8Tensor", _EXECUTORCH,
+        lambda w, g: fake_quant_per_group_sym(w, g, 4), None, _int4_weight_only),
+    "int4_tinygemm": QATScheme(
+        "int4_tinygemm", "int4 per-group asymmetric weights (bf16 scale and float zero point per group), "
+        "bf16 activations", "Int4TilePackedTo4dTensor",
+        "NVIDIA GPU, sm_80+: torch's tinygemm int4 kernel (aten._weight_int4pack_mm, core PyTorch; no extra "
+        "package), bf16 activations; converts on a CUDA device",
+        fake_quant_int4_tinygemm, None, _int4_tinygemm, weight_dtype=torch.bfloat16, act_dtype=torch.bfloat16,
+        group_sizes=(32, 64, 128, 256), min_capability=(8, 0), convert_on_cuda=True),
+    "fp8_rowwise": QATScheme(
+        "fp8_rowwise", "float8 e4m3 per-token dynamic activations, float8 e4m3 per-output-channel weights",
+        "Float8Tensor",
+        "NVIDIA GPU, sm_89+ (Ada, Hopper): FP8 tensor cores through torch._scaled_mm (core PyTorch) with row-wise "
+        "scales",
+        lambda w, g: fake_quant_fp8_rowwise(w), fake_quant_fp8_rowwise, _fp8_rowwise,
+        weight_dtype=torch.bfloat16, grouped=False, alignment=16, min_capability=(8, 9)),
 }
 
 
@@ -96,9 +163,12 @@ class QATConfig:
     recipe = "qat"  # the recipe's name in reports
 
     def __post_init__(self):
-        get_scheme(self.scheme)
+        spec = get_scheme(self.scheme)
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
             raise ValueError(f"QATConfig.group_size must be an integer >= 2, got {self.group_size!r}")
+        problem = spec.group_size_problem(self.group_size)
+        if problem:
+            raise ValueError(f"QATConfig.group_size={self.group_size} with scheme {self.scheme!r}: {problem}")
 
     @property
     def spec(self) -> QATScheme:
@@ -114,32 +184,39 @@ class QATConfig:
         ``min_features`` is 1 whatever ``base`` says: ``lowbit_min_features`` keeps matmuls too small for
         low-bit *kernels* to pay in high precision, but QAT runs no low-bit kernel while training, and the
         export quantizes exactly the layers that trained with fake quant, so a size floor here would only
-        leave small layers unquantized in the exported model. ``include_lm_head`` lifts the default
+        leave small layers unquantized in the exported model. Row-wise schemes (``fp8_rowwise``) have no
+        group rule; their kernel's alignment (features multiples of 16) is the rule instead, the layers
+        torchao's convert would silently leave unquantized. ``include_lm_head`` lifts the default
         exclusion of the output embedding (patterns that name it are dropped by :func:`convert_to_qat`).
         """
-        return replace(base, min_features=1, in_features_multiple_of=self.group_size,
+        spec = self.spec
+        return replace(base, min_features=1, multiple_of=max(base.multiple_of, spec.alignment),
+                       in_features_multiple_of=self.group_size if spec.grouped else 1,
                        exclude_output_embeddings=base.exclude_output_embeddings and not self.include_lm_head)
 
 
 class _QATLinearFn(torch.autograd.Function):
-    """``F.linear(fq(x), fq(W), b)``; saves only ``x`` and ``W``, recomputes ``fq(x)``, ``fq(W)`` in backward (STE)."""
+    """``F.linear(fq(x), fq(W), b)``; saves only ``x`` and ``W``, recomputes ``fq(x)``, ``fq(W)`` in backward (STE).
+
+    The scheme is passed by name (a constant to dynamo). A scheme with an ``act_dtype`` (tinygemm: bf16)
+    multiplies in that dtype and casts the output back, as its converted kernel does.
+    """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, act_bits: int | None, weight_bits: int,
-                group_size: int) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, scheme: str, group_size: int) -> Tensor:
         dtype = compute_dtype(x)
-        xq, wq = _fake_operands(x.to(dtype), weight.to(dtype), act_bits, weight_bits, group_size)
-        y = F.linear(xq, wq, None if bias is None else bias.to(dtype))
+        xq, wq = _fake_operands(x.to(dtype), weight, scheme, group_size)
+        y = F.linear(xq, wq, None if bias is None else bias.to(xq.dtype)).to(dtype)
         ctx.save_for_backward(x, weight)  # the fake-quantized operands are recomputed in backward
-        ctx.cfg = (act_bits, weight_bits, group_size, dtype, None if bias is None else bias.dtype)
+        ctx.cfg = (scheme, group_size, dtype, None if bias is None else bias.dtype)
         return y
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight = ctx.saved_tensors
-        act_bits, weight_bits, group_size, dtype, bias_dtype = ctx.cfg
-        xq, wq = _fake_operands(x.to(dtype), weight.to(dtype), act_bits, weight_bits, group_size)
-        g2 = grad_out.reshape(-1, weight.shape[0]).to(dtype)
+        scheme, group_size, dtype, bias_dtype = ctx.cfg
+        xq, wq = _fake_operands(x.to(dtype), weight, scheme, group_size)
+        g2 = grad_out.reshape(-1, weight.shape[0]).to(xq.dtype)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:  # straight-through: d(fake_quant(x))/dx = identity
             dx = (g2 @ wq).reshape(x.shape).to(x.dtype)
@@ -147,12 +224,17 @@ class _QATLinearFn(torch.autograd.Function):
             dw = (g2.T @ xq.reshape(-1, x.shape[-1])).to(weight.dtype)
         if bias_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(bias_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None
 
 
-def _fake_operands(x: Tensor, weight: Tensor, act_bits, weight_bits, group_size) -> tuple[Tensor, Tensor]:
-    xq = x if act_bits is None else fake_quant_per_token_asym(x, act_bits)
-    return xq, fake_quant_per_group_sym(weight, group_size, weight_bits)
+def _fake_operands(x: Tensor, weight: Tensor, scheme: str, group_size: int) -> tuple[Tensor, Tensor]:
+    """The fake-quantized input and weight, both in the dtype the matmul runs in."""
+    s = QAT_SCHEMES[scheme]
+    if s.act_dtype is not None:
+        x = x.to(s.act_dtype)
+    xq = x if s.fake_quant_act is None else s.fake_quant_act(x)
+    wq = s.fake_quant_weight(weight.to(s.weight_dtype or x.dtype), group_size)
+    return xq, wq.to(xq.dtype)
 
 
 # Under torch.compile, what the QAT linear keeps for backward: the matmul output (as a plain linear
@@ -172,8 +254,7 @@ def qat_linear(x: Tensor, weight: Tensor, bias: Tensor | None, config: QATConfig
     fake-quantized operands with the forward's, and the partitioner would then keep them (a bf16 copy
     of the weight and of the input) until backward; the policy makes it recompute them instead.
     """
-    s = config.spec
-    args = (x, weight, bias, s.act_bits, s.weight_bits, config.group_size)
+    args = (x, weight, bias, config.scheme, config.group_size)
     if torch.compiler.is_compiling():
         return checkpoint(_QATLinearFn.apply, *args, use_reentrant=False,
                           context_fn=partial(create_selective_checkpoint_contexts, _keep_matmul_and_min_max))
@@ -186,7 +267,7 @@ class QATLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  config: QATConfig = QATConfig()):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        if in_features % config.group_size:
+        if config.spec.grouped and in_features % config.group_size:
             raise ValueError(f"QATLinear: in_features={in_features} is not a multiple of group_size={config.group_size}")
         self.qat_config = config
         self.fake_quant_enabled = True
@@ -302,25 +383,56 @@ class FakeQuantScheduleCallback(TrainerCallback):
         self._apply(state, model)
 
 
+def cuda_capability_problem(scheme: str, device: torch.device | str | None = None) -> str | None:
+    """Why the CUDA device ``device`` (default: the current one) cannot run ``scheme``'s converted kernels, or
+    None. No CUDA at all is a problem only for the GPU schemes (``min_capability`` set)."""
+    spec = get_scheme(scheme)
+    need = spec.min_capability
+    if need is None:
+        return None
+    if not torch.cuda.is_available():
+        return f"its kernels need an NVIDIA GPU of compute capability sm_{need[0]}{need[1]}+ and this process has none"
+    have = torch.cuda.get_device_capability(device)
+    if have < need:
+        return (f"its kernels need compute capability sm_{need[0]}{need[1]}+ and this GPU is sm_{have[0]}{have[1]}")
+    return None
+
+
 def convert_qat(model: nn.Module, config: QATConfig) -> list[str]:
     """Replace every fake-quantized linear of ``model`` by an ``nn.Linear`` with a torchao quantized weight.
 
     Returns the converted module names. ``config`` gives torchao's PTQ config (it must be the one
-    the layers were trained with). In place; the model is for inference afterwards.
+    the layers were trained with). In place; the model is for inference afterwards. A scheme with a
+    ``weight_dtype`` gets its weights cast to it first (torchao's tinygemm and FP8 row-wise tensors take bf16
+    only). GPU schemes convert only in a process with a GPU that runs them (torchao's FP8 convert checks the
+    current GPU; tinygemm's packing is a CUDA op): a layer held elsewhere is packed on the current CUDA device
+    and moved back, so a CPU copy (the distributed export's) converts too. Without such a GPU this raises
+    before touching the model.
     """
     from torchao.quantization import quantize_
 
+    spec = config.spec
+    problem = cuda_capability_problem(config.scheme)
+    if problem:
+        raise RuntimeError(f"convert_qat: qat_scheme={config.scheme!r} cannot be converted here: {problem}; "
+                           f"export on the GPU that will serve it ({spec.runtime.split(':')[0]})")
     fq_types = _torchao_fake_quantized_types()
     names = [n for n, m in model.named_modules() if isinstance(m, (QATLinear, *fq_types))]
+    base = config.base_config()
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        module = getattr(parent, attr)
-        setattr(parent, attr, module.to_linear())
-    targets = set(names)
-    quantize_(model, config.base_config(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in targets)
+        linear = getattr(parent, attr).to_linear()
+        if spec.weight_dtype is not None and linear.weight.dtype != spec.weight_dtype:
+            linear.weight = nn.Parameter(linear.weight.detach().to(spec.weight_dtype), requires_grad=False)
+        home = linear.weight.device
+        if spec.convert_on_cuda and home.type != "cuda":
+            linear.to("cuda")
+        quantize_(linear, base)
+        setattr(parent, attr, linear.to(home))
     return names
 
 
 __all__ = ["QAT_SCHEMES", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
-           "convert_qat", "set_fake_quant_enabled", "fake_quant_enabled_at", "FakeQuantScheduleCallback", "get_scheme"]
+           "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled", "fake_quant_enabled_at",
+           "FakeQuantScheduleCallback", "get_scheme"]

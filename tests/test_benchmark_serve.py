@@ -1,0 +1,212 @@
+"""benchmarks/benchmark_serve.py on the CPU: the plumbing (builds, fresh-process loads, both modes, error rows,
+ratios per run, merging), not the timings."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_config
+from transformers import AutoModelForCausalLM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "benchmark_serve.py")
+TINY = ["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv_heads", "2",
+        "--vocab", "128", "--prefill", "16", "--prompt", "4", "--decode_tokens", "1,3", "--batches", "1",
+        "--group_size", "32", "--qat_steps", "1", "--qat_seq", "8", "--reps", "1", "--compile_backend", "eager"]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("benchmark_serve", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_smoke_on_cpu(tmp_path):
+    """bf16 and a QAT export, each built and then loaded by plain transformers in a fresh process, timed eagerly
+    and through transformers' compiled path (static cache + compile_config; dynamo without Inductor here)."""
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, SCRIPT, *TINY, "--checkpoints", "qat_8da4w", "--json", str(out),
+           "--markdown", str(tmp_path / "serve.md"), "--timeout", "300"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    bf16, qat = data["rows"]
+    assert [bf16["checkpoint"], qat["checkpoint"]] == ["bf16", "qat_8da4w"]
+    assert "error" not in bf16 and "error" not in qat, (bf16.get("error"), qat.get("error"))
+    assert bf16["weight_type"] == "Parameter"
+    assert qat["weight_type"] == qat["build"]["weight_type"] == "IntxUnpackedToInt8Tensor"
+    assert qat["lm_head_type"] == "IntxUnpackedToInt8Tensor"  # --lm_head int4 (the default)
+    assert len(qat["build"]["qat_losses"]) == 1
+    assert 0 < qat["safetensors_bytes"] < bf16["safetensors_bytes"] and qat["size_vs_bf16"] < 1
+    for row in (bf16, qat):
+        for mode in ("eager", "compiled"):
+            phase = row[mode]
+            assert "error" not in phase, (row["checkpoint"], mode, phase.get("error"))
+            assert phase["prefill_ms"] > 0 and len(phase["decode_ms_b1"]) == 2
+            assert phase["prefill_vs_bf16"] > 0
+    assert bf16["eager"]["prefill_vs_bf16"] == 1.0
+    meta = data["meta"]
+    assert meta["config"]["modes"] == ["eager", "compiled"]
+    import torchao
+    import transformers
+
+    # the record every benchmark writes (benchmarks.driver.meta), plus the versions serving depends on
+    assert {"commit", "gpu", "torch", "python", "command", "params"} <= set(meta) and meta["commit"]
+    assert meta["torch"] == torch.__version__ and meta["transformers"] == transformers.__version__
+    assert meta["torchao"] == torchao.__version__ and "--checkpoints qat_8da4w" in meta["command"]
+    assert "| qat_8da4w | IntxUnpackedToInt8Tensor |" in (tmp_path / "serve.md").read_text()
+
+
+def test_serve_build_worker_reports_a_scheme_it_cannot_convert_in_one_line(tmp_path, capsys, monkeypatch):
+    """A GPU scheme on a machine without the GPU: the build worker prints an error row (one line), no traceback."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(vocab_size=128)).save_pretrained(tmp_path / "base")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["benchmark_serve.py", *TINY, "--worker", "build", "--kind", "qat", "--scheme",
+                                      "fp8_rowwise", "--base_dir", str(tmp_path / "base"), "--out_dir",
+                                      str(tmp_path / "q")])
+    _script().main()
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1][len("RESULT "):])
+    assert row["error"].startswith("RuntimeError: convert_qat: qat_scheme='fp8_rowwise' cannot be converted here")
+    assert "\n" not in row["error"] and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("lm_head", ["int4", "bf16"])
+def test_serve_ptq_checkpoint_loads_with_the_same_layers_quantized(tmp_path, lm_head):
+    """torchao's PTQ row: quantize_ on the same linears as the QAT export (the LM head only with --lm_head int4),
+    saved with a TorchAoConfig that plain from_pretrained loads back to the same tensors."""
+    import argparse
+
+    from torchao.quantization import quantize_
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(vocab_size=128))
+    base.save_pretrained(tmp_path / "base")
+    script = _script()
+    a = argparse.Namespace(base_dir=str(tmp_path / "base"), out_dir=str(tmp_path / "q"), device="cpu", group_size=32,
+                           lm_head=lm_head, seed=0, vocab=128)
+    assert script.build_quantized(a, "ptq", "8da4w")["weight_type"] == "IntxUnpackedToInt8Tensor"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    head = type(loaded.lm_head.weight).__name__
+    assert head == ("IntxUnpackedToInt8Tensor" if lm_head == "int4" else "Parameter")
+    from hf_lowbit.qat import QATConfig
+
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)  # as the build loads it
+    quantize_(reference, QATConfig("8da4w", 32).base_config(), filter_fn=script._quantized_filter(a))
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
+def test_serve_runner_keeps_what_a_crashed_or_timed_out_worker_printed():
+    script = _script()
+    crash = "import sys; print('RESULT {\"load_s\": 1.5}', flush=True); sys.exit('kernel missing: no mslk')"
+    got, err = script._run([sys.executable, "-c", crash], timeout=60)
+    assert got == {"load_s": 1.5} and err == "kernel missing: no mslk"
+    hang = "import time; print('RESULT {\"eager\": {\"prefill_ms\": 2.0}}', flush=True); time.sleep(60)"
+    got, err = script._run([sys.executable, "-c", hang], timeout=3)
+    assert got == {"eager": {"prefill_ms": 2.0}} and err == "timed out after 3 s"
+    got, err = script._run([sys.executable, "-c", "print('ok')"], timeout=60)
+    assert got is None and err is None
+
+
+def _row(name, run, prefill, decode, size, **extra):
+    return {"checkpoint": name, "run": run, "safetensors_bytes": size, "weight_type": "T", "load_s": 1.0,
+            "compiled": {"prefill_ms": prefill, "decode_tok_s_b1": decode}, **extra}
+
+
+def test_serve_merge_keeps_ratios_within_each_run(tmp_path, monkeypatch):
+    """Runs split over device calls each carry their own bf16 row; a row is compared with its own run's."""
+    meta = {"config": {"layers": 8, "hidden": 4096, "prefill": 2048, "decode_tokens": [16, 80], "prompt": 128,
+                       "lm_head": "int4", "batches": [1]}, "command": "x"}
+    parts = [[_row("bf16", 0, 10.0, 100.0, 4000), _row("qat_int4_tinygemm", 0, 8.0, 200.0, 1200)],
+             [_row("bf16", 0, 20.0, 50.0, 4000), _row("qat_fp8_rowwise", 0, 10.0, 60.0, 2100),
+              {"checkpoint": "ptq_fp8_rowwise", "run": 0, "stage": "build", "error": "AssertionError: no sm_89"}]]
+    probe = [{"config": "Int4WeightOnlyConfig(plain)", "needs": "mslk", "ok": False, "error": "ImportError: Requires mslk"}]
+    files = []
+    for i, rows in enumerate(parts):
+        files.append(tmp_path / f"part{i}.json")
+        files[-1].write_text(json.dumps({"meta": meta, "rows": rows, **({"probe": probe} if i else {})}))
+    monkeypatch.setattr(sys, "argv", ["benchmark_serve.py", "--merge", *map(str, files), "--json",
+                                      str(tmp_path / "all.json"), "--markdown", str(tmp_path / "all.md")])
+    _script().main()
+    rows = {r["checkpoint"] + r["run"]: r for r in json.loads((tmp_path / "all.json").read_text())["rows"]}
+    int4, fp8 = rows["qat_int4_tinygemm0:0"], rows["qat_fp8_rowwise1:0"]
+    assert int4["compiled"]["decode_vs_bf16_b1"] == 2.0 and int4["compiled"]["prefill_vs_bf16"] == 1.25
+    assert fp8["compiled"]["decode_vs_bf16_b1"] == 1.2 and fp8["compiled"]["prefill_vs_bf16"] == 2.0
+    assert int4["size_vs_bf16"] == 0.3
+    md = (tmp_path / "all.md").read_text()
+    assert "| ptq_fp8_rowwise | error (build): AssertionError: no sm_89 |" in md
+    assert "| Int4WeightOnlyConfig(plain) | mslk | no: ImportError: Requires mslk |" in md  # the probe of a part
+
+
+def test_serve_merge_leaves_out_a_call_that_wrote_nothing(tmp_path, monkeypatch, capsys):
+    """Stage serve_merge names every call's file; one that did not run (or was cut before its first row) is left
+    out, said so, and absent from the merged record; none at all is an error, not an empty table."""
+    meta = {"config": {"layers": 8, "hidden": 4096, "prefill": 2048, "decode_tokens": [16, 80], "prompt": 128,
+                       "lm_head": "int4", "batches": [1]}, "command": "eager call"}
+    eager = tmp_path / "serve_eager_all_h200.json"
+    eager.write_text(json.dumps({"meta": meta, "rows": [_row("bf16", 0, 10.0, 100.0, 4000),
+                                                        _row("qat_int4_tinygemm", 0, 8.0, 200.0, 1200)]}))
+    missing = tmp_path / "serve_compiled_int4_h200.json"
+    monkeypatch.setattr(sys, "argv", ["benchmark_serve.py", "--merge", str(eager), str(missing), "--json",
+                                      str(tmp_path / "all.json")])
+    _script().main()
+    assert f"--merge: {missing} does not exist; merging the others" in capsys.readouterr().out
+    data = json.loads((tmp_path / "all.json").read_text())
+    assert data["meta"]["merged"] == [{"file": eager.name, "command": "eager call"}]
+    assert [r["run"] for r in data["rows"]] == ["0:0", "0:0"]
+    assert data["rows"][1]["compiled"]["decode_vs_bf16_b1"] == 2.0
+    monkeypatch.setattr(sys, "argv", ["benchmark_serve.py", "--merge", str(missing), "--json", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="none of .*serve_compiled_int4_h200.json exists"):
+        _script().main()
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_serve_rejects_bad_arguments():
+    for args, msg in ((["--decode_tokens", "80,16"], "two lengths T1 < T2"),
+                      (["--modes", "fast"], "choose from eager, compiled"),
+                      (["--batches", "one"], "comma-separated integers")):
+        proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", *args], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT)
+        assert proc.returncode != 0 and msg in proc.stderr, proc.stderr[-2000:]
+    from hf_lowbit.qat import QAT_SCHEMES
+
+    parse = _script().parse_checkpoint
+    assert parse("ptq_fp8_rowwise", QAT_SCHEMES) == ("ptq", "fp8_rowwise") and parse("bf16", QAT_SCHEMES)[1] is None
+    with pytest.raises(SystemExit, match="unknown checkpoint 'qat_int3'.*int4_tinygemm"):
+        parse("qat_int3", QAT_SCHEMES)
+
+
+def test_serve_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    script = _script()
+    rows = [_row("bf16", 0, 10.0, 100.0, 4000), _row("qat_int4_tinygemm", 0, 8.0, 200.0, 1200)]
+    script.add_ratios(rows, ["compiled"])
+    script.plot(rows, ["compiled"], [1], str(tmp_path / "p.png"), "title")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_serve_kernel_probe_on_cpu():
+    """The probe's rows: the unpacked int4 configs run anywhere; mslk's packings need the mslk package (not on the
+    GPU image either), and say so in one line instead of stopping the probe."""
+    import argparse
+    import importlib.util as util
+
+    rows = {r["config"]: r for r in _script().probe_kernels(argparse.Namespace(device="cpu", seed=0,
+                                                                                compile_backend="eager"))}
+    assert len(rows) == 9
+    for name in ("Int8DynamicActivationIntxWeightConfig(int4, PerGroup(128))", "IntxWeightOnlyConfig(int4, PerGroup(128))"):
+        assert rows[name]["ok"] and rows[name]["weight_type"] == "IntxUnpackedToInt8Tensor"
+        assert 15 < rows[name]["snr_db_eager"] < 30 and rows[name]["snr_db_compiled"] == rows[name]["snr_db_eager"]
+    if util.find_spec("mslk") is None:
+        for name in ("Int4WeightOnlyConfig(plain)", "Int4WeightOnlyConfig(preshuffled)",
+                     "Float8DynamicActivationInt4WeightConfig(preshuffled)"):
+            assert not rows[name]["ok"] and "mslk" in rows[name]["error"] and "\n" not in rows[name]["error"]
+    if not torch.cuda.is_available():
+        assert not rows["Int4WeightOnlyConfig(tile_packed_to_4d)"]["ok"]
