@@ -14,7 +14,8 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   every recipe alike;
 * ``trainer_b1_ga8``, ``trainer_b8``: stock ``Trainer`` (bf16, torchao float8) vs ``LowBitTrainer``
   (int8, fp8), the same ``TrainingArguments`` (``torch_compile=True, bf16=True``, fused AdamW);
-  LowBitTrainer chooses its compile mode and weight cache itself;
+  LowBitTrainer chooses its compile mode and weight cache itself; ``trainer_b1_ga8_profile`` (and
+  ``qlora_trainer_b1_ga8_profile``): the same plus a kernel profile of two more Trainer steps after the timed ones;
 * ``trainer_b1_ga8_liger``, ``trainer_b1_ga8_liger_fp8``, ``trainer_b8_liger``: the Trainer path with each
   recipe run without and then with ``use_liger_kernel=True`` (``liger`` in the records; ``vs_bf16`` is to bf16
   without Liger, ``vs_no_liger`` to the same recipe without it): what Liger's kernels (norms, SwiGLU, RoPE,
@@ -24,7 +25,8 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   (double quant, bf16 compute);
 * ``qlora_trainer_b1_ga8``, ``qlora_trainer_b8`` (``_gc``: gradient checkpointing on): the same recipes through
   the Trainer: stock ``Trainer`` + PEFT LoRA over a bf16 base or bitsandbytes, ``LowBitTrainer(peft_config=...)``
-  for ours, the same ``TrainingArguments``.
+  for ours, the same ``TrainingArguments``; ``qlora_trainer_b1_ga8_fusion``: + the INT8 base with the LoRA branch
+  beside its matmul (``lora_int8_int8_unfused``), in the same run.
 
 Records: ``recipe, micro_batch_tokens, grad_accum, path, compile_mode, tok_s, vs_bf16, peak_gib,
 mem_vs_bf16, first_loss, last_loss, graphs, graph_breaks, timed_recompiles, gradient_checkpointing`` (+ for the trainer path: what LowBitTrainer chose,
@@ -62,6 +64,8 @@ BLOCKS = {
     "trainer_b1_ga8": ("trainer", 1, 8, "default", "bf16,int8,fp8", []),
     "trainer_b1": ("trainer", 1, 1, "default", "bf16,int8,fp8", []),
     "trainer_b8": ("trainer", 8, 1, "default", "bf16,int8,fp8", []),
+    # + a kernel profile of two more Trainer steps (where the Trainer path trails the layers path)
+    "trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "bf16,int8,fp8", ["--profile"]),
     # each recipe without, then with use_liger_kernel=True (one run; ~5 min on the H200 for two recipes)
     "trainer_b1_ga8_liger": ("trainer", 1, 8, "default", "bf16,int8", ["--liger", "both"]),
     "trainer_b1_ga8_liger_fp8": ("trainer", 1, 8, "default", "bf16,fp8", ["--liger", "both"]),
@@ -77,6 +81,8 @@ BLOCKS = {
     "qlora_trainer_b1_ga8_fusion": ("trainer", 1, 8, "default", "lora_bf16,lora_nf4_int8,lora_int8_int8,lora_bnb_nf4,"
                                     "lora_int8_int8_unfused", []),
     "qlora_trainer_b8": ("trainer", 8, 1, "default", QLORA, []),
+    "qlora_trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "lora_bf16,lora_nf4_int8,lora_int8_int8",
+                                     ["--profile"]),
     "qlora_trainer_b1_ga8_nocg": ("trainer", 1, 8, "default", "lora_bf16,lora_nf4_int8", ["--no_cuda_graphs"]),
     "qlora_trainer_b1_ga8_gc": ("trainer", 1, 8, "default", QLORA, ["--grad_checkpointing"]),
     "qlora_trainer_b8_gc": ("trainer", 8, 1, "default", QLORA, ["--grad_checkpointing"]),

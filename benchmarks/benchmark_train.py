@@ -40,10 +40,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.driver import (FULL_RECIPES, LORA_RECIPES, OURS, OURS_LORA, RECIPES, _LORA_ARGS,  # noqa: E402
                                add_int_flags, build_model, compile_layers, error_cell, load_blocks, meta,
                                mixed_precision_args, plot_results, run_worker, save_json, timed_steps, torchao_version,
-                               train_step, write_results)
+                               profile_summary, train_step, write_results)
 
 # the flags trainer_worker reads beyond the model's, with main()'s defaults
-TRAINER_DEFAULTS = dict(lr=1e-5, liger="off", data=None, compile_mode="default", no_cuda_graphs=False)
+TRAINER_DEFAULTS = dict(lr=1e-5, liger="off", data=None, compile_mode="default", no_cuda_graphs=False, profile=False)
+PROFILE_STEPS = 2  # --profile: optimizer steps profiled (after the timed ones; the layers path: after timing too)
 
 
 def trainer_worker(a) -> dict:
@@ -66,19 +67,34 @@ def trainer_worker(a) -> dict:
     torch._dynamo.config.cache_size_limit = max(64, 2 * a.layers)
     gen = torch.Generator().manual_seed(0)
     total = a.warmup + a.steps
+    profiled = PROFILE_STEPS if a.profile else 0  # optimizer steps profiled after the timed window
     ids = load_blocks(a) if a.data else torch.randint(0, a.vocab, (4 * a.batch, a.seq), generator=gen)
-    data = [{"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]} for i in range(total * a.batch * a.grad_accum)]
+    data = [{"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]}
+            for i in range((total + profiled) * a.batch * a.grad_accum)]
     times, graphs, losses, logged = {}, {}, [], {"train_mfu": [], "train_tokens_per_second": []}
+    profile = {}
 
     class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if profiled and state.global_step == total:  # the Trainer's own steps, as the user runs them
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as torch_profile
+
+                sync()
+                profile["prof"] = torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+                profile["prof"].__enter__()
+
         def on_step_end(self, args, state, control, **kw):
             if state.global_step in (a.warmup, total):
                 sync()
                 times[state.global_step] = time.perf_counter()
                 graphs[state.global_step] = counters["stats"]["unique_graphs"]
+            if profiled and state.global_step == total + profiled:
+                sync()
+                profile["prof"].__exit__(None, None, None)
 
         def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
+            if logs and "loss" in logs and state.global_step <= total:  # not the profiled steps
                 losses.append(logs["loss"])
                 for key, values in logged.items():  # LowBitTrainer's throughput logs, timed steps only
                     if key in logs and state.global_step > a.warmup:
@@ -86,7 +102,7 @@ def trainer_worker(a) -> dict:
 
     ours = a.recipe in (*OURS, *OURS_LORA)  # LoRA on a bf16 base and the peers: stock Trainer
     common = dict(output_dir=tempfile.mkdtemp(), report_to="none", per_device_train_batch_size=a.batch,
-                  gradient_accumulation_steps=a.grad_accum, max_steps=total, learning_rate=a.lr,
+                  gradient_accumulation_steps=a.grad_accum, max_steps=total + profiled, learning_rate=a.lr,
                   optim="adamw_torch_fused", bf16=True, torch_compile=not a.no_compile, logging_steps=1,
                   save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True, seed=0,
                   lr_scheduler_type="constant", use_cpu=not cuda, use_liger_kernel=a.liger == "on",
@@ -129,7 +145,8 @@ def trainer_worker(a) -> dict:
             "mfu": mfu(flops, tokens, tokens * a.seq, elapsed, peak) if peak else None,  # as LowBitTrainer logs it
             "logged_mfu": mean(logged["train_mfu"]), "logged_tok_s": mean(logged["train_tokens_per_second"]),
             "compiled_graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values()), "chosen": chosen, "profile": None,
+            "graph_breaks": sum(counters["graph_break"].values()), "chosen": chosen,
+            "profile": profile_summary(profile["prof"], profiled, device="cuda" if cuda else "cpu") if profiled else None,
             "timed_recompiles": graphs[total] - graphs[a.warmup]}
 
 
@@ -213,7 +230,8 @@ def main():
     p.add_argument("--markdown", default=None)
     p.add_argument("--plot", default=None, help="PNG of the speed vs the reference (needs matplotlib)")
     p.add_argument("--profile", action="store_true",
-                   help="after timing, profile two steps (CUDA): device time per kernel category and the top kernels")
+                   help="after timing, profile two optimizer steps: device time per kernel category and the top kernels "
+                        "(the layers path: CUDA only; the Trainer path: two more Trainer steps, CPU ops on a CPU)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per recipe process")
     p.add_argument("--recipe", default=None, help=argparse.SUPPRESS)  # worker mode
     a = p.parse_args()

@@ -458,7 +458,6 @@ _CATEGORIES = (
 
 def kernel_profile(fn: Callable[[], object], steps: int = 2, top: int = 25) -> dict:
     """Profile ``steps`` calls of ``fn`` on CUDA: device ms per step by category and the top kernels."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -466,8 +465,20 @@ def kernel_profile(fn: Callable[[], object], steps: int = 2, top: int = 25) -> d
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    kernels = [(e.key, e.self_device_time_total / 1000 / steps, e.count // steps)
-               for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    return profile_summary(prof, steps, top)
+
+
+def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda") -> dict:
+    """A finished ``torch.profiler.profile`` of ``steps`` steps: device ms per step by kernel category and the top
+    kernels. ``device="cpu"``: the CPU ops' self time instead (a CPU smoke run; every op lands in "other")."""
+    from torch.autograd import DeviceType
+
+    if device == "cpu":
+        kernels = [(e.key, e.self_cpu_time_total / 1000 / steps, e.count // steps)
+                   for e in prof.key_averages() if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0]
+    else:
+        kernels = [(e.key, e.self_device_time_total / 1000 / steps, e.count // steps)
+                   for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     categories: dict[str, float] = {}
     for name, ms, _ in kernels:
         low = name.lower()

@@ -35,11 +35,13 @@ def test_benchmark_regimes_trainer_path_smoke_on_cpu(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_regimes.py"), "--blocks", "trainer_b1_ga8",
            "--seq", "32", "--json", str(out), "--device", "cpu", "--no_compile", "--hidden", "64", "--intermediate",
            "128", "--heads", "4", "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--warmup", "1", "--steps", "2",
-           "--min_features", "16", "--grad_accum", "2"]
+           "--min_features", "16", "--grad_accum", "2", "--profile"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())["records"]
     assert [r["recipe"] for r in records] == ["bf16", "int8", "fp8"], records
+    # --profile: two more Trainer steps profiled (CPU ops here), their losses not among the timed ones
+    assert all(r["profile"]["device_ms_per_step"] > 0 and r["profile"]["top_kernels"] for r in records), records
     assert all("error" not in r for r in records), records
     assert all(r["path"] == "trainer" and r["micro_batch_tokens"] == 32 and r["grad_accum"] == 2 and r["tok_s"] > 0
                for r in records)
