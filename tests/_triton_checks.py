@@ -103,13 +103,16 @@ def check_int8_scaled_mm_addend(device: str) -> int:
     n = 0
     g = torch.Generator().manual_seed(0)
     for M, N, K in shapes:
-        for R in (16, 20) if device == "cuda" else (16, 8, 20):
+        for R in (16, 8, 20, 64):  # up to FUSED_LORA_MAX_RANK; BLOCK_R 16, 32 and 64
             a = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=g)
             b = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
             sa, sb = torch.rand(M, generator=g) / 1000 + 1e-4, torch.rand(N, generator=g) / 1000 + 1e-4
+            # the addend about the size of the product (a LoRA branch beside its base), so both are checked
+            size = (int8_mm_reference(a, b).double() * sa.double()[:, None] * sb.double()[None, :]).std().item()
             for dtype in (torch.float32, torch.bfloat16):
-                c = torch.randn(M, R, generator=g).to(dtype)
-                d = torch.randn(R, N, generator=g).to(dtype).T
+                c = (torch.randn(M, R, generator=g) * size / R ** 0.5).to(dtype)
+                # d as the forward passes it (B·s, [N, R] contiguous) and as the backward does (A.T, a view)
+                d = torch.randn(N, R, generator=g).to(dtype) if R in (8, 64) else torch.randn(R, N, generator=g).to(dtype).T
                 with PoisonedAllocations() as poison:
                     out = int8_scaled_mm_triton(*(t.to(device) for t in (a, b, sa, sb)), dtype, c.to(device),
                                                 d.to(device))

@@ -267,6 +267,49 @@ def test_lora_fused_into_int8_base_matches_unfused(monkeypatch, quant, dropout, 
         assert a.dtype == b.dtype and snr_db(a.float(), b.float()) > 40
 
 
+@pytest.mark.parametrize("case", ["two_adapters", "disabled", "bf16_forward", "backward_hook", "rank_128",
+                                  "lora_bias_adapter"])
+def test_lora_stays_unfused_where_the_fusion_does_not_apply(monkeypatch, case):
+    """The fused path is not taken (and the layer still computes PEFT's result) with several active adapters,
+    disabled adapters, a base without an INT8 forward, a backward hook on the base (the fused path never calls
+    the base module), a rank above FUSED_LORA_MAX_RANK, and an adapter added later with lora_bias (which
+    ``add_adapter`` lets past ``__init__``'s refusal: PEFT's forward adds its bias)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(128, 96)).bfloat16()
+    compute = MixedPrecisionConfig("int8", output=False, grad_weight=False) if case == "bf16_forward" else INT8
+    quantize_base(m, QuantizedBaseConfig("int8", compute=compute), LinearFilter(exclude=()))
+    pm = get_peft_model(m, LoraConfig(r=128 if case == "rank_128" else 8, target_modules=["0"],
+                                      init_lora_weights="gaussian"))
+    layer = pm.base_model.model[0]
+    if case == "two_adapters":
+        pm.add_adapter("second", LoraConfig(r=4, target_modules=["0"], init_lora_weights="gaussian"))
+        pm.base_model.set_adapter(["default", "second"])
+    if case == "lora_bias_adapter":
+        pm.add_adapter("biased", LoraConfig(r=4, target_modules=["0"], lora_bias=True, init_lora_weights=False))
+        pm.set_adapter("biased")
+        nn.init.normal_(layer.lora_B["biased"].bias, std=1.0)
+    fired = []
+    if case == "backward_hook":
+        layer.base_layer.register_full_backward_hook(lambda *a: fired.append(1))
+    calls = []
+    monkeypatch.setattr(type(layer.base_layer), "forward_with_lora", lambda self, *a: _record(calls, self, *a))
+    x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        if case == "disabled":
+            with pm.disable_adapter():
+                y = pm(x)
+        else:
+            y = pm(x)
+    y.float().sum().backward()
+    assert calls == [], case
+    if case == "backward_hook":
+        assert fired == [1]
+    if case == "lora_bias_adapter":  # the bias reaches the output: PEFT's forward, not ours without it
+        with torch.autocast("cpu", torch.bfloat16):
+            ref = PeftLoraLinear.forward(layer, x)
+        assert torch.equal(y, ref)
+
+
 def _record(calls, self, x, xd, *rest):
     from hf_lowbit.qlora.base import QuantizedBaseLinear
 

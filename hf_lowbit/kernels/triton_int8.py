@@ -33,7 +33,7 @@ def _configs():
                           num_warps=w, num_stages=s) for bm, bn, bk, w, s in shapes]
 
 
-@triton.autotune(configs=_configs(), key=["M", "N", "K", "A_K_CONTIG", "B_K_CONTIG", "HAS_ADD"])
+@triton.autotune(configs=_configs(), key=["M", "N", "K", "A_K_CONTIG", "B_K_CONTIG", "HAS_ADD", "R"])
 @triton.jit
 def _int8_scaled_mm_kernel(
     a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr, c_ptr, d_ptr,

@@ -108,6 +108,11 @@ class _FrozenQuantizedLinearFn(torch.autograd.Function):
         return dx, db, None, None, None, None
 
 
+# The largest adapter rank added in the INT8 matmul's epilogue: its [tile, r] and [r, tile] operands sit in shared
+# memory beside the matmul's pipeline buffers (r is padded to a power of two >= 16). Tested up to 64.
+FUSED_LORA_MAX_RANK = 64
+
+
 class _FrozenQuantizedLoraFn(torch.autograd.Function):
     """``base(x) + (xd · Aᵀ) · (B · scaling)ᵀ`` for a frozen base with INT8 compute and one LoRA adapter, the
     up-projection added in the base matmul's epilogue (``kernels.scaled_matmul_quantized(add=...)``).
@@ -267,11 +272,18 @@ class QuantizedBaseLinear(nn.Module):
         return _FrozenQuantizedLinearFn.apply(x, self.bias, tensors, storage, bool(c and c.output),
                                               bool(c and c.grad_input))
 
-    def fuses_lora(self) -> bool:
-        """Whether :meth:`forward_with_lora` applies: INT8 compute on the forward, and no hooks on this module
-        (the fused path computes the base without calling it)."""
-        return bool(self.compute is not None and self.compute.output and not self._forward_hooks
-                    and not self._forward_pre_hooks)
+    def fuses_lora(self, r: int) -> bool:
+        """Whether :meth:`forward_with_lora` applies to a rank-``r`` adapter: INT8 compute on the forward, r at most
+        :data:`FUSED_LORA_MAX_RANK`, and nothing that expects this module to be called (the fused path computes the
+        base without calling it): no forward or backward hooks, its own or global, and no wrapper replacing its
+        ``forward`` (accelerate's ``_hf_hook``, ZeRO-3's)."""
+        from torch.nn.modules import module as m
+
+        return bool(self.compute is not None and self.compute.output and r <= FUSED_LORA_MAX_RANK
+                    and not (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
+                             or self._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
+                             or m._global_backward_hooks or m._global_backward_pre_hooks)
+                    and "forward" not in self.__dict__)
 
     def forward_with_lora(self, x: Tensor, xd: Tensor | None, lora_a: Tensor, lora_b: Tensor,
                           scaling: float) -> Tensor:

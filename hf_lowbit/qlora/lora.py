@@ -76,8 +76,11 @@ class LoraLinear(PeftLoraLinear):
         if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:
             return super().forward(x, *args, **kwargs)
         active = [name for name in self.active_adapters if name in self.lora_A]
+        if any(self.lora_bias.get(name) for name in active):  # an adapter added later with lora_bias (add_adapter
+            return super().forward(x, *args, **kwargs)  # does not pass through __init__'s refusal): PEFT adds it
         base = self.base_layer
-        if self.fuse_into_base and len(active) == 1 and isinstance(base, QuantizedBaseLinear) and base.fuses_lora():
+        if self.fuse_into_base and len(active) == 1 and isinstance(base, QuantizedBaseLinear) \
+                and base.fuses_lora(self.r[active[0]]):
             name = active[0]
             dropout = self.lora_dropout[name]
             return base.forward_with_lora(x, None if isinstance(dropout, nn.Identity) else dropout(x),
