@@ -4,7 +4,8 @@
     python benchmarks/benchmark_nf4_decode.py --json docs/results/nf4_decode_h200.json \
         --markdown docs/results/nf4_decode_h200.md
 
-For each of a Llama-8B layer's weight shapes, GPU time (``triton.testing.do_bench``, median) of: ``kernel`` /
+For each of a Llama-8B layer's weight shapes, GPU time (ten calls captured in a CUDA graph and replayed, median of
+ten replays; ``triton.testing.do_bench`` for a call that cannot be captured, said in the row's ``timing``) of: ``kernel`` /
 ``kernel_t``: the decode kernel alone (row-major / transposed output; multipliers made beforehand), launched
 directly as Inductor's generated code launches it; ``ours``: ``hf_lowbit.kernels.nf4.nf4_to_int8`` (row-major, the forward's operand) and ``ours_t`` (transposed, the input
 gradient's), with the multipliers computed eagerly (several small kernels, fused into one under compile); ``two_step``: dequantize to bf16 then quantize per row (compiled), the way
@@ -36,8 +37,18 @@ def bench(shapes, device: str) -> list[dict]:
     if device == "cuda":
         from triton.testing import do_bench
 
+        from benchmarks.driver import graph_ms
+
         def timed(fn):
-            return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000  # µs
+            # GPU time alone: ten calls captured in a CUDA graph, replayed. Timed eagerly (do_bench) a ~50 µs
+            # kernel read the host's launch time on the H200 run of 53dd5e7 (bitsandbytes' dequantize 2-4x slower
+            # than the run before). A call that cannot be captured falls back to do_bench, marked in "timing".
+            try:
+                return graph_ms(fn) * 1000, "cuda graph"
+            except Exception as e:  # noqa: BLE001 - record why and measure the eager way
+                print(f"  not capturable ({type(e).__name__}: {str(e)[:80]}); timing eagerly", flush=True)
+                torch.cuda.synchronize()
+                return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000, "eager (do_bench)"
     else:
         import time
 
@@ -45,7 +56,7 @@ def bench(shapes, device: str) -> list[dict]:
             fn()
             t0 = time.perf_counter()
             fn()
-            return (time.perf_counter() - t0) * 1e6
+            return (time.perf_counter() - t0) * 1e6, "wall (CPU smoke)"
     try:
         import bitsandbytes.functional as bnbf
     except ImportError:
@@ -77,8 +88,8 @@ def bench(shapes, device: str) -> list[dict]:
             # run of 5b3e153 a 4M-weight decode read ~40 µs, launch-bound): launch the kernels directly, as the
             # code Inductor generates does
             with set_wrap_triton_enabled(False):
-                us = timed(fn)
-            rows.append({"shape": [n, k], "method": name, "us": us, "gb_s": nbytes / us / 1e3})
+                us, how = timed(fn)
+            rows.append({"shape": [n, k], "method": name, "us": us, "gb_s": nbytes / us / 1e3, "timing": how})
             print(rows[-1], flush=True)
     return rows
 
