@@ -15,7 +15,10 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
 * ``trainer_b1_ga8``, ``trainer_b8``: stock ``Trainer`` (bf16, torchao float8) vs ``LowBitTrainer``
   (int8, fp8), the same ``TrainingArguments`` (``torch_compile=True, bf16=True``, fused AdamW);
   LowBitTrainer chooses its compile mode and weight cache itself; ``trainer_b1_ga8_profile`` (and
-  ``qlora_trainer_b1_ga8_profile``): the same plus a kernel profile of two more Trainer steps after the timed ones;
+  ``qlora_trainer_b1_ga8_profile``): the same plus a kernel profile of two more Trainer steps after the timed ones
+  (device ms by kernel category, host syncs per step); ``trainer_b1_ga8_loop`` (and ``qlora_trainer_b1_ga8_loop``):
+  profiled, + bf16 (LoRA on a bf16 base) through ``LowBitTrainer`` with no low-bit recipe (``bf16_lbt``,
+  ``lora_bf16_lbt``): what its training loop gives (no host sync per micro-batch) apart from the low-bit compute;
 * ``trainer_b1_ga8_liger``, ``trainer_b1_ga8_liger_fp8``, ``trainer_b8_liger``: the Trainer path with each
   recipe run without and then with ``use_liger_kernel=True`` (``liger`` in the records; ``vs_bf16`` is to bf16
   without Liger, ``vs_no_liger`` to the same recipe without it): what Liger's kernels (norms, SwiGLU, RoPE,
@@ -66,6 +69,8 @@ BLOCKS = {
     "trainer_b8": ("trainer", 8, 1, "default", "bf16,int8,fp8", []),
     # + a kernel profile of two more Trainer steps (where the Trainer path trails the layers path)
     "trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "bf16,int8,fp8", ["--profile"]),
+    # + bf16 through LowBitTrainer without a low-bit recipe (bf16_lbt): its loop's gain apart from the low-bit one
+    "trainer_b1_ga8_loop": ("trainer", 1, 8, "default", "bf16,bf16_lbt,int8,fp8", ["--profile"]),
     # each recipe without, then with use_liger_kernel=True (one run; ~5 min on the H200 for two recipes)
     "trainer_b1_ga8_liger": ("trainer", 1, 8, "default", "bf16,int8", ["--liger", "both"]),
     "trainer_b1_ga8_liger_fp8": ("trainer", 1, 8, "default", "bf16,fp8", ["--liger", "both"]),
@@ -83,6 +88,10 @@ BLOCKS = {
     "qlora_trainer_b8": ("trainer", 8, 1, "default", QLORA, []),
     "qlora_trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "lora_bf16,lora_nf4_int8,lora_int8_int8",
                                      ["--profile"]),
+    # + the loop alone: LoRA on a bf16 base through LowBitTrainer without a low-bit recipe (lora_bf16_lbt), so the
+    # gain of its training loop (no host sync per micro-batch) shows apart from the low-bit compute's
+    "qlora_trainer_b1_ga8_loop": ("trainer", 1, 8, "default", "lora_bf16,lora_bf16_lbt,lora_nf4_int8,lora_int8_int8,"
+                                  "lora_bnb_nf4", ["--profile"]),
     "qlora_trainer_b1_ga8_nocg": ("trainer", 1, 8, "default", "lora_bf16,lora_nf4_int8", ["--no_cuda_graphs"]),
     "qlora_trainer_b1_ga8_gc": ("trainer", 1, 8, "default", QLORA, ["--grad_checkpointing"]),
     "qlora_trainer_b8_gc": ("trainer", 8, 1, "default", QLORA, ["--grad_checkpointing"]),

@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.driver import (FULL_RECIPES, LORA_RECIPES, OURS, OURS_LORA, RECIPES, _LORA_ARGS,  # noqa: E402
+from benchmarks.driver import (FULL_RECIPES, LOOP_ONLY, LORA_RECIPES, OURS, OURS_LORA, RECIPES, _LORA_ARGS,  # noqa: E402
                                add_int_flags, build_model, compile_layers, error_cell, load_blocks, meta,
                                mixed_precision_args, plot_results, run_worker, save_json, timed_steps, torchao_version,
                                profile_summary, train_step, write_results)
@@ -80,8 +80,8 @@ def trainer_worker(a) -> dict:
                 from torch.profiler import ProfilerActivity
                 from torch.profiler import profile as torch_profile
 
-                sync()
-                profile["prof"] = torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+                sync()  # CPU ops recorded too on CUDA: the host syncs per step (profile_summary)
+                profile["prof"] = torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda)
                 profile["prof"].__enter__()
 
         def on_step_end(self, args, state, control, **kw):
@@ -260,6 +260,8 @@ def main():
     for recipe in recipes:
         if recipe not in FULL_RECIPES + LORA_RECIPES:
             raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(FULL_RECIPES + LORA_RECIPES)}")
+        if recipe in LOOP_ONLY and a.path != "trainer":
+            raise SystemExit(f"--recipes: {recipe} is LowBitTrainer's loop with no low-bit recipe: --path trainer only")
     ligers = {"off": ("off",), "on": ("on",), "both": ("off", "on")}[a.liger]
     for recipe, liger in [(r, lg) for r in recipes for lg in ligers]:
         cmd = [sys.executable, os.path.abspath(__file__), *base_args, "--liger", liger, "--recipe", recipe]
@@ -297,6 +299,12 @@ def main():
         table += [f"| {c} | " + " | ".join(f"{r['profile']['categories_ms'].get(c, 0.0):.1f}" for r in profiled) + " |"
                   for c in cats]
         table.append("| **total** | " + " | ".join(f"{r['profile']['device_ms_per_step']:.1f}" for r in profiled) + " |")
+        # the timed steps' wall time not covered by device work: the GPU waiting on the host
+        table.append("| GPU idle (timed step - total) | " + " | ".join(
+            f"{r['step_ms'] - r['profile']['device_ms_per_step']:.1f}" for r in profiled) + " |")
+        table.append("| host syncs per step (.item(), bool(), blocking copies) | " + " | ".join(
+            "-" if r["profile"].get("host_syncs_per_step") is None
+            else f"{sum(r['profile']['host_syncs_per_step'].values()):.1f}" for r in profiled) + " |")
 
     write_results({"meta": info, "rows": rows}, table,
                   f"{info['gpu']}, torch {info['torch']}, torchao {info['torchao']}, config {info['config']}",

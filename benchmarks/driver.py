@@ -96,8 +96,8 @@ INT8_VARIANTS = {
 }
 # INT8 / FP8 with the weight cache on whatever the accumulation (LowBitTrainer turns it on only with accumulation)
 CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
-OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS)  # full fine-tunes through hf_lowbit's recipes
-FULL_RECIPES = RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS)  # full fine-tunes: compared with bf16
+OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, "bf16_lbt")  # full fine-tunes through LowBitTrainer
+FULL_RECIPES = RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + ("bf16_lbt",)  # compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
 # INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
@@ -113,6 +113,11 @@ _LORA_ARGS = {"lora_bf16": {}, "lora_nf4": dict(lora_base_quant="nf4"),
               "lora_nf4_int8cache": dict(lora_base_quant="nf4", int8_mixed_precision=True, lora_base_int8_cache=True),
               "lora_int8_int8": dict(lora_base_quant="int8", int8_mixed_precision=True)}
 _LORA_ARGS.update({r + "_unfused": _LORA_ARGS[r] for r in ("lora_nf4_int8", "lora_int8_int8")})
+# the trainer path only: bf16 (full fine-tune, and LoRA on a bf16 base) through LowBitTrainer with no low-bit recipe,
+# to tell what its training loop gives (no host sync per micro-batch) from what the low-bit compute gives
+LOOP_ONLY = ("bf16_lbt", "lora_bf16_lbt")
+_LORA_ARGS["lora_bf16_lbt"] = {}
+LORA_RECIPES += ("lora_bf16_lbt",)
 OURS_LORA = tuple(r for r in _LORA_ARGS if r != "lora_bf16")  # through LowBitTrainer on the trainer path
 
 
@@ -181,6 +186,8 @@ def mixed_precision_args(recipe: str) -> dict:
         return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
     if recipe in CACHE_VARIANTS:
         return {f"{CACHE_VARIANTS[recipe]}_mixed_precision": True, "lowbit_weight_cache": True}
+    if recipe == "bf16_lbt":
+        return {}
     return {f"{recipe}_mixed_precision": True}
 
 
@@ -456,6 +463,9 @@ _CATEGORIES = (
 )
 
 
+_HOST_SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
 def kernel_profile(fn: Callable[[], object], steps: int = 2, top: int = 25) -> dict:
     """Profile ``steps`` calls of ``fn`` on CUDA: device ms per step by category and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -473,19 +483,23 @@ def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda") -> di
     kernels. ``device="cpu"``: the CPU ops' self time instead (a CPU smoke run; every op lands in "other")."""
     from torch.autograd import DeviceType
 
+    events = prof.key_averages()
     if device == "cpu":
         kernels = [(e.key, e.self_cpu_time_total / 1000 / steps, e.count // steps)
-                   for e in prof.key_averages() if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0]
+                   for e in events if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0]
     else:
         kernels = [(e.key, e.self_device_time_total / 1000 / steps, e.count // steps)
-                   for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+                   for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    # where the host waited for the device (.item(), bool(tensor), a blocking copy): seen when CPU ops were recorded
+    cpu_ops = any(e.device_type == DeviceType.CPU and e.key.startswith("aten::") for e in events)
+    syncs = {e.key: e.count / steps for e in events if e.key in _HOST_SYNCS} if cpu_ops else None
     categories: dict[str, float] = {}
     for name, ms, _ in kernels:
         low = name.lower()
         cat = next((c for c, pats in _CATEGORIES if any(p in low for p in pats)), "other")
         categories[cat] = categories.get(cat, 0.0) + ms
     kernels.sort(key=lambda k: -k[1])
-    return {"device_ms_per_step": sum(categories.values()),
+    return {"device_ms_per_step": sum(categories.values()), "host_syncs_per_step": syncs,
             "categories_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
             "top_kernels": [{"name": n[:160], "ms": ms, "calls": c} for n, ms, c in kernels[:top]]}
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -142,7 +143,40 @@ class LowBitTrainerMixin:
         self.check_setup()
         self._seek_data(resume_from_checkpoint)
         self.lowbit_throughput.reset()
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        with self._nan_inf_filter_on_device():
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # ------------------------------------------------------------------ no host sync per micro-batch
+    @contextlib.contextmanager
+    def _nan_inf_filter_on_device(self):
+        """``logging_nan_inf_filter`` (on by default) makes ``Trainer`` test every micro-batch's loss with
+        ``torch.isnan(loss) or torch.isinf(loss)``: a host sync per micro-batch, so the CPU cannot run ahead
+        of the GPU and the GPU waits while the next micro-batch is prepared and launched. Measured on the H200
+        (1x2048 tokens, accumulation 8, docs/benchmarks.md): ~11 ms of idle GPU per ~30 ms micro-batch, CUDA
+        graphs or not. The same filter is applied here on the device (``training_step``), with the Trainer's own
+        test switched off while ``train`` runs and restored after it (and for every checkpoint's saved
+        arguments): the logged loss is the same, bit for bit."""
+        self._lowbit_nan_filter = bool(self.args.logging_nan_inf_filter)
+        if self._lowbit_nan_filter:
+            self.args.logging_nan_inf_filter = False
+        try:
+            yield
+        finally:
+            if self._lowbit_nan_filter:
+                self.args.logging_nan_inf_filter = True
+            self._lowbit_nan_filter = False
+
+    def _filter_nan_inf(self, loss: torch.Tensor) -> torch.Tensor:
+        """What ``Trainer`` adds to its running loss for ``loss``: the loss, or where it is NaN/inf the mean of
+        the losses added since the last log (its ``logging_nan_inf_filter`` branch), chosen on the device."""
+        running = getattr(self, "_tr_loss", None)
+        if not isinstance(running, torch.Tensor) or not hasattr(self, "_globalstep_last_logged"):
+            # a transformers whose loop keeps the running loss elsewhere: give the test back to the Trainer (it
+            # reads the flag right after this training_step returns)
+            self.args.logging_nan_inf_filter, self._lowbit_nan_filter = True, False
+            return loss
+        mean = running / (1 + self.state.global_step - self._globalstep_last_logged)
+        return torch.where(torch.isfinite(loss), loss, mean)  # float32 like the running loss, as the Trainer adds
 
     # ------------------------------------------------------------------ saves that survive a kill
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -189,10 +223,15 @@ class LowBitTrainerMixin:
             atomic.clear(*(os.path.join(run_dir, d) for d in os.listdir(run_dir) if _STALE_CHECKPOINT.match(d)))
         self.accelerator.wait_for_everyone()
         self._get_output_dir = lambda trial=None: staging  # every rank writes its part into the staging dir
+        filtering = getattr(self, "_lowbit_nan_filter", False)
+        if filtering:  # the arguments saved as the user gave them (see _nan_inf_filter_on_device)
+            self.args.logging_nan_inf_filter = True
         try:
             super()._save_checkpoint(model, trial)
         finally:
             del self._get_output_dir
+            if filtering:
+                self.args.logging_nan_inf_filter = False
         staged, final = os.path.join(staging, name), os.path.join(run_dir, name)
         if main and hasattr(self.train_dataset, "position"):
             consumed = (self.state.global_step * self.args.per_device_train_batch_size
@@ -264,7 +303,8 @@ class LowBitTrainerMixin:
         self._lowbit_before_forward(model, training=True)
         if "input_ids" in inputs:
             self.lowbit_throughput.count(inputs["input_ids"])
-        return super().training_step(model, inputs, *args, **kwargs)
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        return self._filter_nan_inf(loss) if getattr(self, "_lowbit_nan_filter", False) else loss
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         self._lowbit_before_forward(model, training=False)

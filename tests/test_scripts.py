@@ -30,24 +30,30 @@ def test_benchmark_train_smoke_on_cpu(tmp_path):
 
 def test_benchmark_regimes_trainer_path_smoke_on_cpu(tmp_path):
     """benchmarks/benchmark_regimes.py over the Trainer path with gradient accumulation: stock Trainer (bf16)
-    beside LowBitTrainer (int8), which turns its weight cache on by itself; records in the documented form."""
+    beside LowBitTrainer with no recipe (bf16_lbt) and with int8 (its weight cache on by itself); records in the
+    documented form; the profile sees the stock loop's host sync per micro-batch, which LowBitTrainer's has not."""
     out = tmp_path / "regimes.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_regimes.py"), "--blocks", "trainer_b1_ga8",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_regimes.py"), "--blocks", "trainer_b1_ga8_loop",
            "--seq", "32", "--json", str(out), "--device", "cpu", "--no_compile", "--hidden", "64", "--intermediate",
            "128", "--heads", "4", "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--warmup", "1", "--steps", "2",
            "--min_features", "16", "--grad_accum", "2", "--profile"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())["records"]
-    assert [r["recipe"] for r in records] == ["bf16", "int8", "fp8"], records
+    assert all("error" not in r for r in records), records
+    assert [r["recipe"] for r in records] == ["bf16", "bf16_lbt", "int8", "fp8"], records
     # --profile: two more Trainer steps profiled (CPU ops here), their losses not among the timed ones
     assert all(r["profile"]["device_ms_per_step"] > 0 and r["profile"]["top_kernels"] for r in records), records
-    assert all("error" not in r for r in records), records
+    # logging_nan_inf_filter's isnan/isinf test: two host reads per micro-batch in the stock loop, none in ours
+    syncs = [sum(r["profile"]["host_syncs_per_step"].values()) for r in records]
+    assert syncs[0] - syncs[1] >= 2 * 2 and syncs[1] == syncs[2] == syncs[3], syncs
     assert all(r["path"] == "trainer" and r["micro_batch_tokens"] == 32 and r["grad_accum"] == 2 and r["tok_s"] > 0
                for r in records)
-    assert records[0]["vs_bf16"] == 1.0 and records[1]["chosen"]["weight_cache"] is True
-    assert records[1]["chosen"]["cuda_graphs"] is False  # a CPU run: no CUDA graphs
-    assert abs(records[1]["first_loss"] - records[0]["first_loss"]) < 0.05
+    assert records[0]["vs_bf16"] == 1.0 and records[1]["chosen"]["weight_cache"] is False
+    assert records[2]["chosen"]["weight_cache"] is True
+    assert records[2]["chosen"]["cuda_graphs"] is False  # a CPU run: no CUDA graphs
+    assert records[1]["first_loss"] == records[0]["first_loss"]  # the same model, data and loop but for the sync
+    assert abs(records[2]["first_loss"] - records[0]["first_loss"]) < 0.05
 
 
 def test_benchmark_train_liger_is_for_the_trainer_path():

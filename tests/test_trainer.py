@@ -1,5 +1,6 @@
 """LowBitTrainer end to end on tiny models: loss falls, INT8 tracks bf16, checkpoints, resume, PEFT."""
 
+import math
 from functools import partial
 
 import pytest
@@ -7,9 +8,10 @@ import torch
 from conftest import ARITH_TOKENIZER, arithmetic_blocks, lowbit_args, snr_db, tiny_model
 from peft import LoraConfig, PeftModel
 from torch import nn
-from transformers import AutoModelForCausalLM, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from hf_lowbit import LowBitLinear, LowBitTrainer, LowBitWarning
+from hf_lowbit.trainer import LowBitTrainerMixin
 
 TOKENIZER = ARITH_TOKENIZER
 
@@ -193,3 +195,43 @@ def test_fsdp2_keeps_quantized_bases_whole_where_torch_cannot_shard_integer_para
     assert plugin.ignored_modules == [model[1], model[0], model[2]]
     assert keep_integer_params_unsharded(SimpleNamespace(ignored_modules=None), nn.Linear(4, 4), "cpu",
                                          torch_version="2.11.0") == []  # nothing integer: nothing to do
+
+
+class _NanEveryThird(Trainer):
+    """Reports a NaN loss for every third micro-batch (the gradients stay finite), beneath whatever is mixed in."""
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        self._micro = getattr(self, "_micro", 0) + 1
+        return loss * float("nan") if self._micro % 3 == 0 else loss
+
+
+class _LowBitNanEveryThird(LowBitTrainerMixin, _NanEveryThird):
+    pass
+
+
+def test_nan_inf_filter_runs_on_the_device_and_logs_what_the_trainer_logs(tmp_path):
+    """LowBitTrainer applies logging_nan_inf_filter without the Trainer's host sync per micro-batch (its test is
+    off while train() runs) and logs exactly the stock Trainer's losses; the flag is the user's again after
+    train() and in every saved checkpoint's arguments."""
+    seen = []
+
+    class Flag(TrainerCallback):
+        def on_substep_end(self, args, state, control, **kw):
+            seen.append(args.logging_nan_inf_filter)
+
+    kw = dict(max_steps=6, gradient_accumulation_steps=2, per_device_train_batch_size=4, save_strategy="steps",
+              save_steps=3)
+    logs = {}
+    for name, cls in (("stock", _NanEveryThird), ("ours", _LowBitNanEveryThird)):
+        trainer = cls(_model("llama"), args=_args(tmp_path / name, **kw), train_dataset=_data(48))
+        if name == "ours":
+            trainer.add_callback(Flag())
+        trainer.train()
+        logs[name] = _losses(trainer)
+        assert trainer.args.logging_nan_inf_filter is True
+    assert seen and not any(seen), "the Trainer's own per-micro-batch test ran"
+    assert len(logs["ours"]) == 6 and all(math.isfinite(v) for v in logs["ours"])
+    assert logs["ours"] == logs["stock"]
+    saved = torch.load(tmp_path / "ours" / "checkpoint-3" / "training_args.bin", weights_only=False)
+    assert saved.logging_nan_inf_filter is True
