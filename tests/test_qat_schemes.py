@@ -294,7 +294,10 @@ torch.save({"logits": logits.cpu(), "weight_type": type(model.model.layers[0].ml
 
 def _load_in_fresh_process(path, ids, tmp_path, device="cpu"):
     torch.save(ids.cpu(), tmp_path / "ids.pt")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # without hf_lowbit on the path, but with whatever else PYTHONPATH adds (the device's wheels: torchao)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+             if p and not os.path.isdir(os.path.join(p, "hf_lowbit"))]
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **({"PYTHONPATH": os.pathsep.join(paths)} if paths else {})}
     proc = subprocess.run([sys.executable, "-c", _LOAD, str(path), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt"),
                            device], capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
