@@ -36,6 +36,20 @@ class UsageError(ValueError):
     """A mistake in the command line (a flag, a value, a combination); the message names the flag."""
 
 
+def _at_least(owner, name: str, low, optional: bool = False) -> None:
+    """``--name`` must be >= ``low`` (``None`` allowed where ``optional``), else one line naming it."""
+    value = getattr(owner, name)
+    if not (optional and value is None) and value < low:
+        raise UsageError(f"--{name} must be >= {low}, got {value}")
+
+
+def _fraction(owner, name: str) -> None:
+    """``--name`` must be in [0, 1)."""
+    value = getattr(owner, name)
+    if not 0 <= value < 1:
+        raise UsageError(f"--{name} must be in [0, 1), got {value}")
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={"help": (
@@ -85,16 +99,11 @@ class DataArguments:
         "Embedded default only: held-out problems for the final accuracy.")})
 
     def __post_init__(self):
-        if self.block_size < 2:
-            raise UsageError(f"--block_size must be >= 2, got {self.block_size}")
-        if not 0 <= self.eval_fraction < 1:
-            raise UsageError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        if self.max_records is not None and self.max_records < 1:
-            raise UsageError(f"--max_records must be >= 1, got {self.max_records}")
-        if self.eval_blocks < 0:
-            raise UsageError(f"--eval_blocks must be >= 0, got {self.eval_blocks}")
-        if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
-            raise UsageError(f"--dataset_num_proc must be >= 1, got {self.dataset_num_proc}")
+        _at_least(self, "block_size", 2)
+        _fraction(self, "eval_fraction")
+        _at_least(self, "max_records", 1, optional=True)
+        _at_least(self, "eval_blocks", 0)
+        _at_least(self, "dataset_num_proc", 1, optional=True)
         if self.arithmetic_train_records < 1 or self.arithmetic_eval_records < 0:
             raise UsageError("--arithmetic_train_records must be >= 1 and --arithmetic_eval_records >= 0")
         if self.dataset and self.token_files:
@@ -114,10 +123,8 @@ class LoraArguments:
         "Module names (or 'all-linear': every linear but the LM head, quantized bases included) that get adapters.")})
 
     def __post_init__(self):
-        if self.lora_r < 1:
-            raise UsageError(f"--lora_r must be >= 1, got {self.lora_r}")
-        if not 0 <= self.lora_dropout < 1:
-            raise UsageError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        _at_least(self, "lora_r", 1)
+        _fraction(self, "lora_dropout")
 
     def peft_config(self, args: LowBitTrainingArguments):
         """A ``LoraConfig`` when LoRA is asked for (or a quantized base needs it), else None."""
@@ -323,12 +330,9 @@ def check_training_values(args: LowBitTrainingArguments, data_args: DataArgument
     if args.max_steps == -1 and not args.num_train_epochs > 0:
         raise UsageError(f"--num_train_epochs must be > 0, got {args.num_train_epochs}")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.learning_rate < 0:
-        raise UsageError(f"--learning_rate must be >= 0, got {args.learning_rate}")
-    if args.warmup_steps < 0:
-        raise UsageError(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
+        _at_least(args, name, 1)
+    _at_least(args, "learning_rate", 0)
+    _at_least(args, "warmup_steps", 0)
     for name in ("logging_steps", "save_steps", "eval_steps"):
         value = getattr(args, name)
         if value is not None and value <= 0:
