@@ -483,7 +483,9 @@ def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda") -> di
     kernels. ``device="cpu"``: the CPU ops' self time instead (a CPU smoke run; every op lands in "other")."""
     from torch.autograd import DeviceType
 
-    events = prof.key_averages()
+    # a record_function range (the optimizer's "Optimizer.step#AdamW.step") shows on the GPU timeline as a user
+    # annotation spanning its kernels: not a kernel, and counted twice if summed (da7f528's Trainer profiles did)
+    events = [e for e in prof.key_averages() if not getattr(e, "is_user_annotation", False)]
     if device == "cpu":
         kernels = [(e.key, e.self_cpu_time_total / 1000 / steps, e.count // steps)
                    for e in events if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0]
