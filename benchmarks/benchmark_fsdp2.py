@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.driver import (LORA_RECIPES, RECIPES, ROOT, add_int_flags, allow_fsdp_on_cpu, bar_plot,  # noqa: E402
+from benchmarks.driver import (LOOP_ONLY, LORA_RECIPES, RECIPES, ROOT, add_int_flags, allow_fsdp_on_cpu, bar_plot,  # noqa: E402
                                build_model, compile_layers, error_cell, meta, run_worker, save_json, timed_steps,
                                train_step, write_results)
 
@@ -234,6 +234,8 @@ def main():
     for r in a.recipes.split(","):
         if r not in RECIPES + LORA_RECIPES:
             raise SystemExit(f"--recipes: unknown recipe {r!r}; choose from {', '.join(RECIPES + LORA_RECIPES)}")
+        if r in LOOP_ONLY and a.path != "trainer":
+            raise SystemExit(f"--recipes: {r} is LowBitTrainer's loop with no low-bit recipe: --path trainer only")
     a.global_micro = a.global_micro or counts[-1]
     if any(a.global_micro % c for c in counts):
         raise SystemExit(f"--global_micro {a.global_micro} must be divisible by every --gpus count {counts}")

@@ -492,9 +492,13 @@ def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda") -> di
     else:
         kernels = [(e.key, e.self_device_time_total / 1000 / steps, e.count // steps)
                    for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
-    # where the host waited for the device (.item(), bool(tensor), a blocking copy): seen when CPU ops were recorded
+    # where the host waited for the device, seen when CPU ops were recorded: on CUDA the runtime's synchronizing
+    # calls (an .item() / bool(tensor) is one cudaStreamSynchronize inside aten::_local_scalar_dense: counted once),
+    # on a CPU the reads themselves
     cpu_ops = any(e.device_type == DeviceType.CPU and e.key.startswith("aten::") for e in events)
-    syncs = {e.key: e.count / steps for e in events if e.key in _HOST_SYNCS} if cpu_ops else None
+    runtime = any(e.key.startswith("cuda") for e in events)
+    wanted = _HOST_SYNCS[1:] if runtime else _HOST_SYNCS[:1]
+    syncs = {e.key: e.count / steps for e in events if e.key in wanted} if cpu_ops else None
     categories: dict[str, float] = {}
     for name, ms, _ in kernels:
         low = name.lower()

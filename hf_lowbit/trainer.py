@@ -150,30 +150,48 @@ class LowBitTrainerMixin:
     @contextlib.contextmanager
     def _nan_inf_filter_on_device(self):
         """``logging_nan_inf_filter`` (on by default) makes ``Trainer`` test every micro-batch's loss with
-        ``torch.isnan(loss) or torch.isinf(loss)``: a host sync per micro-batch, so the CPU cannot run ahead
-        of the GPU and the GPU waits while the next micro-batch is prepared and launched. Measured on the H200
-        (1x2048 tokens, accumulation 8, docs/benchmarks.md): ~11 ms of idle GPU per ~30 ms micro-batch, CUDA
-        graphs or not. The same filter is applied here on the device (``training_step``), with the Trainer's own
-        test switched off while ``train`` runs and restored after it (and for every checkpoint's saved
-        arguments): the logged loss is the same, bit for bit."""
-        self._lowbit_nan_filter = bool(self.args.logging_nan_inf_filter)
-        if self._lowbit_nan_filter:
-            self.args.logging_nan_inf_filter = False
+        ``torch.isnan(loss) or torch.isinf(loss)``: a host sync per micro-batch, so the CPU cannot run ahead of
+        the GPU and the GPU waits while the next micro-batch is prepared and launched (on the H200 at 1x2048
+        tokens with accumulation: ~11 ms of idle GPU per ~30 ms micro-batch, CUDA graphs or not;
+        docs/benchmarks.md). While ``train`` runs, the loop's ``training_step`` (the whole override chain, so a
+        subclass's own ``training_step`` still sees the raw loss) is wrapped to return what the Trainer would add
+        to its running loss, chosen on the device, and the flag reads ``False`` only from that return until the
+        loop's next call, ``floating_point_ops``, right after its test: callbacks, logger integrations and saved
+        arguments see the user's value. The running loss, and so every logged loss, is the stock loop's bit for
+        bit. Not under torch_xla, whose loop skips the test anyway."""
+        from transformers.utils import is_torch_xla_available
+
+        if not self.args.logging_nan_inf_filter or is_torch_xla_available():
+            yield
+            return
+        step, flops = self.training_step, self.floating_point_ops  # bound: the full override chain
+
+        def training_step(*args, **kwargs):
+            loss = step(*args, **kwargs)
+            filtered = self._filter_nan_inf(loss)
+            if filtered is not loss:  # the loop's own test would only re-read it: skip that one sync
+                self.args.logging_nan_inf_filter = False
+            return filtered
+
+        def floating_point_ops(*args, **kwargs):
+            self.args.logging_nan_inf_filter = True
+            return flops(*args, **kwargs)
+
+        self.training_step, self.floating_point_ops = training_step, floating_point_ops
         try:
             yield
         finally:
-            if self._lowbit_nan_filter:
-                self.args.logging_nan_inf_filter = True
-            self._lowbit_nan_filter = False
+            del self.training_step, self.floating_point_ops  # the class's methods again
+            self.args.logging_nan_inf_filter = True
 
     def _filter_nan_inf(self, loss: torch.Tensor) -> torch.Tensor:
         """What ``Trainer`` adds to its running loss for ``loss``: the loss, or where it is NaN/inf the mean of
-        the losses added since the last log (its ``logging_nan_inf_filter`` branch), chosen on the device."""
+        the losses added since the last log (its ``logging_nan_inf_filter`` branch), chosen on the device. ``loss``
+        itself where that cannot be done here (a transformers whose loop keeps its running loss elsewhere, a loss on
+        another device): the Trainer then tests it, or raises, as usual."""
         running = getattr(self, "_tr_loss", None)
-        if not isinstance(running, torch.Tensor) or not hasattr(self, "_globalstep_last_logged"):
-            # a transformers whose loop keeps the running loss elsewhere: give the test back to the Trainer (it
-            # reads the flag right after this training_step returns)
-            self.args.logging_nan_inf_filter, self._lowbit_nan_filter = True, False
+        if (not isinstance(loss, torch.Tensor) or not isinstance(running, torch.Tensor)
+                or not hasattr(self, "_globalstep_last_logged") or loss.device != running.device):
             return loss
         mean = running / (1 + self.state.global_step - self._globalstep_last_logged)
         return torch.where(torch.isfinite(loss), loss, mean)  # float32 like the running loss, as the Trainer adds
@@ -223,15 +241,10 @@ class LowBitTrainerMixin:
             atomic.clear(*(os.path.join(run_dir, d) for d in os.listdir(run_dir) if _STALE_CHECKPOINT.match(d)))
         self.accelerator.wait_for_everyone()
         self._get_output_dir = lambda trial=None: staging  # every rank writes its part into the staging dir
-        filtering = getattr(self, "_lowbit_nan_filter", False)
-        if filtering:  # the arguments saved as the user gave them (see _nan_inf_filter_on_device)
-            self.args.logging_nan_inf_filter = True
         try:
             super()._save_checkpoint(model, trial)
         finally:
             del self._get_output_dir
-            if filtering:
-                self.args.logging_nan_inf_filter = False
         staged, final = os.path.join(staging, name), os.path.join(run_dir, name)
         if main and hasattr(self.train_dataset, "position"):
             consumed = (self.state.global_step * self.args.per_device_train_batch_size
@@ -303,8 +316,7 @@ class LowBitTrainerMixin:
         self._lowbit_before_forward(model, training=True)
         if "input_ids" in inputs:
             self.lowbit_throughput.count(inputs["input_ids"])
-        loss = super().training_step(model, inputs, *args, **kwargs)
-        return self._filter_nan_inf(loss) if getattr(self, "_lowbit_nan_filter", False) else loss
+        return super().training_step(model, inputs, *args, **kwargs)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         self._lowbit_before_forward(model, training=False)

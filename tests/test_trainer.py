@@ -198,40 +198,62 @@ def test_fsdp2_keeps_quantized_bases_whole_where_torch_cannot_shard_integer_para
 
 
 class _NanEveryThird(Trainer):
-    """Reports a NaN loss for every third micro-batch (the gradients stay finite), beneath whatever is mixed in."""
+    """Reports a NaN loss for every third micro-batch and +inf for every fifth (the gradients stay finite),
+    beneath whatever is mixed in; ``raw`` keeps what its ``training_step`` returned."""
 
     def training_step(self, *args, **kwargs):
         loss = super().training_step(*args, **kwargs)
         self._micro = getattr(self, "_micro", 0) + 1
-        return loss * float("nan") if self._micro % 3 == 0 else loss
+        loss = loss * float("nan") if self._micro % 3 == 0 else loss * float("inf") if self._micro % 5 == 0 else loss
+        self.__dict__.setdefault("raw", []).append(loss.item())
+        return loss
 
 
 class _LowBitNanEveryThird(LowBitTrainerMixin, _NanEveryThird):
     pass
 
 
-def test_nan_inf_filter_runs_on_the_device_and_logs_what_the_trainer_logs(tmp_path):
-    """LowBitTrainer applies logging_nan_inf_filter without the Trainer's host sync per micro-batch (its test is
-    off while train() runs) and logs exactly the stock Trainer's losses; the flag is the user's again after
-    train() and in every saved checkpoint's arguments."""
-    seen = []
+class _SeesRawLoss(_LowBitNanEveryThird):
+    """A user's subclass over LowBitTrainer: its training_step must still see the raw loss."""
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        self.__dict__.setdefault("seen", []).append(loss.item())
+        return loss
+
+
+def test_nan_inf_filter_runs_on_the_device_and_logs_what_the_trainer_logs(tmp_path, monkeypatch):
+    """LowBitTrainer applies logging_nan_inf_filter without the Trainer's host test per micro-batch (no
+    torch.isnan in its loop) and logs exactly the stock Trainer's losses; callbacks, subclasses and saved
+    arguments see the user's flag and the raw loss."""
+    flags = []
 
     class Flag(TrainerCallback):
         def on_substep_end(self, args, state, control, **kw):
-            seen.append(args.logging_nan_inf_filter)
+            flags.append(args.logging_nan_inf_filter)
 
+        on_step_end = on_substep_end
+
+    tested = []
+    isnan = torch.isnan
+    monkeypatch.setattr(torch, "isnan", lambda *a, **k: tested.append(1) or isnan(*a, **k))
     kw = dict(max_steps=6, gradient_accumulation_steps=2, per_device_train_batch_size=4, save_strategy="steps",
               save_steps=3)
-    logs = {}
-    for name, cls in (("stock", _NanEveryThird), ("ours", _LowBitNanEveryThird)):
+    logs, tests = {}, {}
+    for name, cls in (("stock", _NanEveryThird), ("ours", _SeesRawLoss)):
         trainer = cls(_model("llama"), args=_args(tmp_path / name, **kw), train_dataset=_data(48))
-        if name == "ours":
-            trainer.add_callback(Flag())
+        trainer.add_callback(Flag())
+        tested.clear()
         trainer.train()
-        logs[name] = _losses(trainer)
-        assert trainer.args.logging_nan_inf_filter is True
-    assert seen and not any(seen), "the Trainer's own per-micro-batch test ran"
+        logs[name], tests[name] = _losses(trainer), len(tested)
+        assert trainer.args.logging_nan_inf_filter is True and "training_step" not in trainer.__dict__
+    assert tests["stock"] >= 12 and tests["ours"] == 0, tests  # the stock loop tests each of the 12 micro-batches
+    assert flags and all(flags), "a callback saw the flag switched off"
     assert len(logs["ours"]) == 6 and all(math.isfinite(v) for v in logs["ours"])
     assert logs["ours"] == logs["stock"]
+    same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
+    assert len(trainer.seen) == len(trainer.raw) == 12 and all(map(same, trainer.seen, trainer.raw))
+    assert any(math.isnan(v) for v in trainer.seen)  # the subclass saw them raw
+    assert any(math.isinf(v) for v in trainer.seen)
     saved = torch.load(tmp_path / "ours" / "checkpoint-3" / "training_args.bin", weights_only=False)
     assert saved.logging_nan_inf_filter is True
