@@ -34,8 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.driver import (LOOP_ONLY, LORA_RECIPES, RECIPES, ROOT, add_int_flags, allow_fsdp_on_cpu, bar_plot,  # noqa: E402
-                               build_model, compile_layers, error_cell, meta, run_worker, save_json, timed_steps,
+from benchmarks.driver import (LORA_RECIPES, RECIPES, ROOT, add_int_flags, allow_fsdp_on_cpu, bar_plot,  # noqa: E402
+                               build_model, check_recipes, compile_layers, error_cell, meta, run_worker, save_json, timed_steps,
                                train_step, write_results)
 
 DEFAULT_RECIPES = "bf16,int8,fp8,qat_8da4w,torchao_float8,lora_bf16,lora_nf4_int8"
@@ -231,11 +231,7 @@ def main():
     counts = sorted({int(g) for g in a.gpus.split(",")})
     if a.device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < counts[-1]):
         raise SystemExit(f"--gpus {a.gpus}: this machine has {torch.cuda.device_count()} CUDA GPUs")
-    for r in a.recipes.split(","):
-        if r not in RECIPES + LORA_RECIPES:
-            raise SystemExit(f"--recipes: unknown recipe {r!r}; choose from {', '.join(RECIPES + LORA_RECIPES)}")
-        if r in LOOP_ONLY and a.path != "trainer":
-            raise SystemExit(f"--recipes: {r} is LowBitTrainer's loop with no low-bit recipe: --path trainer only")
+    check_recipes(a.recipes.split(","), RECIPES + LORA_RECIPES, a.path)
     a.global_micro = a.global_micro or counts[-1]
     if any(a.global_micro % c for c in counts):
         raise SystemExit(f"--global_micro {a.global_micro} must be divisible by every --gpus count {counts}")

@@ -37,9 +37,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.driver import (FULL_RECIPES, LOOP_ONLY, LORA_RECIPES, OURS, OURS_LORA, RECIPES, _LORA_ARGS,  # noqa: E402
-                               add_int_flags, build_model, compile_layers, error_cell, load_blocks, meta,
-                               mixed_precision_args, plot_results, run_worker, save_json, timed_steps, torchao_version,
+from benchmarks.driver import (FULL_RECIPES, LORA_RECIPES, OURS, OURS_LORA, RECIPES, add_int_flags,  # noqa: E402
+                               build_model, check_recipes, compile_layers, error_cell, load_blocks, meta, plot_results,
+                               recipe_args, run_worker, save_json, timed_steps, torchao_version,
                                profile_summary, train_step, write_results)
 
 # the flags trainer_worker reads beyond the model's, with main()'s defaults
@@ -112,10 +112,9 @@ def trainer_worker(a) -> dict:
         common["torch_compile_mode"] = a.compile_mode
     if ours:
         lora = a.recipe in OURS_LORA  # LoRA r on every decoder linear, through LowBitTrainer's peft_config
-        recipe_args = _LORA_ARGS[a.recipe] if lora else mixed_precision_args(a.recipe)
         args = LowBitTrainingArguments(**common, lowbit_min_features=a.min_features,
                                        lowbit_cuda_graphs=False if a.no_cuda_graphs else None,
-                                       **recipe_args)
+                                       **recipe_args(a.recipe))
         peft_config = None
         if lora:
             from peft import LoraConfig
@@ -257,11 +256,7 @@ def main():
         elif isinstance(v, (int, float)) or (k in ("path", "compile_mode", "data") and v is not None):
             base_args += [f"--{k}", str(v)]
     recipes = a.recipes.split(",")
-    for recipe in recipes:
-        if recipe not in FULL_RECIPES + LORA_RECIPES:
-            raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(FULL_RECIPES + LORA_RECIPES)}")
-        if recipe in LOOP_ONLY and a.path != "trainer":
-            raise SystemExit(f"--recipes: {recipe} is LowBitTrainer's loop with no low-bit recipe: --path trainer only")
+    check_recipes(recipes, FULL_RECIPES + LORA_RECIPES, a.path)
     ligers = {"off": ("off",), "on": ("on",), "both": ("off", "on")}[a.liger]
     for recipe, liger in [(r, lg) for r in recipes for lg in ligers]:
         cmd = [sys.executable, os.path.abspath(__file__), *base_args, "--liger", liger, "--recipe", recipe]

@@ -105,10 +105,11 @@ QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # torchao's INT8 mixed-precision function. The first LoRA recipe run is the reference of the lora rows.
 # *_unfused: the same with the LoRA up-projection beside the base matmul instead of in its epilogue
 # (LoraLinear.fuse_into_base = False), to measure the fusion in the same run.
+# lora_bf16_lbt: LoRA on a bf16 base through LowBitTrainer with no low-bit recipe (LOOP_ONLY, below).
 LORA_RECIPES = ("lora_bf16", "lora_nf4", "lora_nf4_int8", "lora_nf4_int8cache", "lora_int8_int8",
                 "lora_nf4_int8_unfused", "lora_int8_int8_unfused", "lora_torchao_nf4", "lora_torchao_nf4_int8",
-                "lora_bnb_nf4")
-_LORA_ARGS = {"lora_bf16": {}, "lora_nf4": dict(lora_base_quant="nf4"),
+                "lora_bnb_nf4", "lora_bf16_lbt")
+_LORA_ARGS = {"lora_bf16": {}, "lora_bf16_lbt": {}, "lora_nf4": dict(lora_base_quant="nf4"),
               "lora_nf4_int8": dict(lora_base_quant="nf4", int8_mixed_precision=True),
               "lora_nf4_int8cache": dict(lora_base_quant="nf4", int8_mixed_precision=True, lora_base_int8_cache=True),
               "lora_int8_int8": dict(lora_base_quant="int8", int8_mixed_precision=True)}
@@ -116,8 +117,6 @@ _LORA_ARGS.update({r + "_unfused": _LORA_ARGS[r] for r in ("lora_nf4_int8", "lor
 # the trainer path only: bf16 (full fine-tune, and LoRA on a bf16 base) through LowBitTrainer with no low-bit recipe,
 # to tell what its training loop gives (no host sync per micro-batch) from what the low-bit compute gives
 LOOP_ONLY = ("bf16_lbt", "lora_bf16_lbt")
-_LORA_ARGS["lora_bf16_lbt"] = {}
-LORA_RECIPES += ("lora_bf16_lbt",)
 OURS_LORA = tuple(r for r in _LORA_ARGS if r != "lora_bf16")  # through LowBitTrainer on the trainer path
 
 
@@ -186,8 +185,6 @@ def mixed_precision_args(recipe: str) -> dict:
         return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
     if recipe in CACHE_VARIANTS:
         return {f"{CACHE_VARIANTS[recipe]}_mixed_precision": True, "lowbit_weight_cache": True}
-    if recipe == "bf16_lbt":
-        return {}
     return {f"{recipe}_mixed_precision": True}
 
 
@@ -343,12 +340,21 @@ def load_blocks(a):
     return blocks
 
 
+def check_recipes(recipes: list[str], known: tuple[str, ...], path: str) -> None:
+    """Stop with one line on a recipe the script does not know, or a LOOP_ONLY one off the trainer path."""
+    for recipe in recipes:
+        if recipe not in known:
+            raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(known)}")
+        if recipe in LOOP_ONLY and path != "trainer":
+            raise SystemExit(f"--recipes: {recipe} is LowBitTrainer's loop with no low-bit recipe: --path trainer only")
+
+
 def recipe_args(recipe: str) -> dict:
     """The ``LowBitTrainingArguments`` fields of ``recipe`` run through ``prepare_model``: ours (full fine-tunes and
     LoRA over our bases); ``bf16`` and ``lora_bf16`` have none."""
     if recipe in _LORA_ARGS:
         return dict(_LORA_ARGS[recipe])
-    return {} if recipe == "bf16" else mixed_precision_args(recipe)
+    return {} if recipe in ("bf16", "bf16_lbt") else mixed_precision_args(recipe)
 
 
 # -------------------------------------------------------------------------------------- a training step, timed
@@ -463,7 +469,8 @@ _CATEGORIES = (
 )
 
 
-_HOST_SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+_CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")  # the CUDA runtime's synchronizing calls
+_HOST_READS = ("aten::_local_scalar_dense",)  # .item(), bool(tensor): on CUDA one cudaStreamSynchronize each
 
 
 def kernel_profile(fn: Callable[[], object], steps: int = 2, top: int = 25) -> dict:
@@ -497,7 +504,7 @@ def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda") -> di
     # on a CPU the reads themselves
     cpu_ops = any(e.device_type == DeviceType.CPU and e.key.startswith("aten::") for e in events)
     runtime = any(e.key.startswith("cuda") for e in events)
-    wanted = _HOST_SYNCS[1:] if runtime else _HOST_SYNCS[:1]
+    wanted = _CUDA_SYNCS if runtime else _HOST_READS
     syncs = {e.key: e.count / steps for e in events if e.key in wanted} if cpu_ops else None
     categories: dict[str, float] = {}
     for name, ms, _ in kernels:
