@@ -101,10 +101,12 @@ def trainer_worker(a) -> dict:
                         values.append(logs[key])
 
     ours = a.recipe in (*OURS, *OURS_LORA)  # LoRA on a bf16 base and the peers: stock Trainer
+    # pinned batches on CUDA, the Trainer's default (LowBitTrainingArguments then copy them non-blocking, as in a
+    # user's run); nothing to pin to on the CPU
     common = dict(output_dir=tempfile.mkdtemp(), report_to="none", per_device_train_batch_size=a.batch,
                   gradient_accumulation_steps=a.grad_accum, max_steps=total + profiled, learning_rate=a.lr,
                   optim="adamw_torch_fused", bf16=True, torch_compile=not a.no_compile, logging_steps=1,
-                  save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True, seed=0,
+                  save_strategy="no", dataloader_pin_memory=cuda, disable_tqdm=True, seed=0,
                   lr_scheduler_type="constant", use_cpu=not cuda, use_liger_kernel=a.liger == "on",
                   gradient_checkpointing=a.grad_checkpointing,
                   gradient_checkpointing_kwargs={"use_reentrant": False} if a.grad_checkpointing else None)
@@ -122,7 +124,7 @@ def trainer_worker(a) -> dict:
             peft_config = LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear")
         trainer = LowBitTrainer(model, args=args, train_dataset=data, peft_config=peft_config)
         chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
-                  "cuda_graphs": trainer.lowbit_cuda_graphs}
+                  "cuda_graphs": trainer.lowbit_cuda_graphs, "non_blocking": trainer.accelerator.non_blocking}
     else:
         trainer = Trainer(model, args=TrainingArguments(**common), train_dataset=data)
         chosen = {"torch_compile_mode": trainer.args.torch_compile_mode}

@@ -8,6 +8,7 @@ flag, and is validated in ``__post_init__`` with an error that names it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -33,6 +34,13 @@ class LowBitArgumentsMixin:
 
     Every field has a default, so dataclass ordering holds whatever the other base declares; the combined
     class must itself be a ``@dataclass`` (its generated ``__init__`` takes both sets of fields).
+
+    One base default differs: where ``accelerator_config`` says nothing about ``non_blocking`` (unset, or a dict
+    without the key) and batches are pinned (``dataloader_pin_memory``, on by default) for a CUDA device,
+    ``accelerator_config.non_blocking`` becomes ``True``. Each batch's host-to-device copy is then queued behind
+    the GPU's work instead of making the host wait for it (transformers 5 copies a step's gradient-accumulation
+    batches at its start, one blocking copy each by default). ``accelerator_config={"non_blocking": False}``
+    turns it off; an ``AcceleratorConfig`` or a JSON file is used as given.
     """
 
     int8_mixed_precision: bool = field(default=False, metadata={"help": (
@@ -102,8 +110,16 @@ class LowBitArgumentsMixin:
         "from the GPU's name (H100/H200 989, A100 312, ...); unknown GPUs and CPUs log no MFU.")})
 
     def __post_init__(self):
-        super().__post_init__()
+        said = self.accelerator_config
+        if isinstance(said, str) and said.startswith("{"):  # a dict given as JSON on the command line
+            said = json.loads(said)
+        unsaid = said is None or (isinstance(said, dict) and "non_blocking" not in said)
+        super().__post_init__()  # accelerator_config -> AcceleratorConfig; use_cpu -> dataloader_pin_memory=False
         self._validate_lowbit()
+        # CUDA only: on the CPU no batch is copied, so the arguments stay the stock ones (hf_lowbit.cli.sft unpins there
+        # after construction, which would leave non_blocking on unpinned memory); other accelerators are unmeasured
+        if unsaid and self.dataloader_pin_memory and self.device.type == "cuda":
+            self.accelerator_config.non_blocking = True  # read by Trainer.create_accelerator_and_postprocess
 
     def _validate_lowbit(self) -> None:
         """Check the low-bit fields on their own and against each other; each error names its field."""

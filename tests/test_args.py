@@ -37,3 +37,57 @@ def test_cli_flags():
 def test_string_exclude_becomes_list():
     args = LowBitTrainingArguments(output_dir="unused", report_to="none", lowbit_exclude_modules="lm_head")
     assert args.lowbit_exclude_modules == ["lm_head"]
+
+
+def _device(monkeypatch, kind):
+    """Build arguments as on a machine whose training device is ``kind`` (``TrainingArguments.device`` reads it)."""
+    import torch
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(TrainingArguments, "device", property(lambda self: torch.device(kind)))
+
+
+@pytest.fixture
+def cuda_device(monkeypatch):
+    _device(monkeypatch, "cuda")
+
+
+@pytest.mark.parametrize("kw,expected", [
+    ({}, True),  # unset: pinned (the Trainer's default) batches for CUDA are copied non-blocking
+    (dict(accelerator_config={"split_batches": False}), True),  # a dict silent about non_blocking
+    (dict(accelerator_config='{"split_batches": false}'), True),  # the same dict as JSON on the command line
+    (dict(accelerator_config={"non_blocking": False}), False),  # the user's word
+    (dict(accelerator_config='{"non_blocking": false}'), False),
+    (dict(dataloader_pin_memory=False), False),  # unpinned memory: the copy would not be asynchronous
+    (dict(use_cpu=True), False),  # transformers unpins for use_cpu
+])
+def test_non_blocking_copies_by_default_with_pinned_memory_on_cuda(cuda_device, kw, expected):
+    args = LowBitTrainingArguments(output_dir="unused", report_to="none", **kw)
+    assert args.accelerator_config.non_blocking is expected
+
+
+def test_non_blocking_given_as_an_object_or_file_is_used_as_given(cuda_device, tmp_path):
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    given = AcceleratorConfig()
+    args = LowBitTrainingArguments(output_dir="unused", report_to="none", accelerator_config=given)
+    assert args.accelerator_config is given and given.non_blocking is False
+    path = tmp_path / "accelerator_config.json"
+    path.write_text('{"split_batches": false}')
+    args = LowBitTrainingArguments(output_dir="unused", report_to="none", accelerator_config=str(path))
+    assert args.accelerator_config.non_blocking is False
+    assert path.read_text() == '{"split_batches": false}'
+
+
+def test_non_blocking_from_the_command_line(cuda_device):
+    parser = HfArgumentParser(LowBitTrainingArguments)
+    for flags, expected in (([], True), (["--accelerator_config", '{"non_blocking": false}'], False)):
+        (args,) = parser.parse_args_into_dataclasses(args=["--output_dir", "o", "--report_to", "none", *flags])
+        assert args.accelerator_config.non_blocking is expected, flags
+
+
+def test_non_blocking_stays_off_on_the_cpu(monkeypatch):
+    """No CUDA device: the arguments are transformers' own (no batch is copied anyway)."""
+    _device(monkeypatch, "cpu")
+    args = LowBitTrainingArguments(output_dir="unused", report_to="none")
+    assert args.dataloader_pin_memory and args.accelerator_config.non_blocking is False

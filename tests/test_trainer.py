@@ -257,3 +257,23 @@ def test_nan_inf_filter_runs_on_the_device_and_logs_what_the_trainer_logs(tmp_pa
     assert any(math.isinf(v) for v in trainer.seen)
     saved = torch.load(tmp_path / "ours" / "checkpoint-3" / "training_args.bin", weights_only=False)
     assert saved.logging_nan_inf_filter is True
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")
+@pytest.mark.parametrize("device,accelerator_config,expected", [
+    ("cuda", None, True), ("cuda", {"non_blocking": False}, False), ("cpu", None, False)])
+def test_prepared_train_dataloader_copies_as_the_arguments_chose(tmp_path, monkeypatch, device, accelerator_config,
+                                                                 expected):
+    """The non_blocking the arguments pick for the training device reaches accelerate's prepared train dataloader
+    (built on the CPU: the arguments see ``device`` only while they are constructed); a batch still arrives whole."""
+    with monkeypatch.context() as patch:
+        patch.setattr(TrainingArguments, "device", property(lambda self: torch.device(device)))
+        args = _args(tmp_path, use_cpu=False, per_device_train_batch_size=4, accelerator_config=accelerator_config)
+    args.use_cpu = True  # the run itself on the CPU, on any machine (pinned memory stays requested)
+    data = _data(8)
+    trainer = LowBitTrainer(_model("llama"), args, train_dataset=data)
+    loader = trainer.get_train_dataloader()
+    assert trainer.accelerator.non_blocking is expected and loader._non_blocking is expected
+    batch = next(iter(loader))
+    assert batch["input_ids"].shape == (4, 32)
+    assert all(any(torch.equal(row, data[i]["input_ids"]) for i in range(len(data))) for row in batch["input_ids"])
