@@ -230,9 +230,50 @@ def _median_ms(fn, device: str, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")  # the CUDA runtime calls in which the host waits
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def _profiled(fn, device: str, top: int = 8) -> dict:
+    """One call of ``fn`` under ``torch.profiler``: its wall ms (profiler overhead included), the GPU's kernel ms,
+    and how many host syncs, CUDA-graph replays and kernel launches it made; the ``top`` kernels by time."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    _sync(device)
+    with profile(activities=acts) as prof, torch.no_grad():
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = 1000 * (time.perf_counter() - t)
+    events = [e for e in prof.key_averages() if not getattr(e, "is_user_annotation", False)]
+    kernels = sorted(((e.key, e.self_device_time_total / 1000) for e in events
+                      if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0), key=lambda k: -k[1])
+    count = lambda keys: sum(e.count for e in events if e.key in keys)  # noqa: E731
+    return {"wall_ms": wall, "device_ms": sum(ms for _, ms in kernels), "syncs": count(_SYNCS),
+            "graph_replays": count(("cudaGraphLaunch",)), "kernel_launches": count(_LAUNCHES),
+            "top_kernels": [{"name": n[:120], "ms": ms} for n, ms in kernels[:top]]}
+
+
+def decode_profile(run, t1: int, t2: int, device: str) -> dict:
+    """Where a decoded token's time goes: ``run(t1)`` and ``run(t2)`` profiled, their difference per token (the
+    prompt's prefill and each call's fixed work cancel, as in the timed rate). ``busy``: the GPU's share of the
+    wall time; far below 1, the host (``generate``'s per-token Python, its syncs, launches) is the bound."""
+    short, long = _profiled(lambda: run(t1), device), _profiled(lambda: run(t2), device)
+    n = t2 - t1
+    per = {f"{k}_per_token": (long[k] - short[k]) / n
+           for k in ("wall_ms", "device_ms", "syncs", "graph_replays", "kernel_launches")}
+    per["busy"] = per["device_ms_per_token"] / per["wall_ms_per_token"] if device == "cuda" and per["wall_ms_per_token"] > 0 \
+        else None  # no GPU timeline on the CPU
+    return {**per, "top_kernels": long["top_kernels"]}
+
+
 def measure(a, emit) -> dict:
     """Load ``a.ckpt_dir`` with plain transformers and time it in each mode; ``emit(row)`` after every phase."""
     import torch
+    from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM, CompileConfig
 
     device = a.device
@@ -261,6 +302,7 @@ def measure(a, emit) -> dict:
         try:
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            counters.clear()
             if mode == "eager":
                 forward, gen_kw = model, {"disable_compile": True}
             else:
@@ -275,6 +317,9 @@ def measure(a, emit) -> dict:
             phase["prefill_warmup_s"] = time.perf_counter() - t
             phase["prefill_ms"] = _median_ms(lambda: forward(prefill_ids, logits_to_keep=1, use_cache=False),
                                              device, a.reps)
+            if a.profile:
+                phase["prefill_profile"] = _profiled(lambda: forward(prefill_ids, logits_to_keep=1, use_cache=False),
+                                                     device)
             emit(row)
             for b, ids in prompts.items():
                 def run(n, ids=ids):
@@ -292,9 +337,13 @@ def measure(a, emit) -> dict:
                 phase[f"decode_ms_b{b}"] = [short, long]
                 if long > short:  # else the timing resolved nothing (only on a noisy CPU): no rate
                     phase[f"decode_tok_s_b{b}"] = b * (t2 - t1) / (long - short) * 1000
+                if a.profile:
+                    phase[f"decode_profile_b{b}"] = decode_profile(run, t1, t2, device)
                 emit(row)
             if device == "cuda":
                 phase["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            # compiled graphs Inductor could not run as CUDA graphs (reduce-overhead falls back to launching them)
+            phase["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
         except Exception as e:  # noqa: BLE001 - a row records why a mode failed; the others still run
             phase["error"] = one_line(e)
         emit(row)
@@ -367,6 +416,30 @@ def table(rows: list[dict], modes, batches) -> list[str]:
     return out
 
 
+def profile_table(rows: list[dict], modes, batches) -> list[str]:
+    """The ``--profile`` figures, one line per checkpoint, mode and decode batch (none without them)."""
+    head = ["checkpoint", "mode", "prefill GPU ms (wall ms, profiled)", "batch", "decode wall ms/token (profiled)",
+            "GPU ms/token", "GPU busy", "host syncs/token", "CUDA-graph replays/token", "kernel launches/token",
+            "cudagraph skips"]
+    out = []
+    for r in rows:
+        for mode in modes:
+            p = r.get(mode) or {}
+            pre = p.get("prefill_profile")
+            for b in batches:
+                d = p.get(f"decode_profile_b{b}")
+                if not (pre or d):
+                    continue
+                cells = [r["checkpoint"], mode, f"{pre['device_ms']:.1f} ({pre['wall_ms']:.1f})" if pre else "–", str(b)]
+                cells += ([f"{d['wall_ms_per_token']:.2f}", f"{d['device_ms_per_token']:.2f}",
+                           f"{d['busy']:.0%}" if d.get("busy") is not None else "–", f"{d['syncs_per_token']:.1f}",
+                           f"{d['graph_replays_per_token']:.1f}", f"{d['kernel_launches_per_token']:.1f}"]
+                          if d else ["–"] * 6)
+                cells.append(str(p.get("cudagraph_skips", "–")))
+                out.append("| " + " | ".join(cells) + " |")
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *out] if out else []
+
+
 def plot(rows: list[dict], modes, batches, path: str, title: str) -> None:
     """Bars: prefill and decode speed vs bf16 per checkpoint, one panel per mode, and size vs bf16."""
     try:
@@ -413,6 +486,11 @@ def write(data: dict, a) -> None:
               f"{meta.get('torchao')}: {c['layers']} Llama-8B-shaped layers (h{c['hidden']}), prefill 1x{c['prefill']}, "
               f"decode {c['decode_tokens']} new tokens after a {c['prompt']}-token prompt, LM head {c['lm_head']}")
     lines = table(rows, modes, c["batches"]) if rows else []
+    profiled = profile_table(rows, modes, c["batches"])
+    if profiled:
+        lines += ["", "Profiled (`--profile`, one call each under `torch.profiler`; per decoded token: the difference "
+                  "of the two generate lengths; GPU busy = GPU ms / wall ms; cudagraph skips: compiled graphs that "
+                  "ran without CUDA graphs):", "", *profiled]
     if data.get("probe"):
         lines += ["", "torchao serving configs on this machine (one bf16 linear 1024 -> 512, 16 tokens; SNR vs the exact "
                   "product):", "", "| config | its kernel | runs | weight type | SNR dB eager | SNR dB compiled |",
@@ -441,6 +519,9 @@ def main():
     p.add_argument("--lm_head", choices=("int4", "bf16"), default="int4",
                    help="quantized checkpoints also quantize the LM head (int4: in the scheme's format) or keep it bf16")
     p.add_argument("--compile_backend", default="inductor", help="torch.compile backend (eager: CPU smoke runs)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one prefill and the decode (two generate lengths) in each mode: GPU ms, host "
+                        "syncs, CUDA-graph replays and kernel launches per decoded token, the top kernels")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the script)")
     p.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: each is deleted once measured)")
@@ -521,13 +602,14 @@ def run(a) -> None:
                     config={k: getattr(a, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "layers",
                                                        "prefill", "prompt", "decode_tokens", "batches", "group_size",
                                                        "qat_steps", "qat_seq", "reps", "lm_head", "compile_backend",
-                                                       "modes")})
+                                                       "modes", "profile")})
     common = [sys.executable, os.path.abspath(__file__), "--device", a.device, "--seed", str(a.seed)]
     for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "prefill", "prompt", "group_size",
               "qat_steps", "qat_seq", "reps"):
         common += [f"--{k}", str(getattr(a, k))]
     common += ["--decode_tokens", ",".join(map(str, a.decode_tokens)), "--batches", ",".join(map(str, a.batches)),
                "--modes", ",".join(a.modes), "--lm_head", a.lm_head, "--compile_backend", a.compile_backend]
+    common += ["--profile"] if a.profile else []
     data = {"meta": meta, "rows": []}
     if a.probe or a.probe_only:
         got, err = _run(common + ["--worker", "probe"], a.timeout)

@@ -39,8 +39,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from benchmarks.corpus import corpus_blocks  # noqa: E402
-from benchmarks.driver import add_int_flags, llama_config, meta, train_step, write_results  # noqa: E402
+from benchmarks.driver import add_int_flags, llama_config, meta, save_json, train_step, write_results  # noqa: E402
 from hf_lowbit.qat import QAT_SCHEMES, QATConfig, convert_qat, prepare_qat  # noqa: E402
+
+
+_T0 = time.time()
+
+
+def log(msg: str) -> None:
+    """A progress line with the seconds since start (flushed: a device call cut short keeps what was printed)."""
+    print(f"[{time.time() - _T0:6.0f} s] {msg}", flush=True)
 
 
 def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None) -> list[float]:
@@ -130,6 +138,8 @@ def main():
             packages=tuple(x for x in a.corpus_packages.split(",") if x))
     except ValueError as e:  # a package that is not installed
         raise SystemExit(f"--corpus_packages: {e}") from None
+    log(f"corpus: {corpus['documents']} documents, {train_blocks.numel()} training and {eval_blocks.numel()} "
+        f"held-out tokens")
     if a.eval_blocks:  # a smaller held-out set (smoke runs)
         eval_blocks = eval_blocks[: a.eval_blocks]
     # pretraining and fine-tuning see disjoint halves of the training blocks
@@ -142,8 +152,12 @@ def main():
     if max(epochs.values()) > 4:
         print(f"warning: {epochs['pretrain']:.1f} pre-training / {epochs['finetune']:.1f} fine-tuning epochs over this "
               "small corpus: the model memorizes it and held-out perplexity says little", flush=True)
-    repeats = [run_once(a, config, model_config, pre_blocks, ft_blocks, eval_blocks, a.seed + i)
-               for i in range(a.repeats)]
+    repeats = []
+    for i in range(a.repeats):
+        repeats.append(run_once(a, config, model_config, pre_blocks, ft_blocks, eval_blocks, a.seed + i))
+        if i + 1 < a.repeats and a.json:  # the seeds done so far, in case the run is cut short (rewritten at the end)
+            save_json(a.json, {"meta": meta(a.device, key="device", seconds=time.time() - t0, partial=True),
+                               "repeats": repeats})
     # mean perplexity of each model over the repeats; the recovery of the means (pooled over repeats)
     rows = {k: sum(r["perplexity"][k] for r in repeats) / len(repeats) for k in repeats[0]["perplexity"]}
     lost, recovered = recovery(rows)
@@ -182,7 +196,9 @@ def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blo
     base = AutoModelForCausalLM.from_config(model_config).to(a.device)
     pre_losses = train(base, pre_blocks, a, a.pretrain_steps, a.pretrain_lr, seed,
                        torch.compile(base) if a.compile else None)
+    log(f"seed {seed}: pre-trained {a.pretrain_steps} steps, last loss {pre_losses[-1]:.3f}")
     rows = {"base bf16": perplexity(base, eval_blocks, a), "base PTQ": perplexity(ptq(base, config), eval_blocks, a)}
+    log(f"seed {seed}: base perplexity {rows['base bf16']:.3f}, its PTQ {rows['base PTQ']:.3f}")
     runs = {}
     for kind in ("bf16", "qat"):
         model = copy.deepcopy(base)
@@ -191,6 +207,7 @@ def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blo
             print(report.summary(), flush=True)
         runs[kind] = train(model, ft_blocks, a, a.finetune_steps, a.finetune_lr, seed + 1,
                            torch.compile(model) if a.compile else None)
+        log(f"seed {seed}: fine-tuned ({kind}) {a.finetune_steps} steps, last loss {runs[kind][-1]:.3f}")
         if kind == "bf16":
             rows["fine-tuned bf16"] = perplexity(model, eval_blocks, a)
             rows["fine-tuned PTQ"] = perplexity(ptq(model, config), eval_blocks, a)

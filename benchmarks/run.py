@@ -79,13 +79,16 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                       "~5.6M tokens (about one epoch), int4 everywhere but the input embedding (SCHEME int4_tinygemm, "
                       "GROUP 256: the largest tinygemm group dividing 1024 and 2816), REPEATS seeds with the spread; "
                       "first REPEATS=1 to see whether PTQ costs >= 2% held-out loss (on the CPU its damage grew with "
-                      "the pre-training rate: raise PRETRAIN_LR if not), then REPEATS=3; not yet run",
-                      "~3 min/seed (estimate)", [
+                      "the pre-training rate: raise PRETRAIN_LR if not), then REPEATS=3. A REPEATS=1 try cut at 320 s "
+                      "(90f002d) had not finished one seed and printed nothing: give it a call of its own; progress "
+                      "lines (seconds since start) go to the log under $OUT, and every finished seed to the JSON",
+                      "> 5 min/seed (the 3-min estimate was wrong; not yet measured)", [
         "timeout 580 " + B + "eval_qat.py --compile --include_lm_head --scheme ${SCHEME:-int4_tinygemm} "
         "--group_size ${GROUP:-256} --repeats ${REPEATS:-3} --corpus_packages torch,transformers,sympy,networkx,numpy "
         "--layers 12 --hidden 1024 --intermediate 2816 --heads 16 --kv_heads 4 --vocab 8192 --seq 256 --batch 8 "
         "--pretrain_steps 1500 --pretrain_lr ${PRETRAIN_LR:-2e-3} --finetune_steps 300 --finetune_lr ${FINETUNE_LR:-3e-4} "
-        "--json $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.json --markdown $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.md"]),
+        "--json $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.json --markdown $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.md "
+        "2>&1 | tee $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.log"]),
     "serve_probe": ("issue 26: which of torchao 0.18's int4 / FP8 serving configs quantize and run (eager and "
                     "compiled) on this image, one small linear each, with the one-line reason for the others",
                     "1-2 min (estimate)", [
@@ -96,11 +99,18 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
               "8da4w and int4_weight_only; load time, bytes, prefill 1x2048, decode at batch 1 and 8, peak memory. "
               "One call per MODES / CHECKPOINTS set, each with its own bf16 row: MODES=eager (all, the default); "
               "then MODES=compiled TAG=int4 CHECKPOINTS=qat_int4_tinygemm,ptq_int4_tinygemm; then MODES=compiled "
-              "TAG=fp8 CHECKPOINTS=qat_fp8_rowwise,ptq_fp8_rowwise; then serve_merge. Not yet run: the eager call "
-              "is expected to take 6-7 min, each compiled one 6-8", "6-8 min/call (est.)", [
+              "TAG=fp8 CHECKPOINTS=qat_fp8_rowwise,ptq_fp8_rowwise; then serve_merge. The compiled calls took 4.0 "
+              "and 4.3 min (90f002d); the eager call is not yet run (estimate 6-7 min)", "4-7 min/call", [
         "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes ${MODES:-eager} --checkpoints "
         "${CHECKPOINTS:-qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,qat_int4_weight_only} "
         "--json $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.json --markdown $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.md"]),
+    "serve_profile": ("issue 26: where the compiled path's time goes, after the serve calls read int4 decode 0.84x and "
+                      "FP8 prefill 1.08x bf16 (90f002d): bf16 and our int4_tinygemm / fp8_rowwise exports, compiled, "
+                      "each prefill and decode (two generate lengths) once more under torch.profiler: GPU ms and "
+                      "busy share per decoded token, host syncs, CUDA-graph replays, kernel launches, cudagraph "
+                      "skips, top kernels", "~5 min (estimate: the compiled int4 call took 4.0 min)", [
+        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes compiled --profile --checkpoints "
+        "qat_int4_tinygemm,qat_fp8_rowwise --json $OUT/serve_profile_h200.json --markdown $OUT/serve_profile_h200.md"]),
     "serve_merge": ("issue 26: the serve calls' JSON (and the probe's) joined, ratios kept per call (a call's file "
                     "that is missing is left out, and said so); the PNG needs matplotlib (merge on any machine that "
                     "has it)", "seconds", [

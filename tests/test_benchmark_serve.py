@@ -31,7 +31,7 @@ def test_serve_smoke_on_cpu(tmp_path):
     and through transformers' compiled path (static cache + compile_config; dynamo without Inductor here)."""
     out = tmp_path / "serve.json"
     cmd = [sys.executable, SCRIPT, *TINY, "--checkpoints", "qat_8da4w", "--json", str(out),
-           "--markdown", str(tmp_path / "serve.md"), "--timeout", "300"]
+           "--markdown", str(tmp_path / "serve.md"), "--timeout", "300", "--profile"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -49,6 +49,12 @@ def test_serve_smoke_on_cpu(tmp_path):
             assert "error" not in phase, (row["checkpoint"], mode, phase.get("error"))
             assert phase["prefill_ms"] > 0 and len(phase["decode_ms_b1"]) == 2
             assert phase["prefill_vs_bf16"] > 0
+            # --profile: the per-token differences of two profiled generate calls (no GPU here: no kernels, no
+            # busy share), and no CUDA graphs tried by the eager backend
+            prof = phase["decode_profile_b1"]
+            assert prof["wall_ms_per_token"] > 0 and prof["device_ms_per_token"] == 0 and prof["busy"] is None
+            assert prof["syncs_per_token"] == prof["graph_replays_per_token"] == 0
+            assert phase["prefill_profile"]["wall_ms"] > 0 and phase["cudagraph_skips"] == 0
     assert bf16["eager"]["prefill_vs_bf16"] == 1.0
     meta = data["meta"]
     assert meta["config"]["modes"] == ["eager", "compiled"]
@@ -60,6 +66,8 @@ def test_serve_smoke_on_cpu(tmp_path):
     assert meta["torch"] == torch.__version__ and meta["transformers"] == transformers.__version__
     assert meta["torchao"] == torchao.__version__ and "--checkpoints qat_8da4w" in meta["command"]
     assert "| qat_8da4w | IntxUnpackedToInt8Tensor |" in (tmp_path / "serve.md").read_text()
+    assert "| qat_8da4w | compiled |" in (tmp_path / "serve.md").read_text()  # the --profile table
+    assert meta["config"]["profile"] is True
 
 
 def test_serve_build_worker_reports_a_scheme_it_cannot_convert_in_one_line(tmp_path, capsys, monkeypatch):

@@ -290,7 +290,7 @@ def test_sft_cli_qat_writes_quantized_checkpoint(tmp_path, capsys):
     assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= files
 
 
-def test_eval_qat_smoke(tmp_path, monkeypatch):
+def test_eval_qat_smoke(tmp_path, monkeypatch, capsys):
     """benchmarks/eval_qat.py end to end on a tiny model (the corpus cut to pydoc's topic pages to stay fast)."""
     import importlib.util
 
@@ -309,7 +309,14 @@ def test_eval_qat_smoke(tmp_path, monkeypatch):
                                       "--batch", "4", "--pretrain_steps", "3", "--finetune_steps", "2", "--vocab", "300",
                                       "--group_size", "32", "--eval_blocks", "8", "--repeats", "2", "--include_lm_head",
                                       "--json", str(out)])
+    partial = []  # what a run cut short would leave: each seed written as it finishes (all but the last)
+    monkeypatch.setattr(script, "save_json", lambda path, data: partial.append((path, json.loads(json.dumps(data)))))
     script.main()
+    assert [(p, len(d["repeats"]), d["meta"]["partial"]) for p, d in partial] == [(str(out), 1, True)]
+    assert partial[0][1]["repeats"][0]["seed"] == 0
+    printed = capsys.readouterr().out  # progress lines, seconds since start
+    for line in ("corpus:", "seed 0: pre-trained 3 steps", "seed 1: fine-tuned (qat) 2 steps"):
+        assert line in printed, line
     data = json.loads(out.read_text())
     ppl = data["perplexity"]
     assert set(ppl) == {"base bf16", "base PTQ", "fine-tuned bf16", "fine-tuned PTQ", "QAT fine-tuned, fake quant",
