@@ -102,6 +102,7 @@ def live_at_peak(snapshot: dict) -> tuple[int, list[tuple[int, int, str]]]:
 
 def worker(a) -> dict:
     import torch
+    from torch._dynamo.utils import counters
 
     recipe, backend, mode = VARIANTS[a.variant]
     cuda = a.device == "cuda"
@@ -117,14 +118,20 @@ def worker(a) -> dict:
         for p in lora:
             p.grad = torch.zeros_like(p)
 
-    def step(record: dict | None = None):
-        def pack(t):
-            st = t.untyped_storage()
-            if record is not None and st.data_ptr() not in params:
-                record.setdefault(st.data_ptr(), (st.nbytes(), tuple(t.shape), str(t.dtype)))
-            return t
+    recording: dict = {"into": None}
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def pack(t):  # one pair of hook objects for every step: Dynamo guards on the hooks' ids (new ones recompile)
+        st = t.untyped_storage()
+        if recording["into"] is not None and st.data_ptr() not in params:
+            recording["into"].setdefault(st.data_ptr(), (st.nbytes(), tuple(t.shape), str(t.dtype)))
+        return t
+
+    def unpack(t):
+        return t
+
+    def step(record: dict | None = None):
+        recording["into"] = record
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             with torch.autocast(a.device, dtype=torch.bfloat16):
                 loss = fwd(input_ids=ids, labels=ids).loss
         after_fwd = torch.cuda.memory_allocated() if cuda else 0
@@ -163,6 +170,8 @@ def worker(a) -> dict:
            "after_fwd_gib": (after_fwd - before) / GIB, "peak_fwd_gib": (peak_fwd - before) / GIB,
            "step_peak_gib": step_peak / GIB, "run_peak_gib": run_peak / GIB,
            "total_peak_gib": (base + run_peak) / GIB,
+           "compiled_graphs": counters["stats"]["unique_graphs"],  # the same for warm-up and measured steps
+           "graph_breaks": sum(counters["graph_break"].values()),
            "saved_top": sorted(([b, n, k] for k, (b, n) in groups.items()), key=lambda r: -r[0])[:12]}
     if cuda and a.snapshot:
         snap = torch.cuda.memory._snapshot()
@@ -206,14 +215,14 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| variant | weights GiB | saved GiB | saved B/layer-token | after fwd GiB | step peak GiB | run peak GiB |"
-          " total peak GiB |\n|---|---|---|---|---|---|---|---|")
+          " total peak GiB | graphs / breaks |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['variant']} | error: {r['error'].splitlines()[-1] if r['error'] else '?'} |||||||")
+            print(f"| {r['variant']} | error: {r['error'].splitlines()[-1] if r['error'] else '?'} ||||||||")
             continue
         print(f"| {r['variant']} | {r['weights_gib']:.2f} | {r['saved_gib']:.3f} | {r['saved_per_layer_token']:.0f} | "
               f"{r['after_fwd_gib']:.2f} | {r['step_peak_gib']:.2f} | {r['run_peak_gib']:.2f} | "
-              f"{r['total_peak_gib']:.2f} |")
+              f"{r['total_peak_gib']:.2f} | {r['compiled_graphs']} / {r['graph_breaks']} |")
     for r in rows:
         if "error" in r:
             continue
