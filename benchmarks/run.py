@@ -121,6 +121,13 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         B + "benchmark_train.py --timeout 150 --layers 32 --batch 1 --grad_checkpointing --no_compile --warmup 1 "
         "--steps 3 --recipes lora_bf16,lora_nf4,lora_nf4_int8 --json $OUT/qlora_memory_h200.json "
         "--markdown $OUT/qlora_memory_h200.md"]),
+    "qlora_gc_memory": ("issue 24's open question: with gradient checkpointing at 8x2048 our NF4 + INT8 and PEFT + "
+                        "bitsandbytes peak ~7.6 GiB above LoRA on bf16 less their smaller weights (90f002d), which the "
+                        "CPU does not show (same saved tensors): saved bytes per layer-token, memory after the forward, "
+                        "step and run peaks, what is live at the peak by allocation site; 2 layers, 8x2048, one process "
+                        "per variant (CPU smoke-run only; not yet run on a GPU)", "~2 min per command (estimate)", [
+        B + "gc_memory_probe.py --variants bf16,bnb,nf4_int8 --snapshot --json $OUT/gc_memory_a.json",
+        B + "gc_memory_probe.py --variants nf4_int8_cg,nf4_int8_aot,bnb_aot --snapshot --json $OUT/gc_memory_b.json"]),
     "qlora_nf4": ("the NF4 quantizer vs torchao to_nf4 (128256x4096), quantize-on-load", "~2 min", [
         B + "benchmark_nf4.py --json $OUT/nf4_h200.json --markdown $OUT/nf4_h200.md"]),
     "qlora_nf4_decode": ("the NF4 -> INT8 operand per call on a Llama-8B layer's shapes: our one-pass decode (both "
