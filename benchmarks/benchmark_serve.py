@@ -230,7 +230,6 @@ def _median_ms(fn, device: str, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")  # the CUDA runtime calls in which the host waits
 _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
@@ -240,6 +239,8 @@ def _profiled(fn, device: str, top: int = 8) -> dict:
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.driver import _CUDA_SYNCS  # the CUDA runtime calls in which the host waits (no hf_lowbit import)
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     _sync(device)
@@ -252,7 +253,7 @@ def _profiled(fn, device: str, top: int = 8) -> dict:
     kernels = sorted(((e.key, e.self_device_time_total / 1000) for e in events
                       if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0), key=lambda k: -k[1])
     count = lambda keys: sum(e.count for e in events if e.key in keys)  # noqa: E731
-    return {"wall_ms": wall, "device_ms": sum(ms for _, ms in kernels), "syncs": count(_SYNCS),
+    return {"wall_ms": wall, "device_ms": sum(ms for _, ms in kernels), "syncs": count(_CUDA_SYNCS),
             "graph_replays": count(("cudaGraphLaunch",)), "kernel_launches": count(_LAUNCHES),
             "top_kernels": [{"name": n[:120], "ms": ms} for n, ms in kernels[:top]]}
 
