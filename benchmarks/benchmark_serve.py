@@ -266,8 +266,8 @@ def decode_profile(run, t1: int, t2: int, device: str) -> dict:
     n = t2 - t1
     per = {f"{k}_per_token": (long[k] - short[k]) / n
            for k in ("wall_ms", "device_ms", "syncs", "graph_replays", "kernel_launches")}
-    per["busy"] = per["device_ms_per_token"] / per["wall_ms_per_token"] if device == "cuda" and per["wall_ms_per_token"] > 0 \
-        else None  # no GPU timeline on the CPU
+    wall = per["wall_ms_per_token"]
+    per["busy"] = per["device_ms_per_token"] / wall if device == "cuda" and wall > 0 else None  # CPU: no GPU timeline
     return {**per, "top_kernels": long["top_kernels"]}
 
 
