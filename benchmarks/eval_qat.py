@@ -124,6 +124,11 @@ def main():
                    help="comma-separated installed packages whose docstrings join the corpus (e.g. "
                         "torch,transformers,sympy,networkx,numpy, ~5.6M tokens: room for a larger model to train without "
                         "repeating the text)")
+    p.add_argument("--corpus_cache", default=None, metavar="DIR",
+                   help="keep the tokenized corpus in DIR and reuse it (built once, e.g. on the CPU machine, and "
+                        "carried to the GPU: the package corpus takes minutes to build)")
+    p.add_argument("--corpus_only", action="store_true",
+                   help="build (or check) the --corpus_cache entry for these flags, then stop")
     p.add_argument("--include_lm_head", action="store_true",
                    help="quantize the LM head too (PTQ and QAT): int4 everywhere but the input embedding")
     p.add_argument("--json", default=None)
@@ -135,11 +140,13 @@ def main():
     try:
         tok, train_blocks, eval_blocks, corpus = corpus_blocks(
             a.seq, a.vocab, seed=a.seed, max_docs=a.max_docs,
-            packages=tuple(x for x in a.corpus_packages.split(",") if x))
+            packages=tuple(x for x in a.corpus_packages.split(",") if x), cache_dir=a.corpus_cache)
     except ValueError as e:  # a package that is not installed
         raise SystemExit(f"--corpus_packages: {e}") from None
     log(f"corpus: {corpus['documents']} documents, {train_blocks.numel()} training and {eval_blocks.numel()} "
         f"held-out tokens")
+    if a.corpus_only:
+        return
     if a.eval_blocks:  # a smaller held-out set (smoke runs)
         eval_blocks = eval_blocks[: a.eval_blocks]
     # pretraining and fine-tuning see disjoint halves of the training blocks
@@ -162,7 +169,8 @@ def main():
     rows = {k: sum(r["perplexity"][k] for r in repeats) / len(repeats) for k in repeats[0]["perplexity"]}
     lost, recovered = recovery(rows)
     info = meta(a.device, key="device", seconds=time.time() - t0,
-                corpus={"documents": corpus["documents"], "pretrain_tokens": pre_blocks.numel(),
+                corpus={**{k: corpus[k] for k in ("documents", "packages", "built_on", "cache") if k in corpus},
+                        "pretrain_tokens": pre_blocks.numel(),
                         "finetune_tokens": ft_blocks.numel(), "eval_tokens": eval_blocks.numel()},
                 epochs=epochs, config={k: v for k, v in vars(a).items() if k not in ("json", "markdown")})
     loss = {k: spread([r["loss"][k] for r in repeats]) for k in repeats[0]["loss"]}

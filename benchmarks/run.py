@@ -81,12 +81,15 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                       "first REPEATS=1 to see whether PTQ costs >= 2% held-out loss (on the CPU its damage grew with "
                       "the pre-training rate: raise PRETRAIN_LR if not), then REPEATS=3. A REPEATS=1 try cut at 320 s "
                       "(90f002d) had not finished one seed and printed nothing: give it a call of its own; progress "
-                      "lines (seconds since start) go to the log under $OUT, and every finished seed to the JSON",
+                      "lines (seconds since start) go to the log under $OUT, and every finished seed to the JSON. Build the corpus on "
+                      "the CPU first and carry .corpus_cache (CORPUS_CACHE): eval_qat.py --corpus_only with this "
+                      "command's corpus flags (--corpus_packages, --vocab, --seq, --corpus_cache)",
                       "> 5 min/seed (the 3-min estimate was wrong; not yet measured)", [
         "timeout 580 " + B + "eval_qat.py --compile --include_lm_head --scheme ${SCHEME:-int4_tinygemm} "
         "--group_size ${GROUP:-256} --repeats ${REPEATS:-3} --corpus_packages torch,transformers,sympy,networkx,numpy "
-        "--layers 12 --hidden 1024 --intermediate 2816 --heads 16 --kv_heads 4 --vocab 8192 --seq 256 --batch 8 "
-        "--pretrain_steps 1500 --pretrain_lr ${PRETRAIN_LR:-2e-3} --finetune_steps 300 --finetune_lr ${FINETUNE_LR:-3e-4} "
+        "--corpus_cache ${CORPUS_CACHE:-.corpus_cache} --layers 12 --hidden 1024 --intermediate 2816 --heads 16 "
+        "--kv_heads 4 --vocab 8192 --seq 256 --batch 8 --pretrain_steps 1500 --pretrain_lr ${PRETRAIN_LR:-2e-3} "
+        "--finetune_steps 300 --finetune_lr ${FINETUNE_LR:-3e-4} "
         "--json $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.json --markdown $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.md "
         "2>&1 | tee $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.log"]),
     "serve_probe": ("issue 26: which of torchao 0.18's int4 / FP8 serving configs quantize and run (eager and "

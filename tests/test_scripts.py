@@ -135,6 +135,38 @@ def test_python_docs_corpus_packages(stdlib_corpus):
     assert 0 < len(single) < 400
 
 
+def test_corpus_cache_round_trip(tmp_path, monkeypatch):
+    """``cache_dir``: the second call reads back what the first built (same blocks, same tokenizer, record saying
+    where it came from); other arguments get their own entry; an interrupted save leaves nothing to read."""
+    import torch
+
+    import benchmarks.corpus as corpus
+
+    first = corpus.corpus_blocks(32, 300, max_docs=60, cache_dir=str(tmp_path))
+    entries = [p for p in tmp_path.iterdir()]
+    assert len(entries) == 1 and (entries[0] / "info.json").is_file()
+
+    def not_again(*args):
+        raise AssertionError("rebuilt although cached")
+
+    monkeypatch.setattr(corpus, "_build_blocks", not_again)
+    tok, train, held, info = corpus.corpus_blocks(32, 300, max_docs=60, cache_dir=str(tmp_path))
+    assert torch.equal(train, first[1]) and torch.equal(held, first[2]) and train.dtype == torch.long
+    assert tok.encode("def f(x): return x") == first[0].encode("def f(x): return x") and len(tok) == len(first[0])
+    assert info["cache"] == str(entries[0]) and info["documents"] == 60 and "built_on" in info
+    with pytest.raises(AssertionError, match="rebuilt"):  # another vocabulary: another entry, built
+        corpus.corpus_blocks(32, 280, max_docs=60, cache_dir=str(tmp_path))
+    monkeypatch.undo()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(first[0], "save_pretrained", broken)
+    with pytest.raises(OSError, match="disk full"):
+        corpus._save_cached(str(tmp_path / "other"), *first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [entries[0].name]  # no entry, no temporary left
+
+
 def test_benchmark_refuses_a_recipe_that_is_not_active():
     from conftest import tiny_model
 
