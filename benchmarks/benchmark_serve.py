@@ -26,7 +26,13 @@ decode tokens/s at each of ``--batches`` (``generate`` with ``min_new_tokens = m
 ``batch x (T2 - T1) / (t(T2) - t(T1))`` for the two lengths of ``--decode_tokens``, so prefill and per-call
 overhead cancel), and peak memory, in each of ``--modes``: ``eager`` (dynamic cache) and ``compiled``
 (transformers' compiled path: ``cache_implementation="static"`` with ``compile_config=CompileConfig(mode=
-"reduce-overhead")``, which compiles the decode step; the prefill is timed through ``torch.compile(model)``).
+"reduce-overhead")``, which compiles the decode step; the prefill is timed through ``torch.compile(model)``),
+and ``compiled_unwrapped``: the same after ``model.requires_grad_(False)`` and
+``torchao.utils.unwrap_tensor_subclass(model)``, two lines a user adds after loading, which leaves torchao's quantized weights as plain tensors under a parametrization that rebuilds
+them inside the compiled graph. Why: ``--profile`` found the compiled quantized models' GPU idle for most of each
+decoded token, longer than bf16's; tensor-subclass parameters cost host time on every compiled call (a
+metadata guard and a flatten per weight; on the CPU 3.9x the Python calls per forward of plain weights). Modes
+run in the order given, on one loaded model (``compiled_unwrapped`` changes it for what follows).
 A build or measurement that fails (a kernel missing on the image, an unsupported op, a time-out) becomes an
 error row with a one-line reason; the other rows are unaffected. ``--device cpu`` with tiny shapes checks the
 plumbing (``--compile_backend eager``: dynamo without Inductor); its timings mean nothing.
@@ -48,6 +54,7 @@ import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+MODES = ("eager", "compiled", "compiled_unwrapped")
 DEFAULT_CHECKPOINTS = ("bf16,qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,"
                        "qat_int4_weight_only")
 ERROR_CHARS = 300
@@ -307,6 +314,13 @@ def measure(a, emit) -> dict:
             if mode == "eager":
                 forward, gen_kw = model, {"disable_compile": True}
             else:
+                if mode == "compiled_unwrapped":
+                    from torchao.utils import unwrap_tensor_subclass
+
+                    model.requires_grad_(False)  # the int8/uint8 inner tensors cannot be parameters that need grad
+                    unwrap_tensor_subclass(model)
+                    # what Dynamo sees as the model's inputs now (the weights read the same as before)
+                    phase["parameter_types"] = sorted({type(t).__name__ for t in model.parameters()})
                 forward = torch.compile(model, backend=a.compile_backend)  # the prefill: static shape, whole model
                 compile_config = CompileConfig(backend=a.compile_backend,
                                                mode="reduce-overhead" if a.compile_backend == "inductor" else None)
@@ -480,7 +494,7 @@ def write(data: dict, a) -> None:
     from benchmarks.driver import write_results
 
     rows, meta = data["rows"], data["meta"]
-    modes = list(dict.fromkeys(m for r in rows for m in ("eager", "compiled") if r.get(m)))
+    modes = list(dict.fromkeys(m for r in rows for m in MODES if r.get(m)))
     add_ratios(rows, modes)
     c = meta["config"]
     header = (f"{meta.get('gpu')}, torch {meta.get('torch')}, transformers {meta.get('transformers')}, torchao "
@@ -516,7 +530,7 @@ def main():
     p.add_argument("--batches", default="1,8", help="decode batch sizes")
     p.add_argument("--checkpoints", default=DEFAULT_CHECKPOINTS,
                    help="comma-separated qat_<scheme> and ptq_<scheme>; bf16 (the reference) is always measured first")
-    p.add_argument("--modes", default="eager,compiled", help="eager and/or compiled")
+    p.add_argument("--modes", default="eager,compiled", help=f"any of {', '.join(MODES)}, in the order given")
     p.add_argument("--lm_head", choices=("int4", "bf16"), default="int4",
                    help="quantized checkpoints also quantize the LM head (int4: in the scheme's format) or keep it bf16")
     p.add_argument("--compile_backend", default="inductor", help="torch.compile backend (eager: CPU smoke runs)")
@@ -549,8 +563,8 @@ def main():
         raise SystemExit(f"--decode_tokens {a.decode_tokens}: give two lengths T1 < T2 (the rate is their difference "
                          "over the time difference)")
     a.modes = [m for m in a.modes.split(",") if m]
-    if not a.modes or any(m not in ("eager", "compiled") for m in a.modes):
-        raise SystemExit(f"--modes {','.join(a.modes)}: choose from eager, compiled")
+    if not a.modes or any(m not in MODES for m in a.modes):
+        raise SystemExit(f"--modes {','.join(a.modes)}: choose from {', '.join(MODES)}")
     sys.path.insert(0, ROOT)
     if a.worker:  # one build or measurement, in its own process
         def emit(row):

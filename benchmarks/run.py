@@ -107,13 +107,15 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes ${MODES:-eager} --checkpoints "
         "${CHECKPOINTS:-qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,qat_int4_weight_only} "
         "--json $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.json --markdown $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.md"]),
-    "serve_profile": ("issue 26: where the compiled path's time goes, after the serve calls read int4 decode 0.84x and "
-                      "FP8 prefill 1.08x bf16 (90f002d): bf16 and our int4_tinygemm / fp8_rowwise exports, compiled, "
-                      "each prefill and decode (two generate lengths) once more under torch.profiler: GPU ms and "
-                      "busy share per decoded token, host syncs, CUDA-graph replays, kernel launches, cudagraph "
-                      "skips, top kernels", "~5 min (estimate: the compiled int4 call took 4.0 min)", [
-        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes compiled --profile --checkpoints "
-        "qat_int4_tinygemm,qat_fp8_rowwise --json $OUT/serve_profile_h200.json --markdown $OUT/serve_profile_h200.md"]),
+    "serve_profile": ("issue 26: where the compiled path's time goes: bf16 and our int4_tinygemm / fp8_rowwise exports "
+                      "in MODES (compiled; or compiled_unwrapped: after torchao's unwrap_tensor_subclass), each prefill "
+                      "and decode (two generate lengths) once more under torch.profiler: GPU ms and busy share per "
+                      "decoded token, host syncs, CUDA-graph replays, kernel launches, cudagraph skips, top kernels. "
+                      "MODES=compiled took 4.8 min (5913b2b: GPU busy 61% for bf16, 30% for int4 at batch 1)",
+                      "~5 min", [
+        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes ${MODES:-compiled} --profile --checkpoints "
+        "qat_int4_tinygemm,qat_fp8_rowwise --json $OUT/serve_profile_${MODES:-compiled}_h200.json "
+        "--markdown $OUT/serve_profile_${MODES:-compiled}_h200.md"]),
     "serve_merge": ("issue 26: the serve calls' JSON (and the probe's) joined, ratios kept per call (a call's file "
                     "that is missing is left out, and said so); the PNG needs matplotlib (merge on any machine that "
                     "has it)", "seconds", [

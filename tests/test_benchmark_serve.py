@@ -31,7 +31,8 @@ def test_serve_smoke_on_cpu(tmp_path):
     and through transformers' compiled path (static cache + compile_config; dynamo without Inductor here)."""
     out = tmp_path / "serve.json"
     cmd = [sys.executable, SCRIPT, *TINY, "--checkpoints", "qat_8da4w", "--json", str(out),
-           "--markdown", str(tmp_path / "serve.md"), "--timeout", "300", "--profile"]
+           "--markdown", str(tmp_path / "serve.md"), "--timeout", "300", "--profile",
+           "--modes", "eager,compiled,compiled_unwrapped"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -44,7 +45,7 @@ def test_serve_smoke_on_cpu(tmp_path):
     assert len(qat["build"]["qat_losses"]) == 1
     assert 0 < qat["safetensors_bytes"] < bf16["safetensors_bytes"] and qat["size_vs_bf16"] < 1
     for row in (bf16, qat):
-        for mode in ("eager", "compiled"):
+        for mode in ("eager", "compiled", "compiled_unwrapped"):
             phase = row[mode]
             assert "error" not in phase, (row["checkpoint"], mode, phase.get("error"))
             assert phase["prefill_ms"] > 0 and len(phase["decode_ms_b1"]) == 2
@@ -56,8 +57,10 @@ def test_serve_smoke_on_cpu(tmp_path):
             assert prof["syncs_per_token"] == prof["graph_replays_per_token"] == 0
             assert phase["prefill_profile"]["wall_ms"] > 0 and phase["cudagraph_skips"] == 0
     assert bf16["eager"]["prefill_vs_bf16"] == 1.0
+    # unwrap_tensor_subclass: plain tensors for Dynamo, the same quantized weights rebuilt in the graph
+    assert qat["compiled_unwrapped"]["parameter_types"] == bf16["compiled_unwrapped"]["parameter_types"] == ["Parameter"]
     meta = data["meta"]
-    assert meta["config"]["modes"] == ["eager", "compiled"]
+    assert meta["config"]["modes"] == ["eager", "compiled", "compiled_unwrapped"]
     import torchao
     import transformers
 
