@@ -19,6 +19,8 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   (device ms by kernel category, host syncs per step); ``trainer_b1_ga8_loop`` (and ``qlora_trainer_b1_ga8_loop``):
   profiled, + bf16 (LoRA on a bf16 base) through ``LowBitTrainer`` with no low-bit recipe (``bf16_lbt``,
   ``lora_bf16_lbt``): what its training loop gives (no host sync per micro-batch) apart from the low-bit compute;
+  ``trainer_b8_profile``, ``layers_b8_profile``: 8x2048 with the kernel profile (the Trainer one with ``bf16_lbt``):
+  what bounds the large micro-batch rows;
 * ``trainer_b1_ga8_liger``, ``trainer_b1_ga8_liger_fp8``, ``trainer_b8_liger``: the Trainer path with each
   recipe run without and then with ``use_liger_kernel=True`` (``liger`` in the records; ``vs_bf16`` is to bf16
   without Liger, ``vs_no_liger`` to the same recipe without it): what Liger's kernels (norms, SwiGLU, RoPE,
@@ -67,6 +69,9 @@ BLOCKS = {
     "trainer_b1_ga8": ("trainer", 1, 8, "default", "bf16,int8,fp8", []),
     "trainer_b1": ("trainer", 1, 1, "default", "bf16,int8,fp8", []),
     "trainer_b8": ("trainer", 8, 1, "default", "bf16,int8,fp8", []),
+    # + a kernel profile, and bf16 through LowBitTrainer (bf16_lbt): what bounds the 8x2048 rows (issue 25)
+    "trainer_b8_profile": ("trainer", 8, 1, "default", "bf16,bf16_lbt,int8,fp8", ["--profile"]),
+    "layers_b8_profile": ("layers", 8, 1, "default", "bf16,int8,fp8", ["--profile"]),
     # + a kernel profile of two more Trainer steps (where the Trainer path trails the layers path)
     "trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "bf16,int8,fp8", ["--profile"]),
     # + bf16 through LowBitTrainer without a low-bit recipe (bf16_lbt): its loop's gain apart from the low-bit one
