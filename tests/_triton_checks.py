@@ -276,6 +276,25 @@ def check_quantize_t_variants(device: str) -> int:
     return n
 
 
+def check_quant_sweep(device: str) -> int:
+    """``benchmark_mm.py --quant_sweep``'s code path on tiny shapes with its real grid (every config it will time on
+    the GPU), so a device run does not die on a typo: every candidate runs and equals the default path's output,
+    and the summary comes out (with made-up times). Returns the number of candidates."""
+    from benchmarks.benchmark_mm import quant_sweep_rows, quant_sweep_summary
+
+    rows = quant_sweep_rows(40, device, acts={24: ("dY", 2)}, weights={(20, 36): ("W of q, o", 2)})
+    bad = [(r["shape"], r["config"], r.get("error")) for r in rows if not r["equal"]]
+    assert not bad, bad
+    assert sum(r["default"] for r in rows) == 2 and {r["variant"] for r in rows} == {"two_kernel", "fused", "rows"}
+    for i, r in enumerate(rows):  # made-up times: the summary's arithmetic and formatting
+        r["ms"] = 1.0 / (1 + i % 7)
+        r["gb_s"] = 1.0
+    table, best = quant_sweep_summary(rows)
+    assert set(best) == {"two_kernel (activations)", "fused (activations)", "two_kernel (weights)", "rows (weights)"}
+    assert any(line.startswith("Best overall config per kernel kind") for line in table)
+    return len(rows)
+
+
 def check_quantize_t_stochastic(device: str, **opts) -> int:
     """The Triton column kernel's stochastic rounding: the scales of nearest bit for bit, every code the floor
     or the ceiling of ``x / scale`` (all of q written), reproducible under ``torch.manual_seed``, different
@@ -416,6 +435,8 @@ if __name__ == "__main__":
         print("checked", check_quantize_t_stochastic("cpu"), "stochastic quantizations")
     elif sys.argv[1:] == ["variants"]:
         print("checked", check_quantize_t_variants("cpu"), "quantizations of other variants and tiles")
+    elif sys.argv[1:] == ["quant_sweep"]:
+        print("checked", check_quant_sweep("cpu"), "quant_sweep candidates")
     elif sys.argv[1:] == ["nf4"]:
         print("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes")
     elif sys.argv[1:] == ["stochastic_saturates"]:

@@ -93,6 +93,11 @@ def test_triton_quantize_t_variants_interpreted():
     assert "checked 60 quantizations of other variants and tiles" in run_interpreted("variants")
 
 
+def test_quant_sweep_candidates_interpreted():
+    """benchmark_mm.py --quant_sweep's candidates (its real grid) and equality checks on tiny shapes."""
+    assert "checked 38 quant_sweep candidates" in run_interpreted("quant_sweep")
+
+
 @pytest.mark.cuda
 def test_triton_quantize_t_variants_cuda():
     from _triton_checks import check_quantize_t_variants
