@@ -25,6 +25,10 @@ configuration in ``SWEEP`` (a superset of the kernel's autotune list) on each ma
 autotuner, to see which tiles the list lacks. ``--quant``: also the quantization kernels on the shapes training
 feeds them (``quantize_t`` on each weight-gradient operand, the weight cache's refresh of both layouts on each
 weight), as the bandwidth of the bytes they must move (read once, write once).
+
+``--quant_sweep`` (CUDA; ``--tokens`` default 2048): the quantization kernels' tiles and variants (``QUANT_SWEEP``)
+on a Llama-8B layer's shapes, each candidate checked equal to the default path's output before it is timed; the best
+config per shape and the one config per kernel kind with the least time over a layer, to pick defaults from.
 """
 
 from __future__ import annotations
@@ -177,6 +181,136 @@ def _quant_rows(tokens: int) -> list[dict]:
     return rows
 
 
+# --quant_sweep: tile configurations of the quantization kernels (issue 25). (BLOCK_M, BLOCK_N, num_warps) of the
+# two-kernel path's partial absmax ("amax") and quantize ("quant") kernels (timed as their full cross), of the
+# one-kernel column-strip variant ("fused"); (BLOCK_R, BLOCK_K, num_warps) of the row-wise weight-refresh kernel
+# ("rows"). The first of amax and quant are today's defaults. Each config is one compile (~0.5 s), ~25 in all.
+QUANT_SWEEP = {
+    "amax": [(64, 64, 4), (128, 64, 4), (64, 128, 4), (32, 128, 4), (128, 128, 8)],
+    "quant": [(128, 64, 8), (64, 64, 4), (128, 128, 8), (256, 64, 8), (64, 128, 4)],
+    "fused": [(64, 32, 4), (128, 32, 4), (64, 16, 2), (128, 64, 8), (256, 32, 8), (32, 64, 4)],
+    "rows": [(16, 128, 4), (32, 128, 8), (8, 256, 4), (16, 256, 8), (32, 64, 4), (64, 64, 8)],
+}
+# a Llama-8B layer's quantize_t calls by operand shape (the weight-gradient operands of its 7 linears: X of q, k, v,
+# o, gate, up is [T, 4096], of down [T, 14336]; dY of q, o, down [T, 4096], of k, v [T, 1024], of gate, up
+# [T, 14336]) and its weight refreshes by weight shape [out, in]: "best overall" weighs each shape by its count
+QUANT_ACTS = {4096: ("X, dY", 9), 14336: ("X, dY", 3), 1024: ("dY", 2)}
+QUANT_WEIGHTS = {(4096, 4096): ("W of q, o", 2), (1024, 4096): ("W of k, v", 2), (14336, 4096): ("W of gate, up", 2),
+                 (4096, 14336): ("W of down", 1)}
+
+
+def _cfg(t) -> str:
+    return f"{t[0]}x{t[1]}w{t[2]}"
+
+
+def quant_candidates(kind: str, grid: dict = QUANT_SWEEP) -> list[tuple[str, str, dict]]:
+    """``(variant, config name, quantize_t_triton keywords)`` of every candidate for an activation operand
+    (``kind="act"``: the two-kernel cross and the fused variant) or a weight refresh (``"weight"``: the default
+    and the rows kernel). The first is today's default."""
+    from hf_lowbit.kernels.triton_quant import _AMAX_TILES, _QUANT_TILES
+
+    if kind == "act":
+        cands = [("two_kernel", f"amax {_cfg(a)} / quant {_cfg(q)}", {"amax_tiles": a, "quant_tiles": q})
+                 for a in grid["amax"] for q in grid["quant"] if (a, q) != (_AMAX_TILES, _QUANT_TILES)]
+        return [("two_kernel", f"default (amax {_cfg(_AMAX_TILES)} / quant {_cfg(_QUANT_TILES)})", {})] + cands + [
+            ("fused", _cfg(t), {"variant": "fused", "tiles": t}) for t in grid["fused"]]
+    return [("two_kernel", f"default (amax {_cfg(_AMAX_TILES)} / quant {_cfg(_QUANT_TILES)})", {})] + [
+        ("rows", _cfg(t), {"variant": "rows", "tiles": t}) for t in grid["rows"]]
+
+
+def quant_sweep_rows(tokens: int, device: str = "cuda", acts=QUANT_ACTS, weights=QUANT_WEIGHTS,
+                     grid: dict = QUANT_SWEEP, time_fn=None) -> list[dict]:
+    """Every candidate of :func:`quant_candidates` on each operand shape: its output checked equal (codes and
+    scales, both layouts for weights) to the default path's on the same input, then timed with ``time_fn(fn)``
+    (ms; None: not timed, the CPU smoke test). A mismatch or an error is a row with ``equal`` False (or
+    ``error``) and no time."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
+
+    torch.manual_seed(0)
+    rows = []
+    jobs = [("act", (tokens, n), what, count) for n, (what, count) in acts.items()]
+    jobs += [("weight", shape, what, count) for shape, (what, count) in weights.items()]
+    for kind, shape, what, count in jobs:
+        t = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+        x = t if kind == "act" else t.T  # the weight refresh quantizes w.T (per row of w, both layouts)
+        extra = {} if kind == "act" else {"both_layouts": True}
+        moved = t.numel() * (3 if kind == "act" else 4)  # bf16 read once, codes written once per layout
+        with set_wrap_triton_enabled(False):  # launch directly: wrap_triton's eager dispatch is slower than these
+            ref = quantize_t_triton(x, torch.int8, 127.0, **extra)
+            for i, (variant, config, kw) in enumerate(quant_candidates(kind, grid)):
+                row = {"tokens": tokens, "group": kind, "operand": what, "count": count, "shape": list(shape),
+                       "variant": variant, "config": config, "default": i == 0,
+                       "ms": None, "gb_s": None}
+                fn = lambda: quantize_t_triton(x, torch.int8, 127.0, **extra, **kw)  # noqa: E731
+                try:
+                    got = fn()
+                    row["equal"] = all(torch.equal(a, b) for a, b in zip(got, ref))
+                    if row["equal"] and time_fn is not None:
+                        row["ms"] = time_fn(fn)
+                        row["gb_s"] = moved / row["ms"] / 1e6
+                except Exception as e:  # noqa: BLE001 - a config that does not compile or run: record it, go on
+                    row.update(equal=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+                rows.append(row)
+                if time_fn is not None:
+                    print({k: row[k] for k in ("shape", "variant", "config", "ms", "equal")}, flush=True)
+    return rows
+
+
+def quant_sweep_summary(rows: list[dict]) -> tuple[list[str], dict]:
+    """A markdown table (per shape and variant: the best config, its speedup over today's default) and, per variant
+    and operand group, the one config with the least layer-weighted time over all its shapes (``count`` calls of
+    each shape per layer), the default to pick."""
+    timed = [r for r in rows if r["ms"] is not None]
+    key = lambda r: (r["group"], tuple(r["shape"]))  # noqa: E731 - at 4096 tokens X and W can both be 4096x4096
+    default = {key(r): r for r in timed if r["default"]}
+    table = ["| shape | operand | default ms | default GB/s | variant | best config | ms | GB/s | speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for k in dict.fromkeys(key(r) for r in rows):
+        d, shape = default.get(k), k[1]
+        for variant in dict.fromkeys(r["variant"] for r in rows if key(r) == k):
+            cand = [r for r in timed if key(r) == k and r["variant"] == variant]
+            if not cand or d is None:
+                continue
+            b = min(cand, key=lambda r: r["ms"])
+            table.append(f"| {'×'.join(map(str, shape))} | {b['operand']} | {d['ms']:.4f} | {d['gb_s']:,.0f} | "
+                         f"{variant} | {b['config']} | {b['ms']:.4f} | {b['gb_s']:,.0f} | {d['ms'] / b['ms']:.2f}x |")
+    best = {}
+    for group in ("act", "weight"):
+        need = {key(r): r["count"] for r in rows if r["group"] == group}
+        base = sum(default[s]["ms"] * c for s, c in need.items()) if all(s in default for s in need) else None
+        for variant in dict.fromkeys(r["variant"] for r in rows if r["group"] == group):
+            per = {}
+            for r in timed:
+                if r["group"] == group and r["variant"] == variant:
+                    per.setdefault(r["config"], {})[key(r)] = r["ms"] * r["count"]
+            full = {c: sum(v.values()) for c, v in per.items() if set(v) == set(need)}  # timed on every shape
+            if full and base:
+                c = min(full, key=full.get)
+                best[f"{variant} ({'activations' if group == 'act' else 'weights'})"] = {
+                    "config": c, "layer_ms": full[c], "default_layer_ms": base, "speedup": base / full[c]}
+    table += ["", "Best overall config per kernel kind (the least time over a Llama-8B layer's calls, each shape "
+              "weighted by its count per layer): " + "; ".join(
+                  f"{k}: {v['config']}, {v['layer_ms']:.3f} ms vs the default's {v['default_layer_ms']:.3f} ms "
+                  f"({v['speedup']:.2f}x)" for k, v in best.items())]
+    errors = [r for r in rows if not r["equal"]]
+    if errors:
+        table += ["", f"{len(errors)} candidates not equal to the default's output, or failed (not timed): " + "; ".join(
+            f"{'×'.join(map(str, r['shape']))} {r['variant']} {r['config']}: {r.get('error', 'not equal')}"
+            for r in errors)]
+    return table, best
+
+
+def quant_sweep(a) -> None:
+    """``--quant_sweep``: each candidate of :data:`QUANT_SWEEP` on a Llama-8B layer's quantization shapes."""
+    rows = quant_sweep_rows(a.tokens, time_fn=graph_ms)
+    table, best = quant_sweep_summary(rows)
+    info = meta("cuda", key="device", tokens=a.tokens, grid={k: [list(t) for t in v] for k, v in QUANT_SWEEP.items()})
+    write_results({"meta": info, "rows": rows, "best": best}, table, f"{info['device']}, torch {info['torch']}, "
+                  f"{a.tokens} tokens, quantization kernels' tiles", a.json, a.markdown)
+
+
 def _int_mm_scaled(a, b_t, sa, sb):
     return (torch._int_mm(a, b_t).float() * sa[:, None] * sb[None, :]).to(torch.bfloat16)
 
@@ -240,20 +374,23 @@ def backends(a) -> None:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", action="store_true", help="each matmul of a Llama-8B layer on each backend (CUDA)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens per matmul (default 16384; --backends: 2048)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per matmul (default 16384; --backends, --quant_sweep: 2048)")
     p.add_argument("--shapes", default="4096x4096,4096x1024,4096x14336,14336x4096", help="in x out, comma-separated")
     p.add_argument("--formats", default="int8,fp8")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="--backends: also time every tile configuration of SWEEP")
     p.add_argument("--quant", action="store_true", help="--backends: also the quantization kernels on training's shapes")
+    p.add_argument("--quant_sweep", action="store_true",
+                   help="the quantization kernels' tiles and variants on a Llama-8B layer's shapes (CUDA; QUANT_SWEEP)")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the default mode)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args()
-    a.tokens = a.tokens or (2048 if a.backends else 16384)
-    if (a.device == "cuda" or a.backends) and not torch.cuda.is_available():
+    a.tokens = a.tokens or (2048 if a.backends or a.quant_sweep else 16384)
+    if (a.device == "cuda" or a.backends or a.quant_sweep) and not torch.cuda.is_available():
         raise SystemExit("benchmark_mm.py needs a CUDA GPU (--device cpu only smoke-tests the default mode)")
-    (backends if a.backends else layouts)(a)
+    (quant_sweep if a.quant_sweep else backends if a.backends else layouts)(a)
 
 
 if __name__ == "__main__":

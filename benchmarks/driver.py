@@ -457,7 +457,8 @@ def graph_ms(fn: Callable[[], object], reps: int = 10, inner: int = 10) -> float
 # Inductor's generated kernels all start with "triton_", cuBLAS FP8 GEMMs carry "qq" in nvjet names).
 _CATEGORIES = (
     ("int8 matmul (ours, Triton)", ("_int8_scaled_mm_kernel",)),
-    ("quantize_t (ours, Triton)", ("_col_amax_kernel", "_quantize_t_kernel")),
+    ("quantize_t (ours, Triton)", ("_col_amax_kernel", "_quantize_t_kernel", "_quantize_t_fused_kernel",
+                                   "_quantize_rows_kernel")),
     ("nf4 -> int8 (ours, Triton)", ("_nf4_to_int8_kernel",)),
     ("nf4 dequantize (bitsandbytes)", ("kdequantize",)),
     ("Inductor fused: norms, activations, quantize", ("triton_",)),

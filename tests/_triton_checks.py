@@ -133,8 +133,10 @@ def check_int8_scaled_mm_addend(device: str) -> int:
     return n
 
 
-def check_quantize_t(device: str) -> int:
-    """The column-quantize-and-transpose kernels against the plain-torch reference (CPU op impl)."""
+def check_quantize_t(device: str, **opts) -> int:
+    """The column-quantize-and-transpose kernels against the plain-torch reference (CPU op impl). ``opts``: which
+    kernels and tiles (``variant``, ``tiles``, ... of ``quantize_t_triton``), passed to every call; the two-kernel
+    path gets several partial-absmax chunks unless ``opts`` name its ``chunk_m``."""
     from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX
     from hf_lowbit.kernels.int8 import INT8_MAX
     from hf_lowbit.kernels.quantize_t import quantize_t
@@ -143,6 +145,8 @@ def check_quantize_t(device: str) -> int:
     formats = [("int8", torch.int8, INT8_MAX), ("fp8", FP8_DTYPE, FP8_MAX)]
     n = 0
     chunk = 1024 if device == "cuda" else 64  # several partial-absmax chunks either way
+    if opts.get("variant", "two_kernel") == "two_kernel":
+        opts = {"chunk_m": chunk, **opts}
     for M, N in ((37, 24), (1030, 70) if device == "cuda" else (150, 40), (5, 3)):
         for transposed in (False, True):
             x = (torch.randn(N, M, device=device).T if transposed else torch.randn(M, N, device=device)) * 3
@@ -153,7 +157,7 @@ def check_quantize_t(device: str) -> int:
                 xd = x.to(dtype)
                 for fmt, qdtype, qmax in formats:
                     with PoisonedAllocations() as poison:  # q starts as NaN / -128, the scales as NaN
-                        q, s = quantize_t_triton(xd, qdtype, qmax, chunk_m=chunk)
+                        q, s = quantize_t_triton(xd, qdtype, qmax, **opts)
                     assert ((N, M), qdtype) in poison.shapes and ((N,), torch.float32) in poison.shapes
                     rq, rs = quantize_t(xd.cpu(), fmt)
                     assert q.shape == (N, M) and q.is_contiguous() and s.shape == (N,)
@@ -166,21 +170,21 @@ def check_quantize_t(device: str) -> int:
                     n += 1
                     # both layouts from one pass (the weight cache's refresh): the same codes, and x's own layout
                     with PoisonedAllocations() as poison:
-                        q2, s2, qx = quantize_t_triton(xd, qdtype, qmax, chunk_m=chunk, both_layouts=True)
+                        q2, s2, qx = quantize_t_triton(xd, qdtype, qmax, **opts, both_layouts=True)
                     assert ((M, N), qdtype) in poison.shapes and qx.shape == (M, N) and qx.is_contiguous()
                     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)), "both_layouts changed q"
                     assert torch.equal(qx.view(torch.uint8), q.T.view(torch.uint8)), "qx is not q transposed"
                     torch.testing.assert_close(s2, s, rtol=0, atol=0, equal_nan=True)
                     # in place into preallocated buffers (every weight-cache refresh after the first)
                     bufs = (torch.empty_like(q2), torch.empty_like(s2), torch.empty_like(qx))
-                    got = quantize_t_triton(xd, qdtype, qmax, chunk_m=chunk, out=bufs, both_layouts=True)
+                    got = quantize_t_triton(xd, qdtype, qmax, **opts, out=bufs, both_layouts=True)
                     assert all(g is b for g, b in zip(got, bufs))
                     assert torch.equal(bufs[0].view(torch.uint8), q.view(torch.uint8))
                     assert torch.equal(bufs[2].view(torch.uint8), qx.view(torch.uint8))
                     n += 1
                 # row_mul: x * mul[:, None] quantized without materializing it (the input gradient's dY·diag(s))
                 mul = torch.logspace(-3, 2, M, device=device)
-                q, s = quantize_t_triton(xd, torch.int8, INT8_MAX, chunk_m=chunk, row_mul=mul)
+                q, s = quantize_t_triton(xd, torch.int8, INT8_MAX, **opts, row_mul=mul)
                 rq, rs = quantize_t(xd.cpu(), "int8", False, mul.cpu())
                 torch.testing.assert_close(s[ok].cpu(), rs[ok], rtol=0, atol=0)
                 assert torch.equal(q[ok].cpu(), rq[ok]), f"row_mul {(M, N)} t={transposed} {dtype}"
@@ -200,17 +204,109 @@ def check_quantize_t(device: str) -> int:
     return n
 
 
-def check_quantize_t_stochastic(device: str) -> int:
+def quantize_t_variants(device: str) -> list[dict]:
+    """``quantize_t_triton`` options beside its defaults, each checked to give the default path's bits: both
+    single-kernel variants at their default tiles and at others, and the two-kernel path at other tiles (tiles that
+    do not divide the shapes below, several partial-absmax chunks)."""
+    if device == "cuda":
+        return [dict(variant="fused"), dict(variant="fused", tiles=(256, 16, 4)), dict(variant="rows"),
+                dict(variant="rows", tiles=(32, 64, 8)), dict(amax_tiles=(128, 128, 8), quant_tiles=(256, 64, 8)),
+                dict(amax_tiles=(32, 128, 4), quant_tiles=(64, 128, 4), chunk_m=256)]
+    # the interpreter: few programs (it runs them one after another), tiles still smaller than the shapes
+    return [dict(variant="fused"), dict(variant="fused", tiles=(64, 8, 2)), dict(variant="rows"),
+            dict(variant="rows", tiles=(4, 64, 2)), dict(amax_tiles=(32, 8, 2), quant_tiles=(8, 32, 2), chunk_m=32)]
+
+
+def check_quantize_t_variants(device: str) -> int:
+    """Every option of :func:`quantize_t_variants` against the plain-torch reference and the default two-kernel
+    path, bit for bit: int8 and fp8, on a row-major ``x`` (activations) and on ``x = w.T`` of a row-major ``w``
+    (the weight refresh), shapes no tile divides, a NaN in a column of ``x`` (a row of ``w``: its scale NaN, the
+    others untouched) and an all-zero one; both layouts into preallocated buffers that start as poison (all of
+    them written); int8 stochastic rounding with ``row_mul`` and one layout, the same bits as the default path for
+    the same ``torch.manual_seed``. (The codes of a NaN column are not compared: the reference's are undefined.)
+    Returns the number of checks."""
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX
+    from hf_lowbit.kernels.int8 import INT8_MAX
+    from hf_lowbit.kernels.quantize_t import quantize_t
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
+
+    formats = [("int8", torch.int8, INT8_MAX), ("fp8", FP8_DTYPE, FP8_MAX)]
+    shapes = [(1030, 70), (4099, 300)] if device == "cuda" else [(37, 24), (70, 20)]
+    dtypes = (torch.bfloat16, torch.float32) if device == "cuda" else (torch.bfloat16,)
+    variants = quantize_t_variants(device)
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    for M, N in shapes:
+        for weight in (False, True):
+            x = torch.randn(N, M, generator=g).T if weight else torch.randn(M, N, generator=g)
+            x = x * 3
+            x[:, 1] = 0
+            x[M // 2, 2] = float("nan")
+            ok = torch.arange(N) != 2
+            mul = torch.logspace(-3, 2, M).to(device)
+            for dtype in dtypes:
+                xd = x.to(dtype).to(device)  # .to keeps the strides: w.T stays a transposed view
+                assert xd.stride(0 if weight else 1) == 1
+                for fmt, qdtype, qmax in formats:
+                    rq, rs = quantize_t(xd.cpu(), fmt)
+                    for opts in variants:
+                        with PoisonedAllocations():
+                            bufs = (torch.empty(N, M, dtype=qdtype, device=device),
+                                    torch.empty(N, dtype=torch.float32, device=device),
+                                    torch.empty(M, N, dtype=qdtype, device=device))
+                        got = quantize_t_triton(xd, qdtype, qmax, out=bufs, both_layouts=True, **opts)
+                        assert all(a is b for a, b in zip(got, bufs))
+                        q, s, qx = (t.cpu() for t in got)
+                        what = f"{(M, N)} weight={weight} {dtype} {fmt} {opts}"
+                        assert torch.equal(s[ok], rs[ok]) and torch.isnan(s[2]), f"{what}: scales differ"
+                        assert torch.equal(q[ok].view(torch.uint8), rq[ok].view(torch.uint8)), f"{what}: codes differ"
+                        assert torch.equal(qx.view(torch.uint8), q.T.view(torch.uint8)), f"{what}: qx is not q.T"
+                        n += 1
+                # stochastic rounding, row_mul, one layout: the default path's bits for the same seed
+                torch.manual_seed(7)
+                q0, s0 = quantize_t_triton(xd, torch.int8, INT8_MAX, stochastic=True, row_mul=mul)
+                for opts in variants:
+                    torch.manual_seed(7)
+                    with PoisonedAllocations():
+                        q, s = quantize_t_triton(xd, torch.int8, INT8_MAX, stochastic=True, row_mul=mul, **opts)
+                    okd = ok.to(device)
+                    assert torch.equal(q[okd], q0[okd]), f"{(M, N)} weight={weight} {dtype} {opts}: SR codes differ"
+                    assert (q[okd] != -128).all() and torch.equal(s[okd], s0[okd]) and torch.isnan(s[2])
+                    n += 1
+    return n
+
+
+def check_quant_sweep(device: str) -> int:
+    """``benchmark_mm.py --quant_sweep``'s code path on tiny shapes with its real grid (every config it will time on
+    the GPU), so a device run does not die on a typo: every candidate runs and equals the default path's output,
+    and the summary comes out (with made-up times). Returns the number of candidates."""
+    from benchmarks.benchmark_mm import quant_sweep_rows, quant_sweep_summary
+
+    rows = quant_sweep_rows(40, device, acts={24: ("dY", 2)}, weights={(20, 36): ("W of q, o", 2)})
+    bad = [(r["shape"], r["config"], r.get("error")) for r in rows if not r["equal"]]
+    assert not bad, bad
+    assert sum(r["default"] for r in rows) == 2 and {r["variant"] for r in rows} == {"two_kernel", "fused", "rows"}
+    for i, r in enumerate(rows):  # made-up times: the summary's arithmetic and formatting
+        r["ms"] = 1.0 / (1 + i % 7)
+        r["gb_s"] = 1.0
+    table, best = quant_sweep_summary(rows)
+    assert set(best) == {"two_kernel (activations)", "fused (activations)", "two_kernel (weights)", "rows (weights)"}
+    assert any(line.startswith("Best overall config per kernel kind") for line in table)
+    return len(rows)
+
+
+def check_quantize_t_stochastic(device: str, **opts) -> int:
     """The Triton column kernel's stochastic rounding: the scales of nearest bit for bit, every code the floor
     or the ceiling of ``x / scale`` (all of q written), reproducible under ``torch.manual_seed``, different
     between seeds, and unbiased: averaged over many draws each column converges to its value, where nearest
-    keeps a bias of at least 0.1 of a step. Returns the number of checks."""
+    keeps a bias of at least 0.1 of a step. ``opts``: which kernels (``variant``, tiles) of ``quantize_t_triton``.
+    Returns the number of checks."""
     from hf_lowbit.kernels.triton_quant import quantize_t_triton
 
     def sr(x, seed=None):
         if seed is not None:
             torch.manual_seed(seed)
-        return quantize_t_triton(x, torch.int8, 127.0, stochastic=True)
+        return quantize_t_triton(x, torch.int8, 127.0, stochastic=True, **opts)
 
     n, cases = 0, [(37, 24, False, torch.float32), (70, 20, True, torch.bfloat16)]
     if device == "cuda":
@@ -222,7 +318,7 @@ def check_quantize_t_stochastic(device: str) -> int:
         with PoisonedAllocations() as poison:  # q starts as -128, which floor(y + u) never gives
             q, s = sr(xd, seed=1)
         assert ((N, M), torch.int8) in poison.shapes
-        qn, sn = quantize_t_triton(xd, torch.int8, 127.0)
+        qn, sn = quantize_t_triton(xd, torch.int8, 127.0, **opts)
         assert q.shape == (N, M) and q.is_contiguous() and torch.equal(s, sn), "scales differ from nearest's"
         y = xd.float().T / s[:, None]  # the kernel's y (IEEE division), before rounding
         assert ((q.float() == y.floor()) | (q.float() == y.ceil())).all(), f"{(M, N)} {dtype}: not floor/ceil"
@@ -245,7 +341,7 @@ def check_quantize_t_stochastic(device: str) -> int:
         q_sum += q[:, 1:].double().mean(1)
         if i + 1 in (1, draws):
             err[i + 1] = (q_sum / (i + 1) - x[1].double() / s.double()).abs()  # in steps
-    qn, sn = quantize_t_triton(x, torch.int8, 127.0)
+    qn, sn = quantize_t_triton(x, torch.int8, 127.0, **opts)
     bias = (qn[:, 1:].double().mean(1) - x[1].double() / sn.double()).abs()
     assert bias.min() > 0.099, bias  # round-to-nearest: biased in every column, whatever the number of draws
     # the mean of n draws errs by ~0.5/sqrt(n (M-1)) steps: < 0.05 everywhere and shrinking with more draws
@@ -337,6 +433,10 @@ def check_nf4_to_int8(device: str) -> int:
 if __name__ == "__main__":
     if sys.argv[1:] == ["stochastic"]:
         print("checked", check_quantize_t_stochastic("cpu"), "stochastic quantizations")
+    elif sys.argv[1:] == ["variants"]:
+        print("checked", check_quantize_t_variants("cpu"), "quantizations of other variants and tiles")
+    elif sys.argv[1:] == ["quant_sweep"]:
+        print("checked", check_quant_sweep("cpu"), "quant_sweep candidates")
     elif sys.argv[1:] == ["nf4"]:
         print("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes")
     elif sys.argv[1:] == ["stochastic_saturates"]:

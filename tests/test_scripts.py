@@ -191,6 +191,19 @@ def test_benchmark_mm_smoke_on_cpu(tmp_path):
     assert [q["kernel"] for q in data["quantize"]][0] == "copy (bf16)"
 
 
+def test_benchmark_mm_quant_sweep_refuses_without_cuda(tmp_path):
+    """--quant_sweep needs a GPU: without one it says so and writes nothing (its code path on the CPU interpreter:
+    test_triton_int8.py::test_quant_sweep_candidates_interpreted)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_mm.py"), "--quant_sweep", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr and not out.exists()
+
+
 def test_benchmark_train_lora_recipes_smoke_on_cpu(tmp_path):
     out = tmp_path / "lora.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu", "--no_compile",

@@ -111,11 +111,13 @@ def test_triton_stochastic_column_kernel_interpreted():
 
 @pytest.mark.cuda
 def test_triton_stochastic_column_kernel_cuda_same_memory_as_nearest():
-    from _triton_checks import check_quantize_t_stochastic
+    from _triton_checks import check_quantize_t_stochastic, quantize_t_variants
 
     from hf_lowbit.kernels.triton_quant import quantize_t_triton
 
     assert check_quantize_t_stochastic("cuda") == 5  # 4 shapes + the unbiasedness check
+    for opts in quantize_t_variants("cuda"):  # the other variants and tiles (same bits: check_quantize_t_variants)
+        assert check_quantize_t_stochastic("cuda", **opts) == 5, opts
     x = torch.randn(16384, 5632, device="cuda", dtype=torch.bfloat16)
     peak = {}
     for sr in (False, True) * 2:  # the second round counts

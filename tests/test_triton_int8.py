@@ -80,9 +80,29 @@ def test_triton_int8_scaled_mm_addend_cuda():
 
 @pytest.mark.cuda
 def test_triton_quantize_t_cuda():
-    from _triton_checks import check_quantize_t
+    from _triton_checks import check_quantize_t, quantize_t_variants
 
     assert check_quantize_t("cuda") > 0
+    for opts in quantize_t_variants("cuda"):  # the whole check for each other variant and tiles
+        assert check_quantize_t("cuda", **opts) > 0, opts
+
+
+def test_triton_quantize_t_variants_interpreted():
+    """The single-kernel variants (fused, rows) and other tiles: the default path's bits (the stochastic ones
+    too), against the plain-torch reference."""
+    assert "checked 60 quantizations of other variants and tiles" in run_interpreted("variants")
+
+
+def test_quant_sweep_candidates_interpreted():
+    """benchmark_mm.py --quant_sweep's candidates (its real grid) and equality checks on tiny shapes."""
+    assert "checked 38 quant_sweep candidates" in run_interpreted("quant_sweep")
+
+
+@pytest.mark.cuda
+def test_triton_quantize_t_variants_cuda():
+    from _triton_checks import check_quantize_t_variants
+
+    assert check_quantize_t_variants("cuda") == 144  # 2 shapes x 2 layouts x 2 dtypes x 18
 
 
 def test_triton_nf4_to_int8_interpreted():

@@ -89,11 +89,14 @@ def scaled_matmul_input_grad(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor,
 
 
 @torch.no_grad()
-def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None) -> tuple[Tensor, ...]:
+def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, **kernel: object) -> tuple[Tensor, ...]:
     """Everything a linear's weight ``w [N, K]`` takes part in, from one call: ``(q [N, K], scale [N])`` per
     output row (the forward's operand, the same bits as :func:`quantize_operand` ``(w, 1)``) and the same codes
     transposed, ``qt [K, N]`` (the input gradient's, :func:`scaled_matmul_input_grad`). ``out``: three
-    preallocated tensors to write into (in place, so CUDA graphs that read them stay valid)."""
+    preallocated tensors to write into (in place, so CUDA graphs that read them stay valid). ``kernel``: on CUDA,
+    which Triton kernels and tiles (``variant``, ``tiles``, ... of
+    :func:`hf_lowbit.kernels.triton_quant.quantize_t_triton`; e.g. ``variant="rows"``, the row-wise kernel), all
+    giving the same bits; unused off CUDA (plain torch)."""
     if w.is_cuda:
         from torch._library.triton import set_wrap_triton_enabled
 
@@ -104,7 +107,7 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None) 
         # wrap_triton's dispatch costs ~1 ms a launch, which made a refresh of 8 Llama-8B layers ~70 ms. Both
         # layouts come from one pass (the transposed codes are stored from the same registers)
         with set_wrap_triton_enabled(False):
-            return quantize_t_triton(w.T, f.dtype, f.qmax, out=out, both_layouts=True)
+            return quantize_t_triton(w.T, f.dtype, f.qmax, out=out, both_layouts=True, **kernel)
     q, s = quantize_operand(fmt, w, 1)
     if out is not None:
         q, s = out[0].copy_(q), out[1].copy_(s)

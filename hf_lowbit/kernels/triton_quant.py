@@ -10,6 +10,17 @@ permuted store) ran at ~1/3 of the copy bandwidth on the H200, so it is two kern
    stochastic rounding, ``floor(y + u)`` with ``u`` from Philox in registers) and stores the tile
    transposed. The nearest paths match the plain-torch quantize functions bit for bit.
 
+Two single-kernel variants (``variant=``; issue 25: the two-kernel path ran at ~1.35 TB/s on activations and
+~0.9 TB/s on the weight refresh, far from the H200's 4.8) own whole columns of ``x`` per program and read them
+twice, absmax then encode, the second pass backwards so that it starts on what the first left in L2:
+
+- ``"fused"``: a strip of ``BLOCK_N`` columns of a row-major ``x`` (activations), tiles ``[BLOCK_M, BLOCK_N]``;
+- ``"rows"``: ``BLOCK_R`` rows of ``w = x.T`` (the weight cache's refresh, ``x = w.T`` with ``w [N, K]``
+  row-major), tiles ``[BLOCK_R, BLOCK_K]`` with contiguous loads, codes stored in ``w``'s layout (and transposed).
+
+All three share the jit helpers below (absmax with NaN, scale, rounding), so they give the same bits, stochastic
+rounding included (Philox keyed by the element's index in ``x``, whatever the tiling).
+
 NaN in a column gives that column a NaN scale (as :func:`hf_lowbit.kernels.int8.quantize_int8` does).
 """
 
@@ -21,12 +32,84 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 _CHUNK_M = 1024  # rows per partial absmax
+VARIANTS = ("two_kernel", "fused", "rows")
+# (BLOCK_M, BLOCK_N, num_warps) defaults on CUDA; the interpreter (CPU) uses 16x16 tiles
+_AMAX_TILES = (64, 64, 4)  # 64x64 with 4 warps: 0.13 ms mean per call in the bench; 32x256 with 8 warps was 3x slower
+_QUANT_TILES = (128, 64, 8)
+_FUSED_TILES = (64, 32, 4)  # (BLOCK_M, BLOCK_N, num_warps): a first guess, to be swept (benchmark_mm --quant_sweep)
+_ROWS_TILES = (16, 128, 4)  # (BLOCK_R, BLOCK_K, num_warps): likewise
+_CPU_TILES = (16, 16, 4)
 
 
 @triton.jit
 def _rne(y):
     """Round fp32 ``|y| < 2**22`` to the nearest integer, ties to even (as ``torch.round``), exactly."""
     return (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: the fp32 add itself rounds half to even
+
+
+@triton.jit
+def _max_keep_nan(acc, a):
+    """Elementwise running maximum that keeps a NaN once one came in (``NaN > y`` is False)."""
+    return tl.where((a > acc) | (a != a), a, acc)
+
+
+@triton.jit
+def _amax_reduce(acc, AXIS: tl.constexpr):
+    """``acc``'s maximum along ``AXIS``, NaN where that line holds one (``tl.max`` would drop it)."""
+    nan = tl.max((acc != acc).to(tl.int32), axis=AXIS)
+    return tl.where(nan > 0, float("nan"), tl.max(acc, axis=AXIS))
+
+
+@triton.jit
+def _scale_of(amax, QMAX: tl.constexpr):
+    # IEEE-rounded divisions (Triton's fp32 `/` is approximate on CUDA): bit-exact with torch's `x / scale`
+    return tl.math.div_rn(tl.where(amax < 1e-30, 1e-30, amax), QMAX)  # NaN < x is False: NaN stays
+
+
+@triton.jit
+def _encode(x, scale, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Codes of ``x / scale`` (``scale`` broadcast to ``x``'s shape by the caller). ``rand_offs`` (int64): each
+    element's index in ``x`` [M, N], ``m * N + n``, the Philox counter of stochastic rounding, so an element's
+    draw depends on the seed and its place only, not on the kernel or its tiles."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+    if STOCHASTIC:  # int8 only: floor(y + u), u ~ U[0, 1), so E[q] = y
+        # counter-based, so the random numbers live in registers (no random tensor). The clamp is needed although
+        # |y| <= 127 and u < 1: float32's 127 + u rounds to 128.0 for u within 2**-18 of 1, and the int8 cast
+        # may wrap 128 to -128 (Triton's interpreter does); as the plain-torch reference, clamp after the floor.
+        u = tl.rand(seed, rand_offs)
+        q = tl.minimum(tl.floor(y + u), QMAX).to(tl.int8)
+    elif IS_INT8:
+        q = _rne(y).to(tl.int8)
+    else:
+        # Round to the e4m3 grid in fp32 (spacing 2**(e-3) in binade e, 2**-9 below 2**-6), so the cast
+        # is exact and the result equals torch's single round-to-nearest-even cast bit for bit.
+        e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        q = (_rne(y / step) * step).to(tl.float8e4nv)
+    return q
+
+
+@triton.jit
+def _load_x(x_ptr, offs_m, offs_n, M, N, stride_xm, stride_xn, mul_ptr, HAS_MUL: tl.constexpr):
+    """The ``[len(offs_m), len(offs_n)]`` tile of ``x`` in float32 (0 outside), times ``row_mul`` if any."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_MUL:
+        x = x * tl.load(mul_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
+    return x
+
+
+@triton.jit
+def _load_w(w_ptr, offs_r, offs_k, R, K, stride_wr, stride_wk, mul_ptr, HAS_MUL: tl.constexpr):
+    """The ``[len(offs_r), len(offs_k)]`` tile of ``w = x.T`` in float32 (0 outside), times ``row_mul`` (of
+    ``x``: ``w``'s columns) if any."""
+    mask = (offs_r[:, None] < R) & (offs_k[None, :] < K)
+    w = tl.load(w_ptr + offs_r[:, None] * stride_wr + offs_k[None, :] * stride_wk, mask=mask, other=0.0)
+    w = w.to(tl.float32)
+    if HAS_MUL:
+        w = w * tl.load(mul_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
+    return w
 
 
 @triton.jit
@@ -39,17 +122,9 @@ def _col_amax_kernel(x_ptr, part_ptr, mul_ptr, M, N, stride_xm, stride_xn, HAS_M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for m0 in range(pid_m * CHUNK_M, tl.minimum(M, (pid_m + 1) * CHUNK_M), BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        if HAS_MUL:
-            x = x * tl.load(mul_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
-        a = tl.abs(x)
-        acc = tl.where((a > acc) | (a != a), a, acc)  # a NaN, once in, stays (NaN > y is False)
-    nan = tl.max((acc != acc).to(tl.int32), axis=0)
-    amax = tl.where(nan > 0, float("nan"), tl.max(acc, axis=0))
-    tl.store(part_ptr + pid_m * N + offs_n, amax, mask=offs_n < N)
+        x = _load_x(x_ptr, m0 + tl.arange(0, BLOCK_M), offs_n, M, N, stride_xm, stride_xn, mul_ptr, HAS_MUL)
+        acc = _max_keep_nan(acc, tl.abs(x))
+    tl.store(part_ptr + pid_m * N + offs_n, _amax_reduce(acc, 0), mask=offs_n < N)
 
 
 @triton.jit
@@ -62,52 +137,106 @@ def _quantize_t_kernel(x_ptr, part_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qx_
     mask_n = offs_n < N
     amax = tl.load(part_ptr + offs_n, mask=mask_n, other=0.0)
     for c in range(1, n_chunks):
-        part = tl.load(part_ptr + c * N + offs_n, mask=mask_n, other=0.0)
-        amax = tl.where((part != part) | (part > amax), part, amax)  # keeps NaN
-    # IEEE-rounded divisions (Triton's fp32 `/` is approximate on CUDA): bit-exact with torch's `x / scale`
-    scale = tl.math.div_rn(tl.where(amax < 1e-30, 1e-30, amax), QMAX)  # NaN < x is False: NaN stays
+        amax = _max_keep_nan(amax, tl.load(part_ptr + c * N + offs_n, mask=mask_n, other=0.0))
+    scale = _scale_of(amax, QMAX)
     if pid_m == 0:
         tl.store(scale_ptr + offs_n, scale, mask=mask_n)
-    mask = (offs_m[:, None] < M) & mask_n[None, :]
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    if HAS_MUL:
-        x = x * tl.load(mul_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[None, :]), -QMAX), QMAX)
-    if STOCHASTIC:  # int8 only: floor(y + u), u ~ U[0, 1), so E[q] = y
-        # Philox keyed by (seed, element index in x): counter-based, so the random numbers live in registers
-        # (no random tensor) and an element's draw does not depend on the tiling. The clamp is needed although
-        # |y| <= 127 and u < 1: float32's 127 + u rounds to 128.0 for u within 2**-18 of 1, and the int8 cast
-        # may wrap 128 to -128 (Triton's interpreter does); as the plain-torch reference, clamp after the floor.
-        u = tl.rand(tl.load(seed_ptr), offs_m[:, None].to(tl.int64) * N + offs_n[None, :])
-        q = tl.minimum(tl.floor(y + u), QMAX).to(tl.int8)
-    elif IS_INT8:
-        q = _rne(y).to(tl.int8)
-    else:
-        # Round to the e4m3 grid in fp32 (spacing 2**(e-3) in binade e, 2**-9 below 2**-6), so the cast
-        # is exact and the result equals torch's single round-to-nearest-even cast bit for bit.
-        e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        q = (_rne(y / step) * step).to(tl.float8e4nv)
+    seed = tl.load(seed_ptr) if STOCHASTIC else 0  # the nearest paths never read seed_ptr
+    x = _load_x(x_ptr, offs_m, offs_n, M, N, stride_xm, stride_xn, mul_ptr, HAS_MUL)
+    q = _encode(x, scale[None, :], seed, offs_m[:, None].to(tl.int64) * N + offs_n[None, :], QMAX, IS_INT8,
+                STOCHASTIC)
+    _store_col_tile(q, q_ptr, qx_ptr, offs_m, offs_n, M, N, BOTH_LAYOUTS)
+
+
+@triton.jit
+def _store_col_tile(q, q_ptr, qx_ptr, offs_m, offs_n, M, N, BOTH_LAYOUTS: tl.constexpr):
+    """Store the codes of the ``x`` tile ``[offs_m, offs_n]`` transposed into ``q [N, M]`` and, with
+    ``BOTH_LAYOUTS``, as they are into ``qx [M, N]`` (from the same registers)."""
     q_ptrs = q_ptr + offs_n[:, None] * M + offs_m[None, :]
     tl.store(q_ptrs, tl.trans(q), mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
-    if BOTH_LAYOUTS:  # the same codes in x's own layout, [M, N] contiguous, from the same registers
-        tl.store(qx_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
+    if BOTH_LAYOUTS:
+        tl.store(qx_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def _chunk_rows(M: int, N: int, block_n: int) -> int:
+@triton.jit
+def _quantize_t_fused_kernel(x_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qx_ptr, M, N, stride_xm, stride_xn,
+                             QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr,
+                             HAS_MUL: tl.constexpr, BOTH_LAYOUTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
+    """``variant="fused"``: one program per strip of ``BLOCK_N`` columns, all ``M`` rows read twice (absmax, then
+    encode + store); no partials in memory and one launch per operand."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        x = _load_x(x_ptr, m0 + tl.arange(0, BLOCK_M), offs_n, M, N, stride_xm, stride_xn, mul_ptr, HAS_MUL)
+        acc = _max_keep_nan(acc, tl.abs(x))
+    scale = _scale_of(_amax_reduce(acc, 0), QMAX)
+    tl.store(scale_ptr + offs_n, scale, mask=offs_n < N)
+    seed = tl.load(seed_ptr) if STOCHASTIC else 0
+    n_blocks = tl.cdiv(M, BLOCK_M)
+    for i in range(0, n_blocks):  # backwards: the rows read last in the first pass are the likeliest in L2
+        offs_m = (n_blocks - 1 - i) * BLOCK_M + tl.arange(0, BLOCK_M)
+        x = _load_x(x_ptr, offs_m, offs_n, M, N, stride_xm, stride_xn, mul_ptr, HAS_MUL)
+        q = _encode(x, scale[None, :], seed, offs_m[:, None].to(tl.int64) * N + offs_n[None, :], QMAX, IS_INT8,
+                    STOCHASTIC)
+        _store_col_tile(q, q_ptr, qx_ptr, offs_m, offs_n, M, N, BOTH_LAYOUTS)
+
+
+@triton.jit
+def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qt_ptr, R, K, stride_wr, stride_wk,
+                          QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MUL: tl.constexpr,
+                          BOTH_LAYOUTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``variant="rows"``: ``w [R, K]`` (``= x.T``) quantized per row, one program per ``BLOCK_R`` rows, ``K`` read
+    twice with loads along ``w``'s rows; codes stored in ``w``'s layout ``q [R, K]`` (row-major: no transpose)
+    and, with ``BOTH_LAYOUTS``, transposed into ``qt [K, R]``. In ``x``'s terms ``M = K``, ``N = R``, so the
+    Philox counter of ``w[r, k]`` is ``k * R + r``, as the column kernels'."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = _load_w(w_ptr, offs_r, k0 + tl.arange(0, BLOCK_K), R, K, stride_wr, stride_wk, mul_ptr, HAS_MUL)
+        acc = _max_keep_nan(acc, tl.abs(w))
+    scale = _scale_of(_amax_reduce(acc, 1), QMAX)
+    tl.store(scale_ptr + offs_r, scale, mask=mask_r)
+    seed = tl.load(seed_ptr) if STOCHASTIC else 0
+    n_blocks = tl.cdiv(K, BLOCK_K)
+    for i in range(0, n_blocks):  # backwards: the columns read last in the first pass are the likeliest in L2
+        offs_k = (n_blocks - 1 - i) * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = _load_w(w_ptr, offs_r, offs_k, R, K, stride_wr, stride_wk, mul_ptr, HAS_MUL)
+        q = _encode(w, scale[:, None], seed, offs_k[None, :].to(tl.int64) * R + offs_r[:, None], QMAX, IS_INT8,
+                    STOCHASTIC)
+        mask = mask_r[:, None] & (offs_k[None, :] < K)
+        tl.store(q_ptr + offs_r[:, None] * K + offs_k[None, :], q, mask=mask)
+        if BOTH_LAYOUTS:
+            tl.store(qt_ptr + offs_k[:, None] * R + offs_r[None, :], tl.trans(q),
+                     mask=(offs_k[:, None] < K) & mask_r[None, :])
+
+
+def _chunk_rows(M: int, N: int, block_n: int, block_m: int = 64) -> int:
     """Rows per partial absmax: enough programs to fill an H200 (~4 per SM) even at 2048 tokens, where
-    1024-row chunks gave 2 x N/64 programs (128 for N = 4096) and left most SMs idle."""
+    1024-row chunks gave 2 x N/64 programs (128 for N = 4096) and left most SMs idle. A multiple of the row
+    tile (so no two chunks read the same rows)."""
     col_blocks = triton.cdiv(N, block_n)
     chunk = _CHUNK_M
     while chunk > 128 and triton.cdiv(M, chunk) * col_blocks < 512:
         chunk //= 2
-    return chunk
+    return max(chunk, block_m)
+
+
+def _tiles(tiles, default, what: str) -> tuple[int, int, int]:
+    if tiles is None:
+        return default
+    ok = len(tiles) == 3 and all(isinstance(t, int) and t > 0 and t & (t - 1) == 0 for t in tiles) and tiles[2] <= 32
+    if not ok:
+        raise ValueError(f"quantize_t_triton: {what} must be (block, block, num_warps), powers of two, got {tiles}")
+    return tuple(tiles)
 
 
 def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m: int | None = None,
                       out: tuple[torch.Tensor, ...] | None = None, stochastic: bool = False,
-                      row_mul: torch.Tensor | None = None, both_layouts: bool = False) -> tuple[torch.Tensor, ...]:
+                      row_mul: torch.Tensor | None = None, both_layouts: bool = False, *, variant: str = "two_kernel",
+                      amax_tiles: tuple[int, int, int] | None = None, quant_tiles: tuple[int, int, int] | None = None,
+                      tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
     """``x`` [M, N] (any strides) -> ``q`` [N, M] contiguous in ``qdtype``, ``scale`` [N] float32.
 
     ``chunk_m``: rows per partial absmax (a multiple of the row tile; default: sized to the shape). ``out``:
@@ -119,18 +248,27 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     ``stochastic`` (int8): stochastic rounding; its seed is one int64 drawn with ``torch.randint`` on ``x``'s
     device, so it follows ``torch.manual_seed`` and, under ``torch.compile``, stays a device tensor in the graph
     (no host sync, CUDA-graph safe). ``row_mul`` [M] (float32): quantize ``x * row_mul[:, None]`` (product in
-    float32) without writing that product anywhere."""
+    float32) without writing that product anywhere.
+
+    Which kernels, all giving the same bits (the stochastic ones too, for the same seed): ``variant`` one of
+    ``VARIANTS``: ``"two_kernel"`` (the default: partial absmax, then quantize; ``amax_tiles`` and ``quant_tiles``
+    override their ``(BLOCK_M, BLOCK_N, num_warps)``, ``chunk_m`` the rows per partial), ``"fused"`` (one kernel,
+    column strips; meant for a row-major ``x``) or ``"rows"`` (one kernel, rows of ``x.T``; meant for ``x = w.T``
+    with ``w`` row-major, the weight refresh); ``tiles`` overrides the single kernel's ``(BLOCK_M, BLOCK_N,
+    num_warps)`` (``"rows"``: ``(BLOCK_R, BLOCK_K, num_warps)``, ``R`` along ``N``, ``K`` along ``M``). Block sizes
+    and warps are powers of two; on the CPU (Triton's interpreter) the defaults are 16x16 tiles."""
     if stochastic and qdtype != torch.int8:  # checked before anything is launched
         raise ValueError(f"quantize_t_triton: stochastic rounding is implemented for int8, not {qdtype}")
+    if variant not in VARIANTS:
+        raise ValueError(f"quantize_t_triton: variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == "two_kernel" and tiles is not None:
+        raise ValueError("quantize_t_triton: tiles is for the single-kernel variants; two_kernel takes amax_tiles, "
+                         "quant_tiles and chunk_m")
+    if variant != "two_kernel" and (amax_tiles, quant_tiles, chunk_m) != (None, None, None):
+        raise ValueError(f"quantize_t_triton: amax_tiles, quant_tiles and chunk_m are the two-kernel path's, not "
+                         f"{variant!r}'s (it takes tiles)")
     M, N = x.shape
     small = x.device.type == "cpu"  # the interpreter: small tiles
-    # 64x64 tiles, 4 warps: measured on the H200 at 0.13 ms mean per call in the bench; 32x256 with
-    # 8 warps was 3x slower
-    bm, bn = (16, 16) if small else (64, 64)
-    if chunk_m is None:
-        chunk_m = 64 if small else _chunk_rows(M, N, bn)
-    n_chunks = triton.cdiv(M, chunk_m)
-    part = torch.empty((n_chunks, N), dtype=torch.float32, device=x.device)
     if out is None:
         q = torch.empty((N, M), dtype=qdtype, device=x.device)
         scale = torch.empty((N,), dtype=torch.float32, device=x.device)
@@ -144,16 +282,34 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
                              + (f", {M}x{N} contiguous {qdtype})" if both_layouts else ")"))
     if row_mul is not None and (row_mul.shape != (M,) or row_mul.dtype != torch.float32):
         raise ValueError(f"quantize_t_triton: row_mul must be {M} float32 values, got {tuple(row_mul.shape)} {row_mul.dtype}")
-    mul = part if row_mul is None else row_mul  # never read without HAS_MUL
-    wrap_triton(_col_amax_kernel)[(n_chunks, triton.cdiv(N, bn))](
-        x, part, mul, M, N, x.stride(0), x.stride(1), HAS_MUL=row_mul is not None, CHUNK_M=chunk_m,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
-    # the nearest path never reads seed_ptr (STOCHASTIC is a constexpr): any tensor will do there; nor qx_ptr
-    # without BOTH_LAYOUTS
-    seed = torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device) if stochastic else part
-    bm, bn = (16, 16) if small else (128, 64)
-    wrap_triton(_quantize_t_kernel)[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x, part, q, scale, seed, mul, q if qx is None else qx, M, N, n_chunks, x.stride(0), x.stride(1), QMAX=qmax,
-        IS_INT8=qdtype == torch.int8, STOCHASTIC=stochastic, HAS_MUL=row_mul is not None,
-        BOTH_LAYOUTS=both_layouts, BLOCK_M=bm, BLOCK_N=bn, num_warps=4 if small else 8)
+    consts = dict(QMAX=qmax, IS_INT8=qdtype == torch.int8, STOCHASTIC=stochastic, HAS_MUL=row_mul is not None,
+                  BOTH_LAYOUTS=both_layouts)
+    # the nearest path never reads seed_ptr (STOCHASTIC is a constexpr): any tensor will do there; nor mul_ptr
+    # without HAS_MUL, nor qx_ptr without BOTH_LAYOUTS
+    seed = torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device) if stochastic else scale
+    mul = scale if row_mul is None else row_mul
+    qx_arg = q if qx is None else qx
+    if variant == "fused":
+        bm, bn, warps = _tiles(tiles, _CPU_TILES if small else _FUSED_TILES, "tiles")
+        wrap_triton(_quantize_t_fused_kernel)[(triton.cdiv(N, bn),)](
+            x, q, scale, seed, mul, qx_arg, M, N, x.stride(0), x.stride(1), **consts, BLOCK_M=bm, BLOCK_N=bn,
+            num_warps=warps)
+    elif variant == "rows":  # w = x.T: [R, K] = [N, M]; q [N, M] is w's layout, qx [M, N] its transpose
+        br, bk, warps = _tiles(tiles, _CPU_TILES if small else _ROWS_TILES, "tiles")
+        wrap_triton(_quantize_rows_kernel)[(triton.cdiv(N, br),)](
+            x, q, scale, seed, mul, qx_arg, N, M, x.stride(1), x.stride(0), **consts, BLOCK_R=br, BLOCK_K=bk,
+            num_warps=warps)
+    else:
+        bm, bn, warps = _tiles(amax_tiles, _CPU_TILES if small else _AMAX_TILES, "amax_tiles")
+        if chunk_m is None:
+            chunk_m = 64 if small and amax_tiles is None else _chunk_rows(M, N, bn, bm)
+        n_chunks = triton.cdiv(M, chunk_m)
+        part = torch.empty((n_chunks, N), dtype=torch.float32, device=x.device)
+        wrap_triton(_col_amax_kernel)[(n_chunks, triton.cdiv(N, bn))](
+            x, part, row_mul if row_mul is not None else part, M, N, x.stride(0), x.stride(1),
+            HAS_MUL=row_mul is not None, CHUNK_M=chunk_m, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        bm, bn, warps = _tiles(quant_tiles, _CPU_TILES if small else _QUANT_TILES, "quant_tiles")
+        wrap_triton(_quantize_t_kernel)[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            x, part, q, scale, seed, mul, qx_arg, M, N, n_chunks, x.stride(0), x.stride(1), **consts, BLOCK_M=bm,
+            BLOCK_N=bn, num_warps=warps)
     return (q, scale, qx) if both_layouts else (q, scale)
