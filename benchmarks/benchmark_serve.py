@@ -31,8 +31,10 @@ and ``compiled_unwrapped``: the same after ``model.requires_grad_(False)`` and
 ``torchao.utils.unwrap_tensor_subclass(model)``, two lines a user adds after loading, which leaves torchao's quantized weights as plain tensors under a parametrization that rebuilds
 them inside the compiled graph. Why: ``--profile`` found the compiled quantized models' GPU idle for most of each
 decoded token, longer than bf16's; tensor-subclass parameters cost host time on every compiled call (a
-metadata guard and a flatten per weight; on the CPU 3.9x the Python calls per forward of plain weights). Modes
-run in the order given, on one loaded model (``compiled_unwrapped`` changes it for what follows).
+metadata guard and a flatten per weight; on the CPU 3.9x the Python calls per forward of plain weights).
+Measured on the H200 (608b2b4): it did not close int4's extra idle time, and FP8 fails to compile after it (see
+docs/qat.md). Modes run in the order given, on one loaded model (``compiled_unwrapped`` changes it for what
+follows).
 A build or measurement that fails (a kernel missing on the image, an unsupported op, a time-out) becomes an
 error row with a one-line reason; the other rows are unaffected. ``--device cpu`` with tiny shapes checks the
 plumbing (``--compile_backend eager``: dynamo without Inductor); its timings mean nothing.

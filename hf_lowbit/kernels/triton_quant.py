@@ -37,7 +37,9 @@ VARIANTS = ("two_kernel", "fused", "rows")
 _AMAX_TILES = (64, 64, 4)  # 64x64 with 4 warps: 0.13 ms mean per call in the bench; 32x256 with 8 warps was 3x slower
 _QUANT_TILES = (128, 64, 8)
 _FUSED_TILES = (64, 32, 4)  # (BLOCK_M, BLOCK_N, num_warps): a first guess, to be swept (benchmark_mm --quant_sweep)
-_ROWS_TILES = (16, 128, 4)  # (BLOCK_R, BLOCK_K, num_warps): likewise
+# (BLOCK_R, BLOCK_K, num_warps): the least time summed over a Llama-8B layer's weights in the H200 sweep (608b2b4,
+# docs/results/quant_sweep_h200_t2048.md): 1.45x the two-kernel refresh (4096x4096 1.72x, 14336x4096 1.96x)
+_ROWS_TILES = (16, 256, 8)
 _CPU_TILES = (16, 16, 4)
 
 
