@@ -87,7 +87,11 @@ def _encode(x, scale, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr
         # is exact and the result equals torch's single round-to-nearest-even cast bit for bit.
         e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        q = (_rne(y / step) * step).to(tl.float8e4nv)
+        r = (_rne(y / step) * step).to(tl.int32, bitcast=True)
+        # a negative y (or -0) that rounds to zero is -0 in torch's cast (code 0x80) but +0 in the rounding above:
+        # y's sign bit copied by hand (Triton's negation is 0 - x, which gives +0 as well)
+        sign = y.to(tl.int32, bitcast=True) & -2147483648
+        q = (r | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
     return q
 
 
@@ -315,3 +319,4 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
             x, part, q, scale, seed, mul, qx_arg, M, N, n_chunks, x.stride(0), x.stride(1), **consts, BLOCK_M=bm,
             BLOCK_N=bn, num_warps=warps)
     return (q, scale, qx) if both_layouts else (q, scale)
+
