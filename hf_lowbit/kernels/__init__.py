@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .formats import FORMATS, Format, get_format
+from .quantize_dual import quantize_dual
 from .quantize_t import quantize_t
 
 
@@ -116,4 +117,5 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
 
 
 __all__ = ["FORMATS", "Format", "get_format", "scaled_matmul", "scaled_matmul_quantized", "quantize_operand",
-           "quantize_weight", "quantize_weight_t", "scaled_matmul_input_grad", "quantize_t"]
+           "quantize_weight", "quantize_weight_t", "scaled_matmul_input_grad", "quantize_t",
+           "quantize_dual"]

@@ -320,3 +320,146 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
             BLOCK_N=bn, num_warps=warps)
     return (q, scale, qx) if both_layouts else (q, scale)
 
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dual quantization of an output gradient (issue 25): the backward quantizes ``g = dY [M, N]`` twice, per row (times
+# the weight's scales, for dX) and per column (for dW), three reads of ``g`` at ~1.3-1.5 TB/s on the H200. Here ``g``
+# is read twice: one pass for both absmaxes, one that stores both codes from the same registers.
+
+# (BLOCK_M, BLOCK_N, num_warps) defaults on CUDA of the absmax pass and of the encode pass: first guesses, to be swept
+# (benchmark_mm.py --dual); (BLOCK_P, BLOCK_L) of the partials' reduction
+_DUAL_AMAX_TILES = (64, 64, 4)
+_DUAL_QUANT_TILES = (64, 64, 4)
+_DUAL_REDUCE = (8, 256)
+
+
+@triton.jit
+def _abs_bits(x):
+    """``|x|`` (float32) as int32 bits. For non-negative floats the bits order as the values do and every NaN lies
+    above inf, so one integer maximum is an absmax that keeps NaN (the float form needs a NaN flag beside it)."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _dual_amax_kernel(x_ptr, mul_ptr, rpart_ptr, cpart_ptr, M, N, stride_xm, stride_xn, HAS_MUL: tl.constexpr,
+                      CHUNK_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (row chunks, column blocks). Columns: the running maximum of ``|x|`` per tile element over the chunk,
+    reduced across rows once (as ``_col_amax_kernel``) into ``cpart [chunk, N]``. Rows: each tile's maximum of
+    ``|x * mul|`` along its columns (a reduction along the contiguous dim, within warps) into ``rpart [block, M]``."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    mul = tl.full((BLOCK_N,), 1.0, tl.float32)  # x * 1.0 is x, NaN included
+    if HAS_MUL:
+        mul = tl.load(mul_ptr + offs_n, mask=mask_n, other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for m0 in range(pid_m * CHUNK_M, tl.minimum(M, (pid_m + 1) * CHUNK_M), BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask = (offs_m[:, None] < M) & mask_n[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        acc = tl.maximum(acc, _abs_bits(x))
+        tl.store(rpart_ptr + pid_n * M + offs_m, tl.max(_abs_bits(x * mul[None, :]), axis=1), mask=offs_m < M)
+    tl.store(cpart_ptr + pid_m * N + offs_n, tl.max(acc, axis=0), mask=mask_n)
+
+
+@triton.jit
+def _reduce_scales(part_ptr, scale_ptr, pid, L, P, QMAX: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr):
+    """``scale[l]`` from the absmax bits ``part [P, L]`` of ``BLOCK_L`` lines."""
+    offs_l = pid * BLOCK_L + tl.arange(0, BLOCK_L)
+    acc = tl.zeros((BLOCK_P, BLOCK_L), dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        part = tl.load(part_ptr + offs_p[:, None] * L + offs_l[None, :],
+                       mask=(offs_p[:, None] < P) & (offs_l[None, :] < L), other=0)
+        acc = tl.maximum(acc, part)
+    amax = tl.max(acc, axis=0).to(tl.float32, bitcast=True)
+    tl.store(scale_ptr + offs_l, _scale_of(amax, QMAX), mask=offs_l < L)
+
+
+@triton.jit
+def _dual_scales_kernel(rpart_ptr, cpart_ptr, sr_ptr, sc_ptr, M, N, n_rparts, n_cparts, QMAX: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr):
+    """One launch for both scale vectors: the first ``cdiv(M, BLOCK_L)`` programs reduce the row partials, the
+    others the column partials."""
+    pid = tl.program_id(0)
+    row_programs = tl.cdiv(M, BLOCK_L)
+    if pid < row_programs:
+        _reduce_scales(rpart_ptr, sr_ptr, pid, M, n_rparts, QMAX, BLOCK_P, BLOCK_L)
+    else:
+        _reduce_scales(cpart_ptr, sc_ptr, pid - row_programs, N, n_cparts, QMAX, BLOCK_P, BLOCK_L)
+
+
+@triton.jit
+def _dual_quantize_kernel(x_ptr, mul_ptr, sr_ptr, sc_ptr, qr_ptr, qc_ptr, M, N, stride_xm, stride_xn,
+                          QMAX: tl.constexpr, IS_INT8: tl.constexpr, HAS_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """One tile of ``x``, read once: ``x * mul`` encoded with the row scales into ``qr [M, N]`` and ``x`` with the
+    column scales into ``qc [N, M]`` (stored transposed)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn,
+                mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    mul = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if HAS_MUL:
+        mul = tl.load(mul_ptr + offs_n, mask=mask_n, other=0.0)
+    sr = tl.load(sr_ptr + offs_m, mask=mask_m, other=1.0)
+    sc = tl.load(sc_ptr + offs_n, mask=mask_n, other=1.0)
+    qr = _encode(x * mul[None, :], sr[:, None], 0, 0, QMAX, IS_INT8, False)
+    qc = _encode(x, sc[None, :], 0, 0, QMAX, IS_INT8, False)
+    tl.store(qr_ptr + offs_m[:, None] * N + offs_n[None, :], qr, mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(qc_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(qc), mask=mask_n[:, None] & mask_m[None, :])
+
+
+def quantize_dual_triton(g: torch.Tensor, qdtype: torch.dtype, qmax: float, col_mul: torch.Tensor | None = None,
+                         stochastic: bool = False, *, chunk_m: int | None = None,
+                         amax_tiles: tuple[int, int, int] | None = None,
+                         quant_tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
+    """``g [M, N]`` (any strides) quantized both ways from two reads: ``(qr [M, N], sr [M], qc [N, M], sc [N])``.
+
+    ``qr, sr``: ``g * col_mul[None, :]`` (product in float32; ``col_mul`` [N] float32, None: ones) per row, the bits of
+    ``FORMATS[fmt].quantize(g.float() * col_mul, dim=1)`` (the input gradient's operand). ``qc, sc``: ``g`` per
+    column, written transposed, the bits of :func:`quantize_t_triton` (the weight gradient's operand). NaN in a row
+    (column) makes its scale NaN; inf makes it inf, as the references. Three kernels: both absmaxes as partials
+    (one read of ``g``), their reduction to scales (tiny), both encodes from one more read. ``chunk_m``: rows per
+    column partial (a multiple of the absmax tile's rows); ``amax_tiles``, ``quant_tiles``: ``(BLOCK_M, BLOCK_N,
+    num_warps)`` of the two passes over ``g``, powers of two (CPU, Triton's interpreter: 16x16 by default).
+
+    Nearest rounding only: ``stochastic=True`` raises (stochastic rounding keeps the ``quantize_t`` path)."""
+    if stochastic:
+        raise ValueError("quantize_dual_triton: nearest rounding only; stochastic rounding goes through quantize_t")
+    if g.dim() != 2:
+        raise ValueError(f"quantize_dual_triton: g must be 2-D, got shape {tuple(g.shape)}")
+    M, N = g.shape
+    if col_mul is not None and (col_mul.shape != (N,) or col_mul.dtype != torch.float32 or col_mul.stride(0) != 1):
+        raise ValueError(f"quantize_dual_triton: col_mul must be {N} contiguous float32 values, got "
+                         f"{tuple(col_mul.shape)} {col_mul.dtype}")
+    small = g.device.type == "cpu"  # the interpreter: small tiles
+    dev = g.device
+    qr = torch.empty((M, N), dtype=qdtype, device=dev)
+    qc = torch.empty((N, M), dtype=qdtype, device=dev)
+    sr = torch.empty((M,), dtype=torch.float32, device=dev)
+    sc = torch.empty((N,), dtype=torch.float32, device=dev)
+    has_mul = col_mul is not None
+    mul = col_mul if has_mul else sr  # never read without HAS_MUL
+    bm, bn, warps = _tiles(amax_tiles, _CPU_TILES if small else _DUAL_AMAX_TILES, "amax_tiles")
+    if chunk_m is None:
+        chunk_m = 32 if small and amax_tiles is None else _chunk_rows(M, N, bn, bm)
+    if chunk_m % bm:
+        raise ValueError(f"quantize_dual_triton: chunk_m ({chunk_m}) must be a multiple of the absmax tile's rows ({bm})")
+    n_chunks, n_blocks = triton.cdiv(M, chunk_m), triton.cdiv(N, bn)
+    rpart = torch.empty((n_blocks, M), dtype=torch.int32, device=dev)  # absmax bits (see _abs_bits)
+    cpart = torch.empty((n_chunks, N), dtype=torch.int32, device=dev)
+    wrap_triton(_dual_amax_kernel)[(n_chunks, n_blocks)](
+        g, mul, rpart, cpart, M, N, g.stride(0), g.stride(1), HAS_MUL=has_mul, CHUNK_M=chunk_m, BLOCK_M=bm,
+        BLOCK_N=bn, num_warps=warps)
+    bp, bl = (4, 16) if small else _DUAL_REDUCE
+    wrap_triton(_dual_scales_kernel)[(triton.cdiv(M, bl) + triton.cdiv(N, bl),)](
+        rpart, cpart, sr, sc, M, N, n_blocks, n_chunks, QMAX=qmax, BLOCK_P=bp, BLOCK_L=bl, num_warps=4)
+    bm, bn, warps = _tiles(quant_tiles, _CPU_TILES if small else _DUAL_QUANT_TILES, "quant_tiles")
+    wrap_triton(_dual_quantize_kernel)[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        g, mul, sr, sc, qr, qc, M, N, g.stride(0), g.stride(1), QMAX=qmax, IS_INT8=qdtype == torch.int8,
+        HAS_MUL=has_mul, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    return qr, sr, qc, sc
