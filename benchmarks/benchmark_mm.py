@@ -29,6 +29,11 @@ weight), as the bandwidth of the bytes they must move (read once, write once).
 ``--quant_sweep`` (CUDA; ``--tokens`` default 2048): the quantization kernels' tiles and variants (``QUANT_SWEEP``)
 on a Llama-8B layer's shapes, each candidate checked equal to the default path's output before it is timed; the best
 config per shape and the one config per kernel kind with the least time over a layer, to pick defaults from.
+
+``--dual`` (CUDA; ``--tokens`` default 2048): the output gradient's two quantizations on a Llama-8B layer's dY shapes
+(``tokens x 4096 / 1024 / 14336``), today's pair (the compiled plain-torch row quantization of ``g * w_scale``, as
+Inductor runs it for dX, then ``quantize_t_triton(g)`` for dW: three reads of g) against ``quantize_dual_triton``
+(two reads) at each tile config of ``DUAL_SWEEP``, each checked equal to today's outputs before it is timed.
 """
 
 from __future__ import annotations
@@ -311,6 +316,148 @@ def quant_sweep(a) -> None:
                   f"{a.tokens} tokens, quantization kernels' tiles", a.json, a.markdown)
 
 
+# --dual (issue 25): (BLOCK_M, BLOCK_N, num_warps) of quantize_dual_triton's absmax pass and encode pass, timed as
+# their full cross; the first of each is the default. A Llama-8B layer's dY shapes by width (count per layer).
+DUAL_SWEEP = {"amax": [(64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8)],
+              "quant": [(64, 64, 4), (128, 64, 8), (64, 128, 8), (32, 128, 4)]}
+DUAL_SHAPES = {4096: ("dY of q, o, down", 3), 1024: ("dY of k, v", 2), 14336: ("dY of gate, up", 2)}
+
+
+def dual_candidates(grid: dict = DUAL_SWEEP) -> list[tuple[str, dict]]:
+    """``(config name, quantize_dual_triton keywords)`` of every tile config; the first is the default."""
+    from hf_lowbit.kernels.triton_quant import _DUAL_AMAX_TILES, _DUAL_QUANT_TILES
+
+    cands = [(f"default (amax {_cfg(_DUAL_AMAX_TILES)} / quant {_cfg(_DUAL_QUANT_TILES)})", {})]
+    return cands + [(f"amax {_cfg(a)} / quant {_cfg(q)}", {"amax_tiles": a, "quant_tiles": q})
+                    for a in grid["amax"] for q in grid["quant"] if (a, q) != (_DUAL_AMAX_TILES, _DUAL_QUANT_TILES)]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal (1-byte codes compared as bytes: torch.equal has no fp8 kernel everywhere)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def quant_dual_rows(tokens: int, device: str = "cuda", shapes=DUAL_SHAPES, formats=("int8", "fp8"),
+                    grid: dict = DUAL_SWEEP, time_fn=None, compile_rows: bool = True) -> list[dict]:
+    """For each format and dY shape ``[tokens, n]``: today's pair (``kind="today"``: the plain-torch row
+    quantization of ``g * mul``, compiled unless ``compile_rows`` is False, and ``quantize_t_triton(g)``; also
+    each half alone) and every :func:`dual_candidates` config of ``quantize_dual_triton`` (``kind="dual"``), whose
+    four outputs are checked bit-equal to today's first. Timed with ``time_fn(fn)`` (ms; None: not timed, the CPU
+    smoke test); a mismatch or an error is a row with ``equal`` False (and ``error``) and no time. GB/s counts
+    the least traffic: g read once, both codes written once (``numel * (g's bytes + 2)``)."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from hf_lowbit.kernels import get_format
+    from hf_lowbit.kernels.triton_quant import quantize_dual_triton, quantize_t_triton
+
+    torch.manual_seed(0)
+    rows = []
+    for fmt in formats:
+        f = get_format(fmt)
+
+        def rows_quant(g, mul, f=f):  # what Inductor fuses for the input gradient (scaled_matmul_input_grad)
+            q, s = f.quantize(g.float() * mul.reshape(1, -1), dim=1)
+            return q, s.reshape(-1)
+
+        for n, (what, count) in shapes.items():
+            g = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
+            mul = torch.rand(n, device=device) * 1e-3 + 1e-4  # a weight's row scales (absmax / qmax)
+            moved = g.numel() * (g.element_size() + 2)
+            base = {"tokens": tokens, "fmt": fmt, "shape": [tokens, n], "operand": what, "count": count}
+            torch._dynamo.reset()
+            rows_fn = torch.compile(rows_quant, dynamic=False) if compile_rows else rows_quant
+            with set_wrap_triton_enabled(False):  # launch the Triton kernels directly (wrap_triton's eager dispatch)
+                cols_fn = lambda: quantize_t_triton(g, f.dtype, f.qmax)  # noqa: E731
+                today = lambda: (*rows_fn(g, mul), *cols_fn())  # noqa: E731
+                ref = today()
+                for config, fn in (("rows + quantize_t", today), ("rows (compiled plain torch) alone",
+                                                                  lambda: rows_fn(g, mul)), ("quantize_t alone", cols_fn)):
+                    row = {**base, "kind": "today", "config": config, "default": False, "equal": True, "ms": None,
+                           "gb_s": None}
+                    if time_fn is not None:
+                        row["ms"] = time_fn(fn)
+                        row["gb_s"] = moved / row["ms"] / 1e6 if fn is today else None
+                    rows.append(row)
+                for i, (config, kw) in enumerate(dual_candidates(grid)):
+                    row = {**base, "kind": "dual", "config": config, "default": i == 0, "ms": None, "gb_s": None}
+                    fn = lambda: quantize_dual_triton(g, f.dtype, f.qmax, mul, **kw)  # noqa: E731
+                    try:
+                        row["equal"] = all(_same(a, b) for a, b in zip(fn(), ref))
+                        if not row["equal"]:
+                            row["error"] = "outputs differ from today's"
+                        elif time_fn is not None:
+                            row["ms"] = time_fn(fn)
+                            row["gb_s"] = moved / row["ms"] / 1e6
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile or run: record it, go on
+                        row.update(equal=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+                    rows.append(row)
+                    if time_fn is not None:
+                        print({k: row[k] for k in ("fmt", "shape", "config", "ms", "equal")}, flush=True)
+    return rows
+
+
+def quant_dual_summary(rows: list[dict]) -> tuple[list[str], dict]:
+    """A markdown table (per format and shape: today's pair and its halves, the default and the best dual config,
+    speedups over today's pair) and, per format, the one dual config with the least layer-weighted time over the
+    shapes (``count`` per layer) against today's pair over the same shapes."""
+    timed = [r for r in rows if r["ms"] is not None]
+    key = lambda r: (r["fmt"], tuple(r["shape"]))  # noqa: E731
+    today = {key(r): r for r in timed if r["kind"] == "today" and r["config"] == "rows + quantize_t"}
+    half = {(key(r), r["config"]): r["ms"] for r in timed if r["kind"] == "today"}
+    table = ["| fmt | shape | operand | today ms (rows + quantize_t) | rows ms | quantize_t ms | today GB/s | "
+             "dual default ms | best dual config | ms | GB/s | speedup |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k in dict.fromkeys(key(r) for r in rows):
+        t = today.get(k)
+        cand = [r for r in timed if key(r) == k and r["kind"] == "dual"]
+        if t is None or not cand:
+            continue
+        b = min(cand, key=lambda r: r["ms"])
+        d = next((r for r in cand if r["default"]), None)
+        table.append(f"| {k[0]} | {'×'.join(map(str, k[1]))} | {t['operand']} | {t['ms']:.4f} | "
+                     f"{half.get((k, 'rows (compiled plain torch) alone'), float('nan')):.4f} | "
+                     f"{half.get((k, 'quantize_t alone'), float('nan')):.4f} | {t['gb_s']:,.0f} | "
+                     f"{d['ms'] if d else float('nan'):.4f} | {b['config']} | {b['ms']:.4f} | {b['gb_s']:,.0f} | "
+                     f"{t['ms'] / b['ms']:.2f}x |")
+    best = {}
+    for fmt in dict.fromkeys(r["fmt"] for r in rows):
+        need = {key(r): r["count"] for r in rows if r["fmt"] == fmt}
+        if not all(k in today for k in need):
+            continue
+        base = sum(today[k]["ms"] * c for k, c in need.items())
+        per = {}
+        for r in timed:
+            if r["fmt"] == fmt and r["kind"] == "dual":
+                per.setdefault(r["config"], {})[key(r)] = r["ms"] * r["count"]
+        full = {c: sum(v.values()) for c, v in per.items() if set(v) == set(need)}
+        if full:
+            c = min(full, key=full.get)
+            best[fmt] = {"config": c, "layer_ms": full[c], "today_layer_ms": base, "speedup": base / full[c]}
+    table += ["", "Best dual config per format over a Llama-8B layer's dY quantizations (each shape weighted by its "
+              "count per layer): " + "; ".join(
+                  f"{k}: {v['config']}, {v['layer_ms']:.3f} ms vs today's {v['today_layer_ms']:.3f} ms "
+                  f"({v['speedup']:.2f}x)" for k, v in best.items())]
+    errors = [r for r in rows if not r["equal"]]
+    if errors:
+        table += ["", f"{len(errors)} dual configs not equal to today's outputs, or failed (not timed): " + "; ".join(
+            f"{r['fmt']} {'×'.join(map(str, r['shape']))} {r['config']}: {r.get('error', 'not equal')}"
+            for r in errors)]
+    return table, best
+
+
+def quant_dual(a) -> None:
+    """``--dual``: today's two quantizations of dY against the dual kernels (:data:`DUAL_SWEEP`)."""
+    rows = quant_dual_rows(a.tokens, formats=tuple(a.formats.split(",")), time_fn=graph_ms)
+    table, best = quant_dual_summary(rows)
+    info = meta("cuda", key="device", tokens=a.tokens, grid={k: [list(t) for t in v] for k, v in DUAL_SWEEP.items()})
+    write_results({"meta": info, "rows": rows, "best": best}, table, f"{info['device']}, torch {info['torch']}, "
+                  f"{a.tokens} tokens, dY quantized per row and per column: today's pair vs the dual kernels",
+                  a.json, a.markdown)
+
+
 def _int_mm_scaled(a, b_t, sa, sb):
     return (torch._int_mm(a, b_t).float() * sa[:, None] * sb[None, :]).to(torch.bfloat16)
 
@@ -375,7 +522,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", action="store_true", help="each matmul of a Llama-8B layer on each backend (CUDA)")
     p.add_argument("--tokens", type=int, default=None,
-                   help="tokens per matmul (default 16384; --backends, --quant_sweep: 2048)")
+                   help="tokens per matmul (default 16384; --backends, --quant_sweep, --dual: 2048)")
     p.add_argument("--shapes", default="4096x4096,4096x1024,4096x14336,14336x4096", help="in x out, comma-separated")
     p.add_argument("--formats", default="int8,fp8")
     p.add_argument("--reps", type=int, default=20)
@@ -383,14 +530,16 @@ def main():
     p.add_argument("--quant", action="store_true", help="--backends: also the quantization kernels on training's shapes")
     p.add_argument("--quant_sweep", action="store_true",
                    help="the quantization kernels' tiles and variants on a Llama-8B layer's shapes (CUDA; QUANT_SWEEP)")
+    p.add_argument("--dual", action="store_true",
+                   help="dY's row and column quantizations: today's pair vs the dual kernels (CUDA; DUAL_SWEEP)")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the default mode)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args()
-    a.tokens = a.tokens or (2048 if a.backends or a.quant_sweep else 16384)
-    if (a.device == "cuda" or a.backends or a.quant_sweep) and not torch.cuda.is_available():
+    a.tokens = a.tokens or (2048 if a.backends or a.quant_sweep or a.dual else 16384)
+    if (a.device == "cuda" or a.backends or a.quant_sweep or a.dual) and not torch.cuda.is_available():
         raise SystemExit("benchmark_mm.py needs a CUDA GPU (--device cpu only smoke-tests the default mode)")
-    (quant_sweep if a.quant_sweep else backends if a.backends else layouts)(a)
+    (quant_dual if a.dual else quant_sweep if a.quant_sweep else backends if a.backends else layouts)(a)
 
 
 if __name__ == "__main__":

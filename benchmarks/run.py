@@ -53,6 +53,15 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         "--markdown $OUT/quant_sweep_h200_t2048.md",
         B + "benchmark_mm.py --quant_sweep --tokens 16384 --json $OUT/quant_sweep_h200_t16384.json "
         "--markdown $OUT/quant_sweep_h200_t16384.md"]),
+    "quant_dual": ("issue 25: dY quantized per row (times the weight's scales, for dX) and per column (for dW): "
+                   "today's pair (compiled plain torch + quantize_t, three reads of dY) vs quantize_dual_triton (two "
+                   "reads) at each DUAL_SWEEP tile config, int8 and fp8, a Llama-8B layer's dY shapes at 2048 and "
+                   "16384 tokens; each config checked equal to today's outputs before it is timed",
+                   "~3 min (estimate)", [
+        B + "benchmark_mm.py --dual --tokens 2048 --json $OUT/quant_dual_h200_t2048.json "
+        "--markdown $OUT/quant_dual_h200_t2048.md",
+        B + "benchmark_mm.py --dual --tokens 16384 --json $OUT/quant_dual_h200_t16384.json "
+        "--markdown $OUT/quant_dual_h200_t16384.md"]),
     "quality": ("300-step loss curves, bf16 / INT8 / FP8", "> 170 s: give it ~5 min", [
         B + "benchmark_quality.py --compile --json $OUT/quality_h200.json --markdown $OUT/quality_h200.md "
         "--plot $OUT/quality_h200.png"]),

@@ -297,6 +297,143 @@ def check_quant_sweep(device: str) -> int:
     return len(rows)
 
 
+def _defined(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Where the references' codes are defined: ``x / scale`` is not NaN (NaN scales, inf / inf). There the cast
+    of NaN to int8 is undefined (its value differs between torch, numpy and the GPU)."""
+    return ~torch.isnan(x / scale)
+
+
+def _assert_codes(got, ref, x, scale, what):
+    ok = _defined(x, scale)
+    g, r = got.cpu().view(torch.uint8), ref.cpu().view(torch.uint8)
+    assert torch.equal(g[ok], r[ok]), f"{what}: {(g[ok] != r[ok]).sum().item()} of {ok.sum().item()} codes differ"
+
+
+def quantize_dual_variants(device: str) -> list[dict]:
+    """``quantize_dual_triton`` options beside its defaults (tiles that divide nothing below, other row chunks)."""
+    if device == "cuda":
+        return [dict(amax_tiles=(32, 128, 4), quant_tiles=(128, 64, 8)),
+                dict(amax_tiles=(128, 64, 8), quant_tiles=(32, 128, 4), chunk_m=256)]
+    return [dict(amax_tiles=(8, 32, 2), quant_tiles=(32, 8, 2), chunk_m=16)]
+
+
+def check_quantize_dual(device: str) -> int:
+    """``quantize_dual_triton`` (``g [M, N]`` -> row codes of ``g * col_mul`` and transposed column codes of ``g``)
+    against both references bit for bit: ``FORMATS[fmt].quantize(g.float() * col_mul, dim=1)`` and ``quantize_t``
+    (plain torch) and ``quantize_t_triton`` (same device). int8 and fp8; shapes no tile divides; ``g`` row-major
+    and a transposed view; bf16 with ``col_mul`` and float32 without; a zero row and a zero column, a NaN (its row's
+    and column's scales NaN), an inf (inf scales), a row of tiny values (fp8 codes of -0); outputs allocated as
+    poison (compared where the references' codes are defined, which shows them written). Then the other tile
+    options, the ``hf_lowbit::quantize_dual`` op (on CUDA also compiled, fullgraph), and the argument checks.
+    Returns the number of checks."""
+    from hf_lowbit.kernels import FORMATS, quantize_dual
+    from hf_lowbit.kernels.quantize_dual import quantize_dual_reference
+    from hf_lowbit.kernels.quantize_t import quantize_t
+    from hf_lowbit.kernels.triton_quant import quantize_dual_triton, quantize_t_triton
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(37, 24), (5, 3)] if device != "cuda" else [(37, 24), (5, 3), (1030, 70), (4099, 300),
+                                                                   (2048, 1024)]
+    n = 0
+
+    def check(g, fmt, mul, what, **opts):
+        f = FORMATS[fmt]
+        with PoisonedAllocations() as poison:
+            qr, sr, qc, sc = quantize_dual_triton(g, f.dtype, f.qmax, mul, **opts)
+        M, N = g.shape
+        assert {((M, N), f.dtype), ((N, M), f.dtype), ((M,), torch.float32), ((N,), torch.float32)} <= set(poison.shapes)
+        assert qr.is_contiguous() and qc.is_contiguous() and qr.shape == (M, N) and qc.shape == (N, M)
+        gc = g.cpu()
+        xr = gc.float() if mul is None else gc.float() * mul.cpu().reshape(1, -1)
+        rq, rs = f.quantize(xr, dim=1)
+        tq, ts = quantize_t(gc, fmt)
+        torch.testing.assert_close(sr.cpu(), rs.reshape(-1), rtol=0, atol=0, equal_nan=True, msg=f"{what}: row scales")
+        torch.testing.assert_close(sc.cpu(), ts, rtol=0, atol=0, equal_nan=True, msg=f"{what}: column scales")
+        _assert_codes(qr, rq, xr, rs, f"{what}: row codes")
+        _assert_codes(qc, tq, gc.float().T, ts[:, None], f"{what}: column codes")
+        kq, ks = quantize_t_triton(g, f.dtype, f.qmax)  # the kernel the weight gradient runs today
+        torch.testing.assert_close(sc, ks, rtol=0, atol=0, equal_nan=True)
+        _assert_codes(qc, kq, gc.float().T, ts[:, None], f"{what}: column codes vs quantize_t_triton")
+        return qr, sr, qc, sc
+
+    for M, N in shapes:
+        for transposed in (False, True):
+            x = torch.randn(N, M, generator=gen).T if transposed else torch.randn(M, N, generator=gen)
+            x = x * 3
+            x[0] *= 1e-6  # tiny: fp8 codes of +-0
+            x[:, 1] = 0
+            if M > 4:
+                x[3] = 0
+            if N > 3:
+                x[M // 2, 2] = float("nan")
+                x[M - 1, N - 1] = float("inf")
+            mul = torch.logspace(-3, 2, N)
+            for dtype, col_mul in ((torch.bfloat16, mul), (torch.float32, None)):
+                g = x.to(dtype).to(device)  # .to keeps the strides: the transposed view stays one
+                assert g.stride(0 if transposed else 1) == 1
+                for fmt in ("int8", "fp8"):
+                    what = f"{(M, N)} t={transposed} {dtype} mul={col_mul is not None} {fmt}"
+                    check(g, fmt, None if col_mul is None else col_mul.to(device), what)
+                    n += 1
+                    if (M, N) == shapes[0] and dtype == torch.bfloat16:
+                        for opts in quantize_dual_variants(device):
+                            check(g, fmt, col_mul.to(device), f"{what} {opts}", **opts)
+                            n += 1
+            if N > 3:  # NaN and inf scales where the data has them, finite elsewhere
+                qr, sr, qc, sc = quantize_dual_triton(g, torch.int8, 127.0)
+                assert torch.isnan(sr[M // 2]) and torch.isnan(sc[2]) and torch.isinf(sc[N - 1])
+                assert torch.isinf(sr[M - 1]) and torch.isfinite(sr[:M // 2]).all() and torch.isfinite(sc[3:-1]).all()
+                n += 1
+    # the op: the Triton kernels on CUDA, the references elsewhere; equal either way (and compiled on CUDA)
+    g = (torch.randn(70, 40, generator=gen) * 2).to(torch.bfloat16).to(device)
+    w_scale = (torch.rand(40, 1, generator=gen) + 0.5).to(device)  # a weight's row scales, as the linear keeps them
+    for fmt in ("int8", "fp8"):
+        ref = quantize_dual_reference(g.cpu(), fmt, w_scale.cpu())
+        runs = [quantize_dual(g, fmt, w_scale)]
+        if device == "cuda":
+            torch._dynamo.reset()
+            runs.append(torch.compile(lambda g, s: quantize_dual(g, fmt, s), fullgraph=True)(g, w_scale))
+        for got in runs:
+            assert all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(got, ref))
+            assert all(torch.equal(a.cpu().view(torch.uint8) if a.element_size() == 1 else a.cpu(),
+                                   b.view(torch.uint8) if b.element_size() == 1 else b) for a, b in zip(got, ref))
+            n += 1
+    for bad in (dict(stochastic=True), dict(col_mul=torch.ones(3, device=device)),
+                dict(col_mul=torch.ones(40, dtype=torch.float64, device=device))):
+        try:
+            quantize_dual_triton(g, torch.int8, 127.0, **bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"quantize_dual_triton accepted {bad}")
+    return n
+
+
+def check_quant_dual_bench(device: str) -> int:
+    """``benchmark_mm.py --dual``'s code path on tiny shapes with its real tile grid: every candidate runs and equals
+    today's outputs, and the summary comes out (with made-up times). Returns the number of dual candidates."""
+    from benchmarks.benchmark_mm import quant_dual_rows, quant_dual_summary
+
+    from benchmarks.benchmark_mm import DUAL_SWEEP
+
+    shapes, cuda = {24: ("dY", 2)}, device == "cuda"
+    # the interpreter: the real grid on int8, fp8 at the default and one other config (its rounding is covered above)
+    rows = quant_dual_rows(40, device, shapes, ("int8",), compile_rows=cuda)
+    rows += quant_dual_rows(40, device, shapes, ("fp8",), compile_rows=cuda, grid=DUAL_SWEEP if cuda else {
+        "amax": DUAL_SWEEP["amax"][1:2], "quant": DUAL_SWEEP["quant"][1:2]})
+    bad = [(r["fmt"], r["shape"], r["config"], r.get("error")) for r in rows if not r["equal"]]
+    assert not bad, bad
+    dual = [r for r in rows if r["kind"] == "dual"]
+    assert sum(r["default"] for r in dual) == 2 and {r["fmt"] for r in dual} == {"int8", "fp8"}
+    for i, r in enumerate(rows):  # made-up times: the summary's arithmetic and formatting
+        r["ms"] = 1.0 / (1 + i % 5)
+        r["gb_s"] = 1.0
+    table, best = quant_dual_summary(rows)
+    assert set(best) == {"int8", "fp8"} and any(line.startswith("Best dual config") for line in table)
+    assert len(table) == 2 + 2 + 2
+    return len(dual)
+
+
 def check_quantize_t_stochastic(device: str, **opts) -> int:
     """The Triton column kernel's stochastic rounding: the scales of nearest bit for bit, every code the floor
     or the ceiling of ``x / scale`` (all of q written), reproducible under ``torch.manual_seed``, different
@@ -439,6 +576,9 @@ if __name__ == "__main__":
         print("checked", check_quantize_t_variants("cpu"), "quantizations of other variants and tiles")
     elif sys.argv[1:] == ["quant_sweep"]:
         print("checked", check_quant_sweep("cpu"), "quant_sweep candidates")
+    elif sys.argv[1:] == ["dual"]:  # one process for both (each start imports torch and Triton)
+        print("checked", check_quantize_dual("cpu"), "dual quantizations and", check_quant_dual_bench("cpu"),
+              "quant_dual candidates")
     elif sys.argv[1:] == ["nf4"]:
         print("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes")
     elif sys.argv[1:] == ["stochastic_saturates"]:

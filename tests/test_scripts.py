@@ -204,6 +204,20 @@ def test_benchmark_mm_quant_sweep_refuses_without_cuda(tmp_path):
     assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr and not out.exists()
 
 
+def test_benchmark_mm_dual_refuses_without_cuda(tmp_path):
+    """--dual needs a GPU: without one it says so and writes nothing (its code path on the CPU interpreter:
+    test_triton_int8.py::test_triton_quantize_dual_interpreted)."""
+    from unittest import mock
+
+    from benchmarks import benchmark_mm
+
+    out = tmp_path / "dual.json"  # in process: a subprocess spent ~20 s importing on a loaded 2-core CPU
+    with mock.patch.object(sys, "argv", ["benchmark_mm.py", "--dual", "--json", str(out)]), \
+            mock.patch("torch.cuda.is_available", return_value=False), pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        benchmark_mm.main()
+    assert not out.exists()
+
+
 def test_benchmark_train_lora_recipes_smoke_on_cpu(tmp_path):
     out = tmp_path / "lora.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu", "--no_compile",

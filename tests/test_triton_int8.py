@@ -105,6 +105,20 @@ def test_triton_quantize_t_variants_cuda():
     assert check_quantize_t_variants("cuda") == 144  # 2 shapes x 2 layouts x 2 dtypes x 18
 
 
+def test_triton_quantize_dual_interpreted():
+    """quantize_dual_triton (dY per row times w_scale and per column, two reads) bit for bit against both
+    references, and benchmark_mm.py --dual's candidates and equality checks on tiny shapes."""
+    assert "checked 24 dual quantizations and 18 quant_dual candidates" in run_interpreted("dual")
+
+
+@pytest.mark.cuda
+def test_triton_quantize_dual_cuda():
+    from _triton_checks import check_quant_dual_bench, check_quantize_dual
+
+    assert check_quantize_dual("cuda") == 44
+    assert check_quant_dual_bench("cuda") == 32  # the whole grid on both formats
+
+
 def test_triton_nf4_to_int8_interpreted():
     assert "checked 27 NF4 -> INT8 decodes" in run_interpreted("nf4")
 
