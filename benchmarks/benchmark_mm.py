@@ -374,8 +374,9 @@ def quant_dual_rows(tokens: int, device: str = "cuda", shapes=DUAL_SHAPES, forma
                 cols_fn = lambda: quantize_t_triton(g, f.dtype, f.qmax)  # noqa: E731
                 today = lambda: (*rows_fn(g, mul), *cols_fn())  # noqa: E731
                 ref = today()
-                for config, fn in (("rows + quantize_t", today), ("rows (compiled plain torch) alone",
-                                                                  lambda: rows_fn(g, mul)), ("quantize_t alone", cols_fn)):
+                halves = (("rows + quantize_t", today), ("rows (compiled plain torch) alone", lambda: rows_fn(g, mul)),
+                          ("quantize_t alone", cols_fn))
+                for config, fn in halves:
                     row = {**base, "kind": "today", "config": config, "default": False, "equal": True, "ms": None,
                            "gb_s": None}
                     if time_fn is not None:
@@ -409,7 +410,7 @@ def quant_dual_summary(rows: list[dict]) -> tuple[list[str], dict]:
     today = {key(r): r for r in timed if r["kind"] == "today" and r["config"] == "rows + quantize_t"}
     half = {(key(r), r["config"]): r["ms"] for r in timed if r["kind"] == "today"}
     table = ["| fmt | shape | operand | today ms (rows + quantize_t) | rows ms | quantize_t ms | today GB/s | "
-             "dual default ms | best dual config | ms | GB/s | speedup |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "dual default ms | best dual config | ms | GB/s | speedup |", "|---" * 12 + "|"]
     for k in dict.fromkeys(key(r) for r in rows):
         t = today.get(k)
         cand = [r for r in timed if key(r) == k and r["kind"] == "dual"]

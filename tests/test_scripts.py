@@ -212,8 +212,9 @@ def test_benchmark_mm_dual_refuses_without_cuda(tmp_path):
     from benchmarks import benchmark_mm
 
     out = tmp_path / "dual.json"  # in process: a subprocess spent ~20 s importing on a loaded 2-core CPU
-    with mock.patch.object(sys, "argv", ["benchmark_mm.py", "--dual", "--json", str(out)]), \
-            mock.patch("torch.cuda.is_available", return_value=False), pytest.raises(SystemExit, match="needs a CUDA GPU"):
+    argv = ["benchmark_mm.py", "--dual", "--json", str(out)]
+    with mock.patch.object(sys, "argv", argv), mock.patch("torch.cuda.is_available", return_value=False), \
+            pytest.raises(SystemExit, match="needs a CUDA GPU"):
         benchmark_mm.main()
     assert not out.exists()
 

@@ -22,6 +22,9 @@ All three share the jit helpers below (absmax with NaN, scale, rounding), so the
 rounding included (Philox keyed by the element's index in ``x``, whatever the tiling).
 
 NaN in a column gives that column a NaN scale (as :func:`hf_lowbit.kernels.int8.quantize_int8` does).
+
+:func:`quantize_dual_triton` (the op ``hf_lowbit::quantize_dual``) quantizes an output gradient both ways at once, per
+row times the weight's scales (dX) and per column transposed (dW), from two reads instead of three (issue 25).
 """
 
 from __future__ import annotations
@@ -229,12 +232,12 @@ def _chunk_rows(M: int, N: int, block_n: int, block_m: int = 64) -> int:
     return max(chunk, block_m)
 
 
-def _tiles(tiles, default, what: str) -> tuple[int, int, int]:
+def _tiles(tiles, default, what: str, fn: str = "quantize_t_triton") -> tuple[int, int, int]:
     if tiles is None:
         return default
     ok = len(tiles) == 3 and all(isinstance(t, int) and t > 0 and t & (t - 1) == 0 for t in tiles) and tiles[2] <= 32
     if not ok:
-        raise ValueError(f"quantize_t_triton: {what} must be (block, block, num_warps), powers of two, got {tiles}")
+        raise ValueError(f"{fn}: {what} must be (block, block, num_warps), powers of two, got {tiles}")
     return tuple(tiles)
 
 
@@ -444,11 +447,13 @@ def quantize_dual_triton(g: torch.Tensor, qdtype: torch.dtype, qmax: float, col_
     sc = torch.empty((N,), dtype=torch.float32, device=dev)
     has_mul = col_mul is not None
     mul = col_mul if has_mul else sr  # never read without HAS_MUL
-    bm, bn, warps = _tiles(amax_tiles, _CPU_TILES if small else _DUAL_AMAX_TILES, "amax_tiles")
+    name = "quantize_dual_triton"
+    bm, bn, warps = _tiles(amax_tiles, _CPU_TILES if small else _DUAL_AMAX_TILES, "amax_tiles", name)
     if chunk_m is None:
         chunk_m = 32 if small and amax_tiles is None else _chunk_rows(M, N, bn, bm)
     if chunk_m % bm:
-        raise ValueError(f"quantize_dual_triton: chunk_m ({chunk_m}) must be a multiple of the absmax tile's rows ({bm})")
+        raise ValueError(f"quantize_dual_triton: chunk_m ({chunk_m}) must be a multiple of the absmax tile's rows "
+                         f"({bm})")
     n_chunks, n_blocks = triton.cdiv(M, chunk_m), triton.cdiv(N, bn)
     rpart = torch.empty((n_blocks, M), dtype=torch.int32, device=dev)  # absmax bits (see _abs_bits)
     cpart = torch.empty((n_chunks, N), dtype=torch.int32, device=dev)
@@ -458,7 +463,7 @@ def quantize_dual_triton(g: torch.Tensor, qdtype: torch.dtype, qmax: float, col_
     bp, bl = (4, 16) if small else _DUAL_REDUCE
     wrap_triton(_dual_scales_kernel)[(triton.cdiv(M, bl) + triton.cdiv(N, bl),)](
         rpart, cpart, sr, sc, M, N, n_blocks, n_chunks, QMAX=qmax, BLOCK_P=bp, BLOCK_L=bl, num_warps=4)
-    bm, bn, warps = _tiles(quant_tiles, _CPU_TILES if small else _DUAL_QUANT_TILES, "quant_tiles")
+    bm, bn, warps = _tiles(quant_tiles, _CPU_TILES if small else _DUAL_QUANT_TILES, "quant_tiles", name)
     wrap_triton(_dual_quantize_kernel)[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         g, mul, sr, sc, qr, qc, M, N, g.stride(0), g.stride(1), QMAX=qmax, IS_INT8=qdtype == torch.int8,
         HAS_MUL=has_mul, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
