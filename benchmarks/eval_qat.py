@@ -21,12 +21,26 @@ CUDA GPU only). Measured settings are in docs/qat.md.
 The corpus is small (~400k tokens), so the defaults train for few epochs (a model that memorizes the
 training half tells nothing about held-out text); `--repeats N` repeats steps 1-3 from N seeds (same
 data and tokenizer) and reports the mean perplexities, the recovery of the means and each seed's.
+
+Seeds: the corpus split and the tokenizer come from `--seed` S alone; the models of a run are seeded
+S+K .. S+K+N-1 for `--repeats N --repeat_from K` (K = 0 by default), each record in the JSON's "repeats" naming
+its seed. Where one seed fills a device call, run the seeds in separate calls and join them:
+
+    python benchmarks/eval_qat.py ... --repeats 1 --repeat_from 0 --json OUT/s0.json   # seed S
+    python benchmarks/eval_qat.py ... --repeats 1 --repeat_from 1 --json OUT/s1.json   # seed S+1, another call
+    python benchmarks/eval_qat.py --merge OUT/s0.json OUT/s1.json --json OUT/all.json --markdown OUT/all.md
+
+`--merge` writes what one `--repeats 2` run would (the same summary, seeds in order; meta.seeds, and meta.merged the
+files with their seeds). It refuses runs whose recorded flags (meta.config) differ in anything but --repeats,
+--repeat_from and the corpus cache's path, and a seed that two files hold; a file that does not exist is said and
+left out. A partial JSON (a run cut short, meta.partial) merges too: the seeds it finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import os
 import sys
@@ -131,9 +145,23 @@ def main():
                    help="build (or check) the --corpus_cache entry for these flags, then stop")
     p.add_argument("--include_lm_head", action="store_true",
                    help="quantize the LM head too (PTQ and QAT): int4 everywhere but the input embedding")
+    p.add_argument("--repeat_from", type=int, default=0, metavar="K",
+                   help="skip the first K repeats: this run's model seeds are --seed+K .. --seed+K+REPEATS-1 (the "
+                        "corpus split and tokenizer still from --seed), e.g. --repeats 1 --repeat_from 2: the third "
+                        "seed alone, one device call per seed, joined by --merge")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="join the seeds of several runs' JSON (full or partial) into one summary, as one run of all "
+                        "their seeds would write it (the other flags but --json and --markdown are ignored); refused if "
+                        "their configurations differ (but for --repeats, --repeat_from, the corpus cache's path and "
+                        "the output paths) or a seed repeats; a missing file is left out")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args()
+    if a.merge:
+        merge(a.merge, a.json, a.markdown)
+        return
+    if a.repeats < 1 or a.repeat_from < 0:
+        raise SystemExit(f"--repeats {a.repeats} --repeat_from {a.repeat_from}: need REPEATS >= 1 and K >= 0")
     t0 = time.time()
     config = QATConfig(a.scheme, a.group_size, include_lm_head=a.include_lm_head)
 
@@ -159,33 +187,93 @@ def main():
     if max(epochs.values()) > 4:
         print(f"warning: {epochs['pretrain']:.1f} pre-training / {epochs['finetune']:.1f} fine-tuning epochs over this "
               "small corpus: the model memorizes it and held-out perplexity says little", flush=True)
+    # what every JSON records, the partial ones too (--merge checks the config and builds the header from it)
+    info = {"corpus": {**{k: corpus[k] for k in ("documents", "packages", "built_on", "cache") if k in corpus},
+                       "pretrain_tokens": pre_blocks.numel(), "finetune_tokens": ft_blocks.numel(),
+                       "eval_tokens": eval_blocks.numel()},
+            "epochs": epochs, "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "merge")}}
     repeats = []
     for i in range(a.repeats):
-        repeats.append(run_once(a, config, model_config, pre_blocks, ft_blocks, eval_blocks, a.seed + i))
+        seed = a.seed + a.repeat_from + i
+        repeats.append(run_once(a, config, model_config, pre_blocks, ft_blocks, eval_blocks, seed))
         if i + 1 < a.repeats and a.json:  # the seeds done so far, in case the run is cut short (rewritten at the end)
-            save_json(a.json, {"meta": meta(a.device, key="device", seconds=time.time() - t0, partial=True),
+            save_json(a.json, {"meta": meta(a.device, key="device", seconds=time.time() - t0, partial=True, **info),
                                "repeats": repeats})
+    summarize(repeats, meta(a.device, key="device", seconds=time.time() - t0, **info), a.json, a.markdown)
+
+
+# the configuration flags that may differ between runs whose seeds --merge joins (the output paths are not recorded;
+# the corpus cache is where the same tokenized corpus is kept, not what it holds)
+MERGE_FREE = ("repeats", "repeat_from", "corpus_cache")
+
+
+def merge(paths: list[str], json_path: str | None, markdown_path: str | None) -> None:
+    """Join the per-seed records of the runs in ``paths`` (full or partial JSON) and summarize them as one run of
+    all their seeds would: refused if two runs' ``meta.config`` differ outside :data:`MERGE_FREE` or a seed
+    occurs twice; a file that does not exist is said and left out."""
+    first, repeats, merged, where = None, [], [], {}
+    for path in paths:
+        if not os.path.exists(path):  # a call that did not run (or ran out of time before its first seed)
+            print(f"--merge: {path} does not exist; merging the others", flush=True)
+            continue
+        with open(path) as f:
+            part = json.load(f)
+        info = part.get("meta", {})
+        if "config" not in info:
+            raise SystemExit(f"--merge: {path} records no meta.config (written before --merge existed): cannot check "
+                             "that its runs match the others")
+        if first is None:
+            first = (path, info)
+        config, ref = ({k: v for k, v in c.items() if k not in MERGE_FREE} for c in (info["config"], first[1]["config"]))
+        if config != ref:
+            diff = ", ".join(f"{k} {config.get(k, '(none)')!r} vs {ref.get(k, '(none)')!r}"
+                             for k in sorted(set(config) | set(ref)) if config.get(k) != ref.get(k))
+            raise SystemExit(f"--merge: {path}: its configuration differs from {first[0]}'s: {diff}")
+        for r in part["repeats"]:
+            if r["seed"] in where:
+                raise SystemExit(f"--merge: {path}: seed {r['seed']} is in {where[r['seed']]} too")
+            where[r["seed"]] = path
+        repeats += part["repeats"]
+        merged.append({"file": os.path.basename(path), "seeds": [r["seed"] for r in part["repeats"]],
+                       **{k: info.get(k) for k in ("commit", "command", "seconds", "partial") if k in info}})
+    if first is None:
+        raise SystemExit(f"--merge: none of {' '.join(paths)} exists")
+    if not repeats:
+        raise SystemExit(f"--merge: {' '.join(m['file'] for m in merged)} hold no finished seed")
+    if len({m.get("commit") for m in merged}) > 1:
+        print("--merge: the runs measured different commits: " + ", ".join(f"{m['file']} {m.get('commit')}"
+                                                                            for m in merged), flush=True)
+    info = {k: v for k, v in first[1].items() if k not in ("command", "seconds", "partial")}
+    repeats.sort(key=lambda r: r["seed"])
+    # the flags the runs share (each run's seed selection: meta.merged), the seeds joined, the time they took in all
+    info.update(config={k: v for k, v in info["config"].items() if k not in ("repeats", "repeat_from")},
+                seeds=[r["seed"] for r in repeats], seconds=sum(m.get("seconds") or 0 for m in merged), merged=merged,
+                command=" ".join(sys.argv))
+    summarize(repeats, info, json_path, markdown_path)
+
+
+def summarize(repeats: list[dict], info: dict, json_path: str | None, markdown_path: str | None) -> dict:
+    """The result of the per-seed records ``repeats`` (``run_once``'s): mean perplexities, the recovery of the means,
+    the held-out loss's spread over the seeds, and its table; ``info`` is the JSON's meta (its ``config``: the
+    run's flags). Written to ``json_path`` / ``markdown_path``; returned."""
+    c, n = info["config"], len(repeats)
     # mean perplexity of each model over the repeats; the recovery of the means (pooled over repeats)
-    rows = {k: sum(r["perplexity"][k] for r in repeats) / len(repeats) for k in repeats[0]["perplexity"]}
+    rows = {k: sum(r["perplexity"][k] for r in repeats) / n for k in repeats[0]["perplexity"]}
     lost, recovered = recovery(rows)
-    info = meta(a.device, key="device", seconds=time.time() - t0,
-                corpus={**{k: corpus[k] for k in ("documents", "packages", "built_on", "cache") if k in corpus},
-                        "pretrain_tokens": pre_blocks.numel(),
-                        "finetune_tokens": ft_blocks.numel(), "eval_tokens": eval_blocks.numel()},
-                epochs=epochs, config={k: v for k, v in vars(a).items() if k not in ("json", "markdown")})
     loss = {k: spread([r["loss"][k] for r in repeats]) for k in repeats[0]["loss"]}
     result = {"meta": info, "perplexity": rows, "ptq_loss": lost, "recovered": recovered, "loss": loss,
               "repeats": repeats}
-    head = f"| model ({a.scheme}, group {a.group_size}{', LM head too' if a.include_lm_head else ''}) | held-out perplexity" + (
-        f", mean of {a.repeats} seeds | per seed |" if a.repeats > 1 else " |")
-    table = [head, "|---|---|" + ("---|" if a.repeats > 1 else "")]
+    head = (f"| model ({c['scheme']}, group {c['group_size']}{', LM head too' if c['include_lm_head'] else ''}) | "
+            "held-out perplexity" + (f", mean of {n} seeds | per seed |" if n > 1 else " |"))
+    table = [head, "|---|---|" + ("---|" if n > 1 else "")]
     for k, v in rows.items():
         table.append(f"| {k} | {v:.3f} |" + (" " + " / ".join(f"{r['perplexity'][k]:.3f}" for r in repeats) + " |"
-                                              if a.repeats > 1 else ""))
+                                              if n > 1 else ""))
     table.append(f"| **QAT recovers** | **{recovered:.0%}** of the {lost:.3f} perplexity PTQ loses |" + (
-        " " + " / ".join(f"{r['recovered']:.0%}" for r in repeats) + " |" if a.repeats > 1 else ""))
+        " " + " / ".join(f"{r['recovered']:.0%}" for r in repeats) + " |" if n > 1 else ""))
     inc, rec = loss["ptq_loss_increase"], loss["recovered_loss"]
-    table += ["", f"Held-out loss ({a.repeats} seed{'s' if a.repeats > 1 else ''}; mean, min-max, std):", "",
+    seeds = ", ".join(str(r["seed"]) for r in repeats)
+    table += ["", f"Held-out loss ({n} seed{'s' if n > 1 else ''}: {seeds}; mean, min-max, std):", "",
               "| | mean | min | max | std | per seed |", "|---|---|---|---|---|---|"]
     for key, label in (("ptq_loss_increase", "PTQ loss increase"), ("qat_loss_increase", "QAT (converted) loss increase"),
                        ("recovered_loss", "**QAT recovers** (of PTQ's loss increase)")):
@@ -193,9 +281,13 @@ def main():
         table.append(f"| {label} | {st['mean']:.2%} | {st['min']:.2%} | {st['max']:.2%} | {st['std']:.2%} | "
                      + " / ".join(f"{r['loss'][key]:.2%}" for r in repeats) + " |")
     print(f"PTQ loss increase {inc['mean']:.2%} (min {inc['min']:.2%}); QAT recovers {rec['mean']:.0%} "
-          f"(min {rec['min']:.0%}, max {rec['max']:.0%}, std {rec['std']:.0%}) over {a.repeats} seed(s)", flush=True)
+          f"(min {rec['min']:.0%}, max {rec['max']:.0%}, std {rec['std']:.0%}) over {n} seed(s)", flush=True)
+    epochs = info["epochs"]
+    merged = f", merged from {len(info['merged'])} runs" if info.get("merged") else ""
     write_results(result, table, f"{info['device']}, torch {info['torch']}, {info['corpus']}, epochs "
-                  f"{epochs['pretrain']:.1f} + {epochs['finetune']:.1f}, {info['seconds']:.0f} s", a.json, a.markdown)
+                  f"{epochs['pretrain']:.1f} + {epochs['finetune']:.1f}, {info['seconds']:.0f} s{merged}",
+                  json_path, markdown_path)
+    return result
 
 
 def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blocks, seed: int) -> dict:

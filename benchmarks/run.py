@@ -93,21 +93,29 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         B + "eval_qat.py --group_size 256 --json $OUT/qat_h200.json --markdown $OUT/qat_h200.md"]),
     "qat_ptq_hurts": ("issue 26: QAT where int4 PTQ hurts: the 143M Llama of quality_parity pretrained from scratch on "
                       "~5.6M tokens (about one epoch), int4 everywhere but the input embedding (SCHEME int4_tinygemm, "
-                      "GROUP 256: the largest tinygemm group dividing 1024 and 2816), REPEATS seeds with the spread; "
-                      "first REPEATS=1 to see whether PTQ costs >= 2% held-out loss (on the CPU its damage grew with "
-                      "the pre-training rate: raise PRETRAIN_LR if not), then REPEATS=3. A REPEATS=1 try cut at 320 s "
-                      "(90f002d) had not finished one seed and printed nothing: give it a call of its own; progress "
-                      "lines (seconds since start) go to the log under $OUT, and every finished seed to the JSON. Build the corpus on "
-                      "the CPU first and carry .corpus_cache (CORPUS_CACHE): eval_qat.py --corpus_only with this "
-                      "command's corpus flags (--corpus_packages, --vocab, --seq, --corpus_cache)",
-                      "> 5 min/seed (the 3-min estimate was wrong; not yet measured)", [
+                      "GROUP 256: the largest tinygemm group dividing 1024 and 2816), one model seed per call: FIRST "
+                      "(0, 1, 2; the corpus is the same in each). First FIRST=0 alone to see whether PTQ costs >= 2% "
+                      "held-out loss (on the CPU its damage grew with the pre-training rate: raise PRETRAIN_LR if not, "
+                      "in every call), then FIRST=1 and FIRST=2, then qat_ptq_hurts_merge. A one-seed try cut at "
+                      "320 s (90f002d) had not finished one seed and printed nothing: give each call 10 minutes; "
+                      "progress lines (seconds since start) go to the log under $OUT. Build the corpus on the CPU "
+                      "first and carry .corpus_cache (CORPUS_CACHE): eval_qat.py --corpus_only with this command's "
+                      "corpus flags (--corpus_packages, --vocab, --seq, --corpus_cache)",
+                      "> 5 min/call (one seed; the 3-min estimate was wrong; not yet measured)", [
         "timeout 580 " + B + "eval_qat.py --compile --include_lm_head --scheme ${SCHEME:-int4_tinygemm} "
-        "--group_size ${GROUP:-256} --repeats ${REPEATS:-3} --corpus_packages torch,transformers,sympy,networkx,numpy "
+        "--group_size ${GROUP:-256} --repeats 1 --repeat_from ${FIRST:-0} --corpus_packages "
+        "torch,transformers,sympy,networkx,numpy "
         "--corpus_cache ${CORPUS_CACHE:-.corpus_cache} --layers 12 --hidden 1024 --intermediate 2816 --heads 16 "
         "--kv_heads 4 --vocab 8192 --seq 256 --batch 8 --pretrain_steps 1500 --pretrain_lr ${PRETRAIN_LR:-2e-3} "
         "--finetune_steps 300 --finetune_lr ${FINETUNE_LR:-3e-4} "
-        "--json $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.json --markdown $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.md "
-        "2>&1 | tee $OUT/qat_ptq_hurts_h200_r${REPEATS:-3}.log"]),
+        "--json $OUT/qat_ptq_hurts_h200_seed${FIRST:-0}.json --markdown $OUT/qat_ptq_hurts_h200_seed${FIRST:-0}.md "
+        "2>&1 | tee $OUT/qat_ptq_hurts_h200_seed${FIRST:-0}.log"]),
+    "qat_ptq_hurts_merge": ("issue 26: the three qat_ptq_hurts calls' seeds (FIRST=0, 1, 2) joined into one summary, as "
+                            "one 3-seed run would write it (refused if their flags differ, e.g. another PRETRAIN_LR; a "
+                            "call's file that is missing, e.g. one cut short before its seed finished, is left out, "
+                            "and said so)", "seconds", [
+        B + "eval_qat.py --merge $OUT/qat_ptq_hurts_h200_seed0.json $OUT/qat_ptq_hurts_h200_seed1.json "
+        "$OUT/qat_ptq_hurts_h200_seed2.json --json $OUT/qat_ptq_hurts_h200.json --markdown $OUT/qat_ptq_hurts_h200.md"]),
     "serve_probe": ("issue 26: which of torchao 0.18's int4 / FP8 serving configs quantize and run (eager and "
                     "compiled) on this image, one small linear each, with the one-line reason for the others",
                     "1-2 min (estimate)", [

@@ -290,8 +290,14 @@ def test_sft_cli_qat_writes_quantized_checkpoint(tmp_path, capsys):
     assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= files
 
 
-def test_eval_qat_smoke(tmp_path, monkeypatch, capsys):
-    """benchmarks/eval_qat.py end to end on a tiny model (the corpus cut to pydoc's topic pages to stay fast)."""
+# benchmarks/eval_qat.py's tiny CPU run (a few seconds per seed)
+EVAL_QAT_TINY = ["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+                 "--kv_heads", "2", "--seq", "32", "--batch", "4", "--pretrain_steps", "3", "--finetune_steps", "2",
+                 "--vocab", "300", "--group_size", "32", "--eval_blocks", "8", "--include_lm_head"]
+
+
+def _eval_qat_script(monkeypatch):
+    """benchmarks/eval_qat.py as a module, its corpus cut to pydoc's topic pages to stay fast."""
     import importlib.util
 
     import pydoc_data.topics
@@ -303,12 +309,14 @@ def test_eval_qat_smoke(tmp_path, monkeypatch, capsys):
 
     topics = pydoc_data.topics.topics
     monkeypatch.setattr(corpus, "python_docs_corpus", lambda packages=(): [topics[k] for k in sorted(topics)])
+    return script
+
+
+def test_eval_qat_smoke(tmp_path, monkeypatch, capsys):
+    """benchmarks/eval_qat.py end to end on a tiny model (the corpus cut to pydoc's topic pages to stay fast)."""
+    script = _eval_qat_script(monkeypatch)
     out = tmp_path / "qat.json"
-    monkeypatch.setattr(sys, "argv", ["eval_qat.py", "--device", "cpu", "--layers", "1", "--hidden", "64",
-                                      "--intermediate", "128", "--heads", "4", "--kv_heads", "2", "--seq", "32",
-                                      "--batch", "4", "--pretrain_steps", "3", "--finetune_steps", "2", "--vocab", "300",
-                                      "--group_size", "32", "--eval_blocks", "8", "--repeats", "2", "--include_lm_head",
-                                      "--json", str(out)])
+    monkeypatch.setattr(sys, "argv", ["eval_qat.py", *EVAL_QAT_TINY, "--repeats", "2", "--json", str(out)])
     partial = []  # what a run cut short would leave: each seed written as it finishes (all but the last)
     monkeypatch.setattr(script, "save_json", lambda path, data: partial.append((path, json.loads(json.dumps(data)))))
     script.main()
@@ -342,3 +350,70 @@ def test_eval_qat_smoke(tmp_path, monkeypatch, capsys):
     assert rec["mean"] == pytest.approx(sum(values) / 2) and rec["min"] == min(values) and rec["max"] == max(values)
     assert rec["std"] == pytest.approx(abs(values[0] - values[1]) / math.sqrt(2)) and rec["n"] == 2
     assert data["meta"]["config"]["include_lm_head"]
+
+
+def test_eval_qat_merge_of_single_seed_runs_is_the_multi_seed_run(tmp_path, monkeypatch, capsys):
+    """Seeds run in separate calls (--repeats 1 --repeat_from K) and joined by --merge give what one --repeats 2 run
+    writes, bit for bit (the CPU runs are deterministic): files in any order, a missing one left out, a partial one
+    (a run cut short) giving its finished seed; refused: another configuration, a seed twice."""
+    script = _eval_qat_script(monkeypatch)
+
+    def run(*flags):
+        monkeypatch.setattr(sys, "argv", ["eval_qat.py", *flags])
+        script.main()
+
+    def load(path):
+        return json.loads((tmp_path / path).read_text())
+
+    def summary(path):  # all but meta, as JSON text (a NaN recovery compares equal to itself there)
+        return json.dumps({k: v for k, v in load(path).items() if k != "meta"})
+
+    def table(path):  # the markdown but its header (time, command)
+        return (tmp_path / path).read_text().split("\n", 1)[1]
+
+    save_json = script.save_json  # keep the partial JSON the 2-seed run writes after its first seed
+
+    def keep_partial(path, data):
+        save_json(path, data)
+        save_json(str(tmp_path / "partial.json"), data)
+
+    monkeypatch.setattr(script, "save_json", keep_partial)
+    run(*EVAL_QAT_TINY, "--repeats", "2", "--json", str(tmp_path / "both.json"), "--markdown", str(tmp_path / "both.md"))
+    monkeypatch.setattr(script, "save_json", save_json)
+    assert load("partial.json")["meta"]["partial"] and [r["seed"] for r in load("partial.json")["repeats"]] == [0]
+    run(*EVAL_QAT_TINY, "--repeats", "1", "--repeat_from", "1", "--json", str(tmp_path / "s1.json"))
+    run(*EVAL_QAT_TINY, "--repeats", "1", "--json", str(tmp_path / "s0.json"))
+    assert [r["seed"] for r in load("s1.json")["repeats"]] == [1] and load("s1.json")["meta"]["config"]["repeat_from"] == 1
+    capsys.readouterr()
+
+    run("--merge", str(tmp_path / "s1.json"), str(tmp_path / "gone.json"), str(tmp_path / "s0.json"),
+        "--json", str(tmp_path / "merged.json"), "--markdown", str(tmp_path / "merged.md"))
+    assert f"--merge: {tmp_path / 'gone.json'} does not exist; merging the others" in capsys.readouterr().out
+    assert summary("merged.json") == summary("both.json") and table("merged.md") == table("both.md")
+    merged = load("merged.json")["meta"]
+    assert [(m["file"], m["seeds"]) for m in merged["merged"]] == [("s1.json", [1]), ("s0.json", [0])]
+    assert merged["seeds"] == [0, 1] and "merged from 2 runs" in (tmp_path / "merged.md").read_text()
+    config = load("s1.json")["meta"]["config"]
+    assert merged["config"] == {k: v for k, v in config.items() if k not in ("repeats", "repeat_from")}
+    run("--merge", str(tmp_path / "partial.json"), str(tmp_path / "s1.json"), "--json", str(tmp_path / "merged2.json"))
+    assert summary("merged2.json") == summary("both.json")
+
+    def refused(*paths):
+        monkeypatch.setattr(sys, "argv", ["eval_qat.py", "--merge", *map(str, paths)])
+        with pytest.raises(SystemExit) as e:
+            script.main()
+        return str(e.value)
+
+    assert refused(tmp_path / "s0.json", tmp_path / "both.json") == (
+        f"--merge: {tmp_path / 'both.json'}: seed 0 is in {tmp_path / 's0.json'} too")
+    other = load("s1.json")
+    other["meta"]["config"]["finetune_lr"] = 1e-3
+    other["repeats"][0]["seed"] = 7
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert refused(tmp_path / "s0.json", tmp_path / "other.json") == (
+        f"--merge: {tmp_path / 'other.json'}: its configuration differs from {tmp_path / 's0.json'}'s: finetune_lr "
+        "0.001 vs 0.0003")
+    other["meta"]["config"].update(finetune_lr=3e-4, seed=1)  # another corpus split (and tokenizer)
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert "differs" in refused(tmp_path / "s0.json", tmp_path / "other.json")
+    assert refused(tmp_path / "gone.json") == f"--merge: none of {tmp_path / 'gone.json'} exists"

@@ -417,7 +417,7 @@ def test_every_stage_command_runs_its_script_with_flags_it_has():
     from benchmarks.run import STAGES
 
     env = {"OUT": "/tmp/out", "BLOCKS": "layers_b1", "BATCH": "1", "GA": "8", "GPUS": "1", "RECIPES": "bf16,int8",
-           "MODES": "compiled", "CHECKPOINTS": "qat_int4_tinygemm", "TAG": "int4", "REPEATS": "1",
+           "MODES": "compiled", "CHECKPOINTS": "qat_int4_tinygemm", "TAG": "int4", "FIRST": "1",
            "SCHEME": "int4_tinygemm", "GROUP": "256", "PRETRAIN_LR": "2e-3", "FINETUNE_LR": "3e-4",
            "CORPUS_CACHE": ".corpus_cache"}
     checked = 0
@@ -466,3 +466,27 @@ def test_serve_merge_joins_what_the_serve_calls_write():
     merge = words("serve_merge")
     assert merge[merge.index("--merge") + 1:merge.index("--json")] == written
     assert len(set(written)) == 4 and merge[merge.index("--json") + 1] not in written
+
+
+def test_qat_ptq_hurts_merge_joins_what_the_seed_calls_write():
+    """benchmarks/run.py: qat_ptq_hurts runs one model seed per call (FIRST=0, 1, 2, the default 0), each into its
+    own file; qat_ptq_hurts_merge joins exactly those files into one it does not overwrite them with."""
+    import shlex
+
+    from benchmarks.run import STAGES
+
+    def words(stage, **env):  # the stage's command as run.py's bash expands it
+        (command,) = STAGES[stage][2]
+        command = command.split(" 2>&1 |")[0]  # echo the command, not into its tee
+        echo = subprocess.run(["bash", "-c", f"echo {command}"], env={"PATH": os.environ["PATH"], "OUT": "/o", **env},
+                              capture_output=True, text=True, check=True)
+        return shlex.split(echo.stdout)
+
+    calls = [words("qat_ptq_hurts", **({"FIRST": str(k)} if k else {})) for k in range(3)]
+    assert [(w[w.index("--repeats") + 1], w[w.index("--repeat_from") + 1]) for w in calls] == [
+        ("1", "0"), ("1", "1"), ("1", "2")]
+    written = [w[w.index("--json") + 1] for w in calls]
+    merge = words("qat_ptq_hurts_merge")
+    assert merge[merge.index("--merge") + 1:merge.index("--json")] == written
+    assert len(set(written)) == 3 and merge[merge.index("--json") + 1] not in written
+    assert "FIRST=1 and FIRST=2" in STAGES["qat_ptq_hurts"][0]
