@@ -113,11 +113,12 @@ def corpus_blocks(seq: int, vocab: int, *, eval_fraction: float | None = 0.1, se
 
 
 def _cache_key(*args) -> str:
+    """The arguments only, not the machine: a cache built on the CPU machine (Python 3.11) must be found on the
+    GPU machine (3.12); which Python and packages built it is in the entry's record (``built_on``, ``packages``)."""
     import hashlib
     import json
-    import sys
 
-    blob = json.dumps([list(args), sys.version_info[:2]], default=list)
+    blob = json.dumps(list(args), default=list)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
