@@ -221,3 +221,21 @@ def test_serve_kernel_probe_on_cpu():
             assert not rows[name]["ok"] and "mslk" in rows[name]["error"] and "\n" not in rows[name]["error"]
     if not torch.cuda.is_available():
         assert not rows["Int4WeightOnlyConfig(tile_packed_to_4d)"]["ok"]
+
+
+def test_serve_host_calls_counts_each_kind(tmp_path):
+    """benchmarks/serve_host_calls.py: one row per kind with its Python calls per new token (the plumbing; the
+    figures are torch's and torchao's, not asserted); an unknown kind is refused in one line."""
+    script = os.path.join(ROOT, "benchmarks", "serve_host_calls.py")
+    out = tmp_path / "calls.json"
+    proc = subprocess.run([sys.executable, script, "--backend", "aot_eager", "--layers", "1", "--tokens", "4",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kind"] for r in rows] == ["bf16", "int4", "int4_unwrapped"]
+    assert all(r["calls_per_token"] > 0 and r["most_called"] for r in rows)
+    # unwrapping turns each quantized weight into its plain inner tensors: more, plain parameters
+    assert rows[2]["parameters"] > rows[1]["parameters"] == rows[0]["parameters"]
+    bad = subprocess.run([sys.executable, script, "--kinds", "fp4"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert bad.returncode != 0 and "--kinds fp4: choose from bf16, int4, int4_unwrapped" in bad.stderr
