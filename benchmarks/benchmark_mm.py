@@ -208,6 +208,54 @@ def _cfg(t) -> str:
     return f"{t[0]}x{t[1]}w{t[2]}"
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal (1-byte codes compared as bytes: torch.equal has no fp8 kernel everywhere)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def _check_then_time(row: dict, fn, ref, time_fn, moved: int, mismatch: str | None = None) -> dict:
+    """A sweep candidate: ``fn()``'s outputs checked bit-equal to ``ref`` first, then (if equal and ``time_fn``)
+    timed, GB/s from ``moved`` bytes. A mismatch (``error``: ``mismatch``, if given) or an exception (a config that
+    does not compile or run) is recorded in the row (``equal`` False), never timed."""
+    try:
+        row["equal"] = all(_same(a, b) for a, b in zip(fn(), ref))
+        if not row["equal"] and mismatch:
+            row["error"] = mismatch
+        elif row["equal"] and time_fn is not None:
+            row["ms"] = time_fn(fn)
+            row["gb_s"] = moved / row["ms"] / 1e6
+    except Exception as e:  # noqa: BLE001 - record it, go on with the other candidates
+        row.update(equal=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+    return row
+
+
+def _best_layer_config(timed: list[dict], need: dict, key, base: float, base_name: str) -> dict | None:
+    """Of ``timed`` candidate rows, the config with the least layer-weighted time (``ms * count`` summed) over the
+    shapes in ``need`` (key -> count), among configs timed on all of them; against ``base`` (the reference's
+    layer time, recorded as ``base_name``). None if no config was timed on every shape."""
+    per: dict = {}
+    for r in timed:
+        per.setdefault(r["config"], {})[key(r)] = r["ms"] * r["count"]
+    full = {c: sum(v.values()) for c, v in per.items() if set(v) == set(need)}
+    if not full:
+        return None
+    c = min(full, key=full.get)
+    return {"config": c, "layer_ms": full[c], base_name: base, "speedup": base / full[c]}
+
+
+def _error_lines(rows: list[dict], what: str, describe) -> list[str]:
+    """The markdown line listing candidates that were not equal or failed (none: no line)."""
+    errors = [r for r in rows if not r["equal"]]
+    if not errors:
+        return []
+    return ["", f"{len(errors)} {what}, or failed (not timed): " + "; ".join(
+        f"{describe(r)}: {r.get('error', 'not equal')}" for r in errors)]
+
+
 def quant_candidates(kind: str, grid: dict = QUANT_SWEEP) -> list[tuple[str, str, dict]]:
     """``(variant, config name, quantize_t_triton keywords)`` of every candidate for an activation operand
     (``kind="act"``: the two-kernel cross and the fused variant) or a weight refresh (``"weight"``: the default
@@ -249,15 +297,7 @@ def quant_sweep_rows(tokens: int, device: str = "cuda", acts=QUANT_ACTS, weights
                        "variant": variant, "config": config, "default": i == 0,
                        "ms": None, "gb_s": None}
                 fn = lambda: quantize_t_triton(x, torch.int8, 127.0, **extra, **kw)  # noqa: E731
-                try:
-                    got = fn()
-                    row["equal"] = all(torch.equal(a, b) for a, b in zip(got, ref))
-                    if row["equal"] and time_fn is not None:
-                        row["ms"] = time_fn(fn)
-                        row["gb_s"] = moved / row["ms"] / 1e6
-                except Exception as e:  # noqa: BLE001 - a config that does not compile or run: record it, go on
-                    row.update(equal=False, error=f"{type(e).__name__}: {str(e)[:200]}")
-                rows.append(row)
+                rows.append(_check_then_time(row, fn, ref, time_fn, moved))
                 if time_fn is not None:
                     print({k: row[k] for k in ("shape", "variant", "config", "ms", "equal")}, flush=True)
     return rows
@@ -284,26 +324,20 @@ def quant_sweep_summary(rows: list[dict]) -> tuple[list[str], dict]:
     best = {}
     for group in ("act", "weight"):
         need = {key(r): r["count"] for r in rows if r["group"] == group}
-        base = sum(default[s]["ms"] * c for s, c in need.items()) if all(s in default for s in need) else None
+        if not all(s in default for s in need):
+            continue
+        base = sum(default[s]["ms"] * c for s, c in need.items())
         for variant in dict.fromkeys(r["variant"] for r in rows if r["group"] == group):
-            per = {}
-            for r in timed:
-                if r["group"] == group and r["variant"] == variant:
-                    per.setdefault(r["config"], {})[key(r)] = r["ms"] * r["count"]
-            full = {c: sum(v.values()) for c, v in per.items() if set(v) == set(need)}  # timed on every shape
-            if full and base:
-                c = min(full, key=full.get)
-                best[f"{variant} ({'activations' if group == 'act' else 'weights'})"] = {
-                    "config": c, "layer_ms": full[c], "default_layer_ms": base, "speedup": base / full[c]}
+            b = _best_layer_config([r for r in timed if r["group"] == group and r["variant"] == variant], need, key,
+                                   base, "default_layer_ms")
+            if b:
+                best[f"{variant} ({'activations' if group == 'act' else 'weights'})"] = b
     table += ["", "Best overall config per kernel kind (the least time over a Llama-8B layer's calls, each shape "
               "weighted by its count per layer): " + "; ".join(
                   f"{k}: {v['config']}, {v['layer_ms']:.3f} ms vs the default's {v['default_layer_ms']:.3f} ms "
                   f"({v['speedup']:.2f}x)" for k, v in best.items())]
-    errors = [r for r in rows if not r["equal"]]
-    if errors:
-        table += ["", f"{len(errors)} candidates not equal to the default's output, or failed (not timed): " + "; ".join(
-            f"{'×'.join(map(str, r['shape']))} {r['variant']} {r['config']}: {r.get('error', 'not equal')}"
-            for r in errors)]
+    table += _error_lines(rows, "candidates not equal to the default's output",
+                          lambda r: f"{'×'.join(map(str, r['shape']))} {r['variant']} {r['config']}")
     return table, best
 
 
@@ -330,15 +364,6 @@ def dual_candidates(grid: dict = DUAL_SWEEP) -> list[tuple[str, dict]]:
     cands = [(f"default (amax {_cfg(_DUAL_AMAX_TILES)} / quant {_cfg(_DUAL_QUANT_TILES)})", {})]
     return cands + [(f"amax {_cfg(a)} / quant {_cfg(q)}", {"amax_tiles": a, "quant_tiles": q})
                     for a in grid["amax"] for q in grid["quant"] if (a, q) != (_DUAL_AMAX_TILES, _DUAL_QUANT_TILES)]
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-equal (1-byte codes compared as bytes: torch.equal has no fp8 kernel everywhere)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.element_size() == 1:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    return torch.equal(a, b)
 
 
 def quant_dual_rows(tokens: int, device: str = "cuda", shapes=DUAL_SHAPES, formats=("int8", "fp8"),
@@ -386,16 +411,7 @@ def quant_dual_rows(tokens: int, device: str = "cuda", shapes=DUAL_SHAPES, forma
                 for i, (config, kw) in enumerate(dual_candidates(grid)):
                     row = {**base, "kind": "dual", "config": config, "default": i == 0, "ms": None, "gb_s": None}
                     fn = lambda: quantize_dual_triton(g, f.dtype, f.qmax, mul, **kw)  # noqa: E731
-                    try:
-                        row["equal"] = all(_same(a, b) for a, b in zip(fn(), ref))
-                        if not row["equal"]:
-                            row["error"] = "outputs differ from today's"
-                        elif time_fn is not None:
-                            row["ms"] = time_fn(fn)
-                            row["gb_s"] = moved / row["ms"] / 1e6
-                    except Exception as e:  # noqa: BLE001 - a config that does not compile or run: record it, go on
-                        row.update(equal=False, error=f"{type(e).__name__}: {str(e)[:200]}")
-                    rows.append(row)
+                    rows.append(_check_then_time(row, fn, ref, time_fn, moved, "outputs differ from today's"))
                     if time_fn is not None:
                         print({k: row[k] for k in ("fmt", "shape", "config", "ms", "equal")}, flush=True)
     return rows
@@ -429,23 +445,15 @@ def quant_dual_summary(rows: list[dict]) -> tuple[list[str], dict]:
         if not all(k in today for k in need):
             continue
         base = sum(today[k]["ms"] * c for k, c in need.items())
-        per = {}
-        for r in timed:
-            if r["fmt"] == fmt and r["kind"] == "dual":
-                per.setdefault(r["config"], {})[key(r)] = r["ms"] * r["count"]
-        full = {c: sum(v.values()) for c, v in per.items() if set(v) == set(need)}
-        if full:
-            c = min(full, key=full.get)
-            best[fmt] = {"config": c, "layer_ms": full[c], "today_layer_ms": base, "speedup": base / full[c]}
+        b = _best_layer_config([r for r in timed if r["fmt"] == fmt and r["kind"] == "dual"], need, key, base,
+                               "today_layer_ms")
+        if b:
+            best[fmt] = b
     table += ["", "Best dual config per format over a Llama-8B layer's dY quantizations (each shape weighted by its "
               "count per layer): " + "; ".join(
                   f"{k}: {v['config']}, {v['layer_ms']:.3f} ms vs today's {v['today_layer_ms']:.3f} ms "
                   f"({v['speedup']:.2f}x)" for k, v in best.items())]
-    errors = [r for r in rows if not r["equal"]]
-    if errors:
-        table += ["", f"{len(errors)} dual configs not equal to today's outputs, or failed (not timed): " + "; ".join(
-            f"{r['fmt']} {'×'.join(map(str, r['shape']))} {r['config']}: {r.get('error', 'not equal')}"
-            for r in errors)]
+    table += _error_lines(rows, "dual configs not equal to today's outputs", lambda r: f"{r['fmt']} {'×'.join(map(str, r['shape']))} {r['config']}")
     return table, best
 
 
