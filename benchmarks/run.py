@@ -22,11 +22,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B = "python3 benchmarks/"
 
 STAGES = {  # stage: (what it measures, roughly how long on one H200, its commands)
-    "cuda_tests": ("every test with 'cuda' in its id, the quick kernel checks first", "4-5 min (autotune)", [
-        "python3 -m pytest -q -p no:cacheprovider -k cuda tests/ --deselect "
-        "tests/test_triton_int8.py::test_triton_int8_scaled_mm_cuda 2>&1 | tee $OUT/pytest_cuda.txt",
-        "python3 -m pytest -q -p no:cacheprovider tests/test_triton_int8.py::test_triton_int8_scaled_mm_cuda "
-        "2>&1 | tee -a $OUT/pytest_cuda.txt"]),
+    "cuda_tests": ("every test with 'cuda' in its id, on WORKERS (default 8) pytest-xdist processes when xdist imports "
+                   "(carry its wheel and execnet's in .whl, installed like torchao's): Triton's compiles, on the CPU, "
+                   "dominate, and one process took > 9 min (session 9)", "~3-4 min on 8 workers (estimate)", [
+        "python3 -m pytest -q -rfEs -p no:cacheprovider -k cuda tests/ --durations=25 "
+        "$(python3 -c 'import xdist' 2>/dev/null && echo \"-n ${WORKERS:-8}\") 2>&1 | tee $OUT/pytest_cuda.txt"]),
     "regimes": ("1x2048 / 8x2048 tokens, gradient accumulation, hand loop and Trainer, Liger (docs/benchmarks.md "
                 "'Regimes'); BLOCKS: a subset (all: ~25 min, so split them over calls or GPUs; *_liger blocks need "
                 "liger-kernel)", "~5 min per block", [

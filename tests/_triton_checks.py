@@ -218,13 +218,14 @@ def quantize_t_variants(device: str) -> list[dict]:
             dict(variant="rows", tiles=(4, 64, 2)), dict(amax_tiles=(32, 8, 2), quant_tiles=(8, 32, 2), chunk_m=32)]
 
 
-def check_quantize_t_variants(device: str) -> int:
+def check_quantize_t_variants(device: str, variants: list[dict] | None = None) -> int:
     """Every option of :func:`quantize_t_variants` against the plain-torch reference and the default two-kernel
     path, bit for bit: int8 and fp8, on a row-major ``x`` (activations) and on ``x = w.T`` of a row-major ``w``
     (the weight refresh), shapes no tile divides, a NaN in a column of ``x`` (a row of ``w``: its scale NaN, the
     others untouched) and an all-zero one; both layouts into preallocated buffers that start as poison (all of
     them written); int8 stochastic rounding with ``row_mul`` and one layout, the same bits as the default path for
     the same ``torch.manual_seed``. (The codes of a NaN column are not compared: the reference's are undefined.)
+    ``variants``: a subset of them (the CUDA test runs one per test, so parallel workers share the compiles).
     Returns the number of checks."""
     from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX
     from hf_lowbit.kernels.int8 import INT8_MAX
@@ -234,7 +235,7 @@ def check_quantize_t_variants(device: str) -> int:
     formats = [("int8", torch.int8, INT8_MAX), ("fp8", FP8_DTYPE, FP8_MAX)]
     shapes = [(1030, 70), (4099, 300)] if device == "cuda" else [(37, 24), (70, 20)]
     dtypes = (torch.bfloat16, torch.float32) if device == "cuda" else (torch.bfloat16,)
-    variants = quantize_t_variants(device)
+    variants = quantize_t_variants(device) if variants is None else variants
     g = torch.Generator().manual_seed(0)
     n = 0
     for M, N in shapes:

@@ -78,13 +78,20 @@ def test_triton_int8_scaled_mm_addend_cuda():
     assert check_int8_scaled_mm_addend("cuda") > 0
 
 
+# one test per variant: each compiles its own kernels (minutes over all of them on the device's CPU), so pytest-xdist
+# workers (the cuda_tests stage) share them out
+N_QUANTIZE_T_VARIANTS = 6
+
+
 @pytest.mark.cuda
-def test_triton_quantize_t_cuda():
+@pytest.mark.parametrize("i", range(1 + N_QUANTIZE_T_VARIANTS))
+def test_triton_quantize_t_cuda(i):
+    """The whole check for the default kernels (i = 0) and for each other variant and tiles."""
     from _triton_checks import check_quantize_t, quantize_t_variants
 
-    assert check_quantize_t("cuda") > 0
-    for opts in quantize_t_variants("cuda"):  # the whole check for each other variant and tiles
-        assert check_quantize_t("cuda", **opts) > 0, opts
+    variants = [{}] + quantize_t_variants("cuda")
+    assert len(variants) == 1 + N_QUANTIZE_T_VARIANTS
+    assert check_quantize_t("cuda", **variants[i]) > 0, variants[i]
 
 
 def test_triton_quantize_t_variants_interpreted():
@@ -99,10 +106,13 @@ def test_quant_sweep_candidates_interpreted():
 
 
 @pytest.mark.cuda
-def test_triton_quantize_t_variants_cuda():
-    from _triton_checks import check_quantize_t_variants
+@pytest.mark.parametrize("i", range(N_QUANTIZE_T_VARIANTS))
+def test_triton_quantize_t_variants_cuda(i):
+    from _triton_checks import check_quantize_t_variants, quantize_t_variants
 
-    assert check_quantize_t_variants("cuda") == 144  # 2 shapes x 2 layouts x 2 dtypes x 18
+    variants = quantize_t_variants("cuda")
+    assert len(variants) == N_QUANTIZE_T_VARIANTS
+    assert check_quantize_t_variants("cuda", variants[i:i + 1]) == 24  # 2 shapes x 2 layouts x 2 dtypes x (2 + 1 SR)
 
 
 def test_triton_quantize_dual_interpreted():
@@ -113,9 +123,15 @@ def test_triton_quantize_dual_interpreted():
 
 @pytest.mark.cuda
 def test_triton_quantize_dual_cuda():
-    from _triton_checks import check_quant_dual_bench, check_quantize_dual
+    from _triton_checks import check_quantize_dual
 
     assert check_quantize_dual("cuda") == 44
+
+
+@pytest.mark.cuda
+def test_quant_dual_bench_cuda():
+    from _triton_checks import check_quant_dual_bench
+
     assert check_quant_dual_bench("cuda") == 32  # the whole grid on both formats
 
 
