@@ -194,7 +194,7 @@ def test_dual_grad_quant_equals_split_path_cuda(fmt, cache, compile, monkeypatch
 def test_dual_grad_quant_keeps_the_split_path_where_it_cannot_apply(case, monkeypatch):
     """Only one low-bit gradient matmul needs dY: no dual op, the same gradients as without the flag."""
     calls = _dual_counted(monkeypatch)
-    config = {"grad_weight_off": dict(grad_weight=False), "grad_input_off": dict(grad_input=False)}.get(case, {})
+    config = {"grad_weight_off": {"grad_weight": False}, "grad_input_off": {"grad_input": False}}.get(case, {})
     grads = []
     for dual in (False, True):
         torch.manual_seed(0)
