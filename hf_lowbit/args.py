@@ -74,6 +74,10 @@ class LowBitArgumentsMixin:
         "unbiased; the forward still rounds to nearest. The random numbers are drawn inside the quantization kernels "
         "(no random tensor). On the H200 it cost speed (INT8 0.65x bf16 instead of 0.99x, all three matmuls) and "
         "did not improve the loss (docs/benchmarks.md, 'The seed table').")})
+    lowbit_dual_grad_quant: bool | None = field(default=None, metadata={"help": (
+        "INT8/FP8: quantize the output gradient for dX and dW in one op (hf_lowbit::quantize_dual), the same "
+        "bits; needs lowbit_grad_input and lowbit_grad_weight, not lowbit_stochastic_rounding. Not yet measured "
+        "on a GPU. Unset: off.")})
     lowbit_cuda_graphs: bool | None = field(default=None, metadata={"help": (
         "Compile with CUDA graphs (torch_compile_mode='reduce-overhead'): at 1-2k-token micro-batches the "
         "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 compute (full "
@@ -135,13 +139,24 @@ class LowBitArgumentsMixin:
         if self.lowbit_stochastic_rounding and not self.int8_mixed_precision:
             raise ValueError(f"{cls}.lowbit_stochastic_rounding=True needs int8_mixed_precision=True "
                              "(it is implemented for INT8 operands only)")
-        for name in ("lowbit_weight_cache", "lowbit_cuda_graphs"):
+        for name in ("lowbit_weight_cache", "lowbit_cuda_graphs", "lowbit_dual_grad_quant"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{cls}.{name} must be True, False or None (automatic), got {value!r}")
         if self.lowbit_weight_cache and not self.lowbit_recipes:
             raise ValueError(f"{cls}.lowbit_weight_cache=True caches the INT8/FP8 form of trainable "
                              "weights: it needs int8_mixed_precision or fp8_mixed_precision")
+        if self.lowbit_dual_grad_quant:
+            flag = f"{cls}.lowbit_dual_grad_quant=True"
+            if not self.lowbit_recipes:
+                raise ValueError(f"{flag} quantizes the output gradient of INT8/FP8 linears: it needs "
+                                 "int8_mixed_precision or fp8_mixed_precision")
+            if self.lowbit_stochastic_rounding:
+                raise ValueError(f"{flag} with lowbit_stochastic_rounding=True: hf_lowbit::quantize_dual rounds to "
+                                 "nearest only; switch one off")
+            if not (self.lowbit_grad_input and self.lowbit_grad_weight):
+                raise ValueError(f"{flag} quantizes the output gradient for both gradient matmuls at once: it needs "
+                                 "lowbit_grad_input and lowbit_grad_weight True")
         if self.lowbit_cuda_graphs and self.torch_compile_mode not in (None, "reduce-overhead"):
             raise ValueError(f"{cls}.lowbit_cuda_graphs=True with torch_compile_mode="
                              f"{self.torch_compile_mode!r}: CUDA graphs are torch_compile_mode='reduce-overhead'; "

@@ -15,6 +15,12 @@ from hf_lowbit import LowBitTrainingArguments
     (dict(int8_mixed_precision=True, lowbit_output=False, lowbit_grad_input=False, lowbit_grad_weight=False),
      "quantizes nothing"),
     (dict(qat_scheme="8da4w", lora_base_quant="nf4"), "qat_scheme='8da4w' with lora_base_quant='nf4'"),
+    ({"lowbit_dual_grad_quant": True}, "lowbit_dual_grad_quant=True .* needs int8_mixed_precision or fp8"),
+    ({"int8_mixed_precision": True, "lowbit_dual_grad_quant": "yes"}, "lowbit_dual_grad_quant must be"),
+    ({"int8_mixed_precision": True, "lowbit_dual_grad_quant": True, "lowbit_stochastic_rounding": True},
+     "lowbit_dual_grad_quant=True with lowbit_stochastic_rounding=True"),
+    ({"fp8_mixed_precision": True, "lowbit_dual_grad_quant": True, "lowbit_grad_weight": False},
+     "lowbit_dual_grad_quant=True .* needs lowbit_grad_input and lowbit_grad_weight"),
 ])
 def test_bad_arguments_name_the_field(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -32,6 +38,24 @@ def test_cli_flags():
     help_text = parser.format_help()
     for flag in ("--int8_mixed_precision", "--lowbit_grad_input", "--lowbit_exclude_modules"):
         assert flag in help_text
+
+
+def test_dual_grad_quant_flag_reaches_the_layers():
+    """--lowbit_dual_grad_quant: a CLI flag (in --help), off when unset (also with stochastic rounding), and
+    MixedPrecisionConfig.dual_grad_quant of every swapped layer when given."""
+    from conftest import tiny_model
+
+    from hf_lowbit import LowBitLinear, prepare_model
+
+    parser = HfArgumentParser(LowBitTrainingArguments)
+    assert "--lowbit_dual_grad_quant" in parser.format_help()
+    for argv, dual in ((["--fp8_mixed_precision", "--lowbit_dual_grad_quant", "True"], True),
+                       (["--int8_mixed_precision"], False),
+                       (["--int8_mixed_precision", "--lowbit_stochastic_rounding"], False)):
+        (args,) = parser.parse_args_into_dataclasses(args=["--output_dir", "o", "--report_to", "none",
+                                                           "--lowbit_min_features", "16", *argv])
+        layers = [m for m in prepare_model(tiny_model(), args).modules() if isinstance(m, LowBitLinear)]
+        assert layers and all(m.lowbit_config.dual_grad_quant is dual for m in layers), argv
 
 
 def test_string_exclude_becomes_list():

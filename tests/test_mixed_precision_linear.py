@@ -115,3 +115,103 @@ def test_compile_fullgraph_no_graph_break(recipe):
 def test_bad_format_rejected():
     with pytest.raises(ValueError, match="format must be one of"):
         MixedPrecisionConfig(format="int4")
+
+
+# dual_grad_quant: dY's two quantizations from one op (hf_lowbit::quantize_dual), the same bits as the split path
+def _dual_counted(monkeypatch, device="cpu"):
+    """Count the runs of ``hf_lowbit::quantize_dual``'s body (its plain-torch reference, on CUDA its Triton kernels);
+    compiled: when AOTAutograd traces into it (dynamo keeps the op opaque, so the count adds no graph break)."""
+    import importlib
+
+    name, fn = (("triton_quant", "quantize_dual_triton") if device == "cuda" else
+                ("quantize_dual", "quantize_dual_reference"))
+    module = importlib.import_module(f"hf_lowbit.kernels.{name}")
+    calls = []
+    real = getattr(module, fn)
+    monkeypatch.setattr(module, fn, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def _dual_grads(fmt, dual, device="cpu", cache=False, compile=False, **config):
+    torch.manual_seed(0)
+    lin = LowBitLinear(64, 48, device=device, dtype=torch.bfloat16,
+                       config=MixedPrecisionConfig(format=fmt, dual_grad_quant=dual, **config))
+    with torch.no_grad():  # heterogeneous rows and columns, so a wrong per-row/per-column scale shows
+        lin.weight.mul_(torch.logspace(-2, 1, 48, device=device, dtype=torch.bfloat16)[:, None])
+        lin.weight[:, 5] *= 30
+    lin.set_weight_cache(cache)
+    f = torch.compile(lin, backend="inductor") if compile else lin
+    x = torch.randn(3, 10, 64, device=device, dtype=torch.bfloat16) * torch.logspace(-1, 1, 10, device=device)[:, None]
+    x = x.bfloat16().requires_grad_(True)
+    y = f(x)
+    y.backward(torch.randn(y.shape, device=device, generator=torch.Generator(device).manual_seed(1)).to(y.dtype)
+               * torch.logspace(-2, 2, 48, device=device).bfloat16())
+    return x.grad, lin.weight.grad, lin.bias.grad
+
+
+def _assert_dual_equals_split(fmt, monkeypatch, device="cpu", **kw):
+    calls = _dual_counted(monkeypatch, device)
+    split = _dual_grads(fmt, False, device, **kw)
+    assert not calls
+    torch._dynamo.reset()
+    dual = _dual_grads(fmt, True, device, **kw)
+    assert calls  # the dual op ran (traced, when compiled)
+    for name, a, b in zip(("dX", "dW", "db"), split, dual):
+        assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_dual_grad_quant_equals_split_path(fmt, cache, monkeypatch):
+    _assert_dual_equals_split(fmt, monkeypatch, cache=cache)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_dual_grad_quant_compiled_equals_split_path_no_graph_break(fmt, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    _assert_dual_equals_split(fmt, monkeypatch, compile=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_dual_grad_quant_equals_split_path_cuda(fmt, cache, compile, monkeypatch):
+    """On the GPU: quantize_dual's Triton kernels against Inductor's row quantization + quantize_t's kernels."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    _assert_dual_equals_split(fmt, monkeypatch, "cuda", cache=cache, compile=compile)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("case", ["frozen_weight", "grad_weight_off", "grad_input_off"])
+def test_dual_grad_quant_keeps_the_split_path_where_it_cannot_apply(case, monkeypatch):
+    """Only one low-bit gradient matmul needs dY: no dual op, the same gradients as without the flag."""
+    calls = _dual_counted(monkeypatch)
+    config = {"grad_weight_off": {"grad_weight": False}, "grad_input_off": {"grad_input": False}}.get(case, {})
+    grads = []
+    for dual in (False, True):
+        torch.manual_seed(0)
+        lin = LowBitLinear(64, 48, config=MixedPrecisionConfig(format="int8", dual_grad_quant=dual, **config))
+        lin.weight.requires_grad_(case != "frozen_weight")
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        lin(x).square().sum().backward()
+        grads.append((x.grad, lin.weight.grad))
+    assert not calls
+    assert torch.equal(grads[0][0], grads[1][0])
+    if case == "frozen_weight":
+        assert grads[0][1] is None and grads[1][1] is None
+    else:
+        assert torch.equal(grads[0][1], grads[1][1])
+
+
+def test_dual_grad_quant_refuses_stochastic_rounding():
+    with pytest.raises(ValueError, match="dual_grad_quant=True with stochastic_rounding=True"):
+        MixedPrecisionConfig(format="int8", dual_grad_quant=True, stochastic_rounding=True)
+    assert "dual_grad_quant" in repr(LowBitLinear(64, 48, config=MixedPrecisionConfig(dual_grad_quant=True)))

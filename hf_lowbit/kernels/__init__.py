@@ -89,6 +89,22 @@ def scaled_matmul_input_grad(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor,
     return scaled_matmul_quantized(fmt, g.float() * w_scale.reshape(1, -1), 1, qw_t, ones, out_dtype, add=add)
 
 
+def scaled_matmul_grads(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor, x: Tensor, dx_dtype: torch.dtype,
+                        dw_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Both gradients of ``Y = X · Wᵀ`` with ``g = dY [M, N]`` quantized once for the two of them by
+    ``hf_lowbit::quantize_dual`` (two reads of ``g`` instead of three): ``(dX [M, K], dW [N, K])``, the bits of
+    :func:`scaled_matmul_input_grad` ``(fmt, g, qw_t, w_scale, dx_dtype)`` and of :func:`scaled_matmul`
+    ``(fmt, g, 0, x, 0, dw_dtype)`` (nearest rounding only). ``qw_t [K, N]``, ``w_scale [N]``: the weight's
+    forward codes transposed and its row scales (:func:`quantize_weight_t`); ``x [M, K]``. The codes of ``g`` in
+    both layouts are alive together (``M·N`` bytes more than the split path at the input gradient's matmul)."""
+    f = FORMATS[fmt]
+    qr, sr, qc, sc = quantize_dual(g, fmt, w_scale.reshape(-1).float())
+    ones = torch.ones(qw_t.shape[0], dtype=torch.float32, device=qw_t.device)
+    dx = f.scaled_mm(qr, qw_t, sr, ones, dx_dtype)
+    qx, sx = quantize_operand(fmt, x, 0)
+    return dx, f.scaled_mm(qc, qx, sc, sx, dw_dtype)
+
+
 @torch.no_grad()
 def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, **kernel: object) -> tuple[Tensor, ...]:
     """Everything a linear's weight ``w [N, K]`` takes part in, from one call: ``(q [N, K], scale [N])`` per
@@ -117,5 +133,5 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
 
 
 __all__ = ["FORMATS", "Format", "get_format", "scaled_matmul", "scaled_matmul_quantized", "quantize_operand",
-           "quantize_weight", "quantize_weight_t", "scaled_matmul_input_grad", "quantize_t",
+           "quantize_weight", "quantize_weight_t", "scaled_matmul_input_grad", "scaled_matmul_grads", "quantize_t",
            "quantize_dual"]

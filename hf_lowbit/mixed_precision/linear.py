@@ -8,6 +8,8 @@ low-bit tensor cores (int32 / fp32 accumulation) and scales back to the compute 
 * grad input   ``dX = dY · W``   dY per token with W's row scales folded in, W's forward codes (transposed)
 * grad weight  ``dW = dYᵀ · X``  dY and X per feature, across tokens
 
+(``dual_grad_quant``: dY's two quantizations from one op, ``hf_lowbit::quantize_dual``, the same bits.)
+
 Each can be switched off (it then runs in the compute dtype). The quantization is plain PyTorch
 inside an ``autograd.Function`` that ``torch.compile`` traces (no ``allow_in_graph``), so Inductor
 fuses it; the matmul is the format's op (``hf_lowbit::int8_scaled_mm``, a ``triton_op``; FP8: ``torch._scaled_mm``).
@@ -28,7 +30,7 @@ from torch import Tensor, nn
 
 from ..compute import compute_dtype as _compute_dtype  # the name the Function body below uses
 from ..kernels import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t, scaled_matmul,
-                  scaled_matmul_input_grad, scaled_matmul_quantized)
+                  scaled_matmul_grads, scaled_matmul_input_grad, scaled_matmul_quantized)
 from .fsdp_all_gather import GatheredLowBitWeight, gathered_operands
 from ..swap import LinearFilter, SwapReport, swap_linears
 
@@ -45,6 +47,11 @@ class MixedPrecisionConfig:
     # stochastic rounding of the backward's operands: dY in both gradient matmuls and X in the weight gradient
     # (the quantities whose rounding bias accumulates into the weights); the forward rounds to nearest
     stochastic_rounding: bool = False
+    # dY's two quantizations (per token for dX, per feature for dW) from one op, hf_lowbit::quantize_dual: two reads
+    # of dY instead of three, the same bits; where both gradient matmuls are low-bit and both gradients are needed
+    # (else the split path). Off until measured on the H200; the default may flip then (a flip must let
+    # stochastic_rounding=True, which it cannot serve, fall back instead of raising: e.g. a None default)
+    dual_grad_quant: bool = False
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -52,6 +59,9 @@ class MixedPrecisionConfig:
         if self.stochastic_rounding and self.format != "int8":
             raise ValueError(f"MixedPrecisionConfig.stochastic_rounding is implemented for format='int8', "
                              f"not {self.format!r}")
+        if self.dual_grad_quant and self.stochastic_rounding:
+            raise ValueError("MixedPrecisionConfig.dual_grad_quant=True with stochastic_rounding=True: "
+                             "hf_lowbit::quantize_dual rounds to nearest only; switch one off")
 
     @property
     def recipe(self) -> str:
@@ -70,11 +80,13 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
 
     The input gradient uses the forward's quantization of the weight, its row scales folded into ``dY``
     (:func:`hf_lowbit.kernels.scaled_matmul_input_grad`): one absmax pass over the weight per step instead of
-    two, and without the cache the backward only re-encodes the weight transposed with the saved scales."""
+    two, and without the cache the backward only re-encodes the weight transposed with the saved scales. ``dual``:
+    both gradients' quantizations of ``dY`` from one op (:func:`hf_lowbit.kernels.scaled_matmul_grads`)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, fmt: str, output: bool,
-                grad_input: bool, grad_weight: bool, cached: tuple[Tensor, ...] | None, sr: bool) -> Tensor:
+                grad_input: bool, grad_weight: bool, cached: tuple[Tensor, ...] | None, sr: bool,
+                dual: bool) -> Tensor:
         dtype = _compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         qw = w_scale = qw_t = None
@@ -95,14 +107,16 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
         gathered = qw if cached is not None and qw_t is None else None
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight,
                               *((w_scale, qw_t, gathered) if grad_input else (None, None, None)))
-        ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype, x.shape, x.dtype, sr)
+        ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype, x.shape, x.dtype, sr,
+                     dual)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight, w_scale, qw_t, gathered = ctx.saved_tensors
-        fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype, sr = ctx.flags
+        fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype, sr, dual = ctx.flags
         g2 = grad_out.reshape(-1, weight.shape[0])
+        x2 = None if x is None else x.reshape(-1, x.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if grad_input:  # dX[M, K] = q(dY·diag(s))[M, N] · Wq[N, K], Wq taken as its transpose [K, N]
@@ -110,19 +124,22 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
                     qw_t = gathered.T.contiguous()
                 elif qw_t is None:  # not cached: the forward's codes again, from its scales (no absmax pass)
                     qw_t, w_scale = quantize_weight_t(fmt, weight, w_scale)
-                dx = scaled_matmul_input_grad(fmt, g2, qw_t, w_scale, x_dtype, stochastic=sr)
+                # dY quantized for dX and dW in one op (never with stochastic rounding: the config refuses it)
+                if dual and grad_weight and ctx.needs_input_grad[1]:
+                    dx, dw = scaled_matmul_grads(fmt, g2, qw_t, w_scale, x2, x_dtype, weight.dtype)
+                else:
+                    dx = scaled_matmul_input_grad(fmt, g2, qw_t, w_scale, x_dtype, stochastic=sr)
             else:
                 dx = (g2.to(dtype) @ weight.to(dtype)).to(x_dtype)
             dx = dx.reshape(x_shape)
-        if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.shape[-1])
+        if ctx.needs_input_grad[1] and dw is None:
             if grad_weight:  # dW[N, K] = dYᵀ[N, M] · X[M, K]: reduce over tokens
                 dw = scaled_matmul(fmt, g2, 0, x2, 0, weight.dtype, stochastic=(sr, sr))
             else:
                 dw = (g2.to(dtype).T @ x2.to(dtype)).to(weight.dtype)
         if bias_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
@@ -135,7 +152,8 @@ def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None
     if not (config.output or config.grad_input or config.grad_weight):
         return F.linear(x, weight, bias)
     return _MixedPrecisionLinearFn.apply(x, weight, bias, config.format, config.output, config.grad_input,
-                                         config.grad_weight, cached_weight, config.stochastic_rounding)
+                                         config.grad_weight, cached_weight, config.stochastic_rounding,
+                                         config.dual_grad_quant)
 
 
 # Layers whose weight cache is on: refreshed after every optimizer step (see _refresh_after_step).
@@ -258,7 +276,9 @@ class MixedPrecisionLinear(nn.Linear):
         c = self.lowbit_config
         on = [n for n, v in (("output", c.output), ("grad_input", c.grad_input),
                              ("grad_weight", c.grad_weight)) if v]
-        cache = (", weight_cache" if self.weight_cache else "") + (", stochastic_rounding" if c.stochastic_rounding else "")
+        cache = "".join(f", {name}" for name, flag in (("weight_cache", self.weight_cache),
+                                                       ("stochastic_rounding", c.stochastic_rounding),
+                                                       ("dual_grad_quant", c.dual_grad_quant)) if flag)
         return f"{super().extra_repr()}, {c.format}={'+'.join(on) or 'off'}{cache}"
 
 
