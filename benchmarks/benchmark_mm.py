@@ -217,15 +217,29 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _check_then_time(row: dict, fn, ref, time_fn, moved: int, mismatch: str | None = None) -> dict:
+def _differ(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The fraction of elements whose bits differ (NaN against NaN counts as equal; 1.0 if shape or dtype differ)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return 1.0
+    if a.element_size() == 1:
+        return (a.view(torch.uint8) != b.view(torch.uint8)).float().mean().item()
+    return ((a != b) & ~(a.isnan() & b.isnan())).float().mean().item()
+
+
+def _check_then_time(row: dict, fn, ref, time_fn, moved: int, mismatch: str | None = None,
+                     time_unequal: bool = False) -> dict:
     """A sweep candidate: ``fn()``'s outputs checked bit-equal to ``ref`` first, then (if equal and ``time_fn``)
-    timed, GB/s from ``moved`` bytes. A mismatch (``error``: ``mismatch``, if given) or an exception (a config that
-    does not compile or run) is recorded in the row (``equal`` False), never timed."""
+    timed, GB/s from ``moved`` bytes. A mismatch (``error``: ``mismatch``, if given; ``differ``: the fraction of
+    each output's elements that differ) or an exception (a config that does not compile or run) is recorded in the
+    row (``equal`` False), not timed unless ``time_unequal``."""
     try:
-        row["equal"] = all(_same(a, b) for a, b in zip(fn(), ref))
+        out = fn()
+        row["equal"] = all(_same(a, b) for a, b in zip(out, ref))
+        if not row["equal"]:
+            row["differ"] = [_differ(a, b) for a, b in zip(out, ref)]
         if not row["equal"] and mismatch:
-            row["error"] = mismatch
-        elif row["equal"] and time_fn is not None:
+            row["error"] = mismatch + " (element fractions: " + ", ".join(f"{d:.2e}" for d in row["differ"]) + ")"
+        if (row["equal"] or time_unequal) and time_fn is not None:
             row["ms"] = time_fn(fn)
             row["gb_s"] = moved / row["ms"] / 1e6
     except Exception as e:  # noqa: BLE001 - record it, go on with the other candidates
@@ -418,7 +432,8 @@ def quant_dual_rows(tokens: int, device: str = "cuda", shapes=DUAL_SHAPES, forma
                 for i, (config, kw) in enumerate(dual_candidates(grid)):
                     row = {**base, "kind": "dual", "config": config, "default": i == 0, "ms": None, "gb_s": None}
                     fn = lambda: quantize_dual_triton(g, f.dtype, f.qmax, mul, **kw)  # noqa: E731
-                    rows.append(_check_then_time(row, fn, ref, time_fn, moved, "outputs differ from the eager references"))
+                    rows.append(_check_then_time(row, fn, ref, time_fn, moved, "outputs differ from the eager references",
+                                                 time_unequal=True))
                     if time_fn is not None:
                         print({k: row[k] for k in ("fmt", "shape", "config", "ms", "equal")}, flush=True)
     return rows
@@ -460,7 +475,8 @@ def quant_dual_summary(rows: list[dict]) -> tuple[list[str], dict]:
               "count per layer): " + "; ".join(
                   f"{k}: {v['config']}, {v['layer_ms']:.3f} ms vs today's {v['today_layer_ms']:.3f} ms "
                   f"({v['speedup']:.2f}x)" for k, v in best.items())]
-    table += _error_lines([r for r in rows if r["kind"] == "dual"], "dual configs not equal to the eager references",
+    table += _error_lines([r for r in rows if r["kind"] == "dual"], "dual configs not equal to the eager references "
+                          "(timed all the same; fractions of row codes, row scales, column codes, column scales)",
                           lambda r: f"{r['fmt']} {'×'.join(map(str, r['shape']))} {r['config']}")
     pair = [r for r in rows if r["kind"] == "today" and r["config"] == "rows + quantize_t"]
     table += ["", "Today's compiled row codes vs eager plain torch (fraction of codes that differ): " + "; ".join(
