@@ -24,7 +24,8 @@ B = "python3 benchmarks/"
 STAGES = {  # stage: (what it measures, roughly how long on one H200, its commands)
     "cuda_tests": ("every test with 'cuda' in its id, on WORKERS (default 8) pytest-xdist processes when xdist imports "
                    "(carry its wheel and execnet's in .whl, installed like torchao's): Triton's compiles, on the CPU, "
-                   "dominate, and one process took > 9 min (session 9)", "~3-4 min on 8 workers (estimate)", [
+                   "dominate, and one process took > 9 min (session 9)", "~6.5 min on 10 workers (b4e3db1: 375 s, bound by "
+                   "the autotuned INT8 matmul tests, 345 s and 188 s)", [
         "python3 -m pytest -q -rfEs -p no:cacheprovider -k cuda tests/ --durations=25 "
         "$(python3 -c 'import xdist' 2>/dev/null && echo \"-n ${WORKERS:-8}\") 2>&1 | tee $OUT/pytest_cuda.txt"]),
     "regimes": ("1x2048 / 8x2048 tokens, gradient accumulation, hand loop and Trainer, Liger (docs/benchmarks.md "
@@ -57,8 +58,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
     "quant_dual": ("issue 25: dY quantized per row (times the weight's scales, for dX) and per column (for dW): "
                    "today's pair (compiled plain torch + quantize_t, three reads of dY) vs quantize_dual_triton (two "
                    "reads) at each DUAL_SWEEP tile config, int8 and fp8, a Llama-8B layer's dY shapes at 2048 and "
-                   "16384 tokens; each config checked equal to today's outputs before it is timed",
-                   "~3 min (estimate)", [
+                   "16384 tokens; each config's outputs compared with the CPU references (the fraction that differs "
+                   "recorded) and timed", "~75 s (65798e8, both token counts)", [
         B + "benchmark_mm.py --dual --tokens 2048 --json $OUT/quant_dual_h200_t2048.json "
         "--markdown $OUT/quant_dual_h200_t2048.md",
         B + "benchmark_mm.py --dual --tokens 16384 --json $OUT/quant_dual_h200_t16384.json "

@@ -76,8 +76,8 @@ class LowBitArgumentsMixin:
         "did not improve the loss (docs/benchmarks.md, 'The seed table').")})
     lowbit_dual_grad_quant: bool | None = field(default=None, metadata={"help": (
         "INT8/FP8: quantize the output gradient for dX and dW in one op (hf_lowbit::quantize_dual), the same "
-        "bits; needs lowbit_grad_input and lowbit_grad_weight, not lowbit_stochastic_rounding. Not yet measured "
-        "on a GPU. Unset: off.")})
+        "bits; needs lowbit_grad_input and lowbit_grad_weight, not lowbit_stochastic_rounding. Slower than the "
+        "default on the H200 (docs/benchmarks.md). Unset: off.")})
     lowbit_cuda_graphs: bool | None = field(default=None, metadata={"help": (
         "Compile with CUDA graphs (torch_compile_mode='reduce-overhead'): at 1-2k-token micro-batches the "
         "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 compute (full "
