@@ -24,6 +24,9 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
 * ``layers_b1_dual``, ``layers_b8_dual``, ``trainer_b1_ga8_dual`` (issue 25): int8 and fp8 beside ``int8_dual`` /
   ``fp8_dual`` (``lowbit_dual_grad_quant``: dY quantized for both gradient matmuls by one op,
   ``hf_lowbit::quantize_dual``, the same bits), so the two backward paths are measured in the same run;
+* ``layers_b8_xcodes``, ``trainer_b8_xcodes`` (issue 25's memory target): int8 and fp8 beside ``int8_xcodes`` /
+  ``fp8_xcodes`` (``lowbit_save_x_codes``: each linear keeps X's weight-gradient codes, made in the forward, instead
+  of X), peak memory and speed at 8x2048 in the same run;
 * ``trainer_b1_ga8_liger``, ``trainer_b1_ga8_liger_fp8``, ``trainer_b8_liger``: the Trainer path with each
   recipe run without and then with ``use_liger_kernel=True`` (``liger`` in the records; ``vs_bf16`` is to bf16
   without Liger, ``vs_no_liger`` to the same recipe without it): what Liger's kernels (norms, SwiGLU, RoPE,
@@ -59,6 +62,7 @@ from benchmarks.driver import bar_plot, error_cell, save_json  # noqa: E402
 FULL = "bf16,int8,fp8,torchao_float8"
 QLORA = "lora_bf16,lora_nf4_int8,lora_int8_int8,lora_bnb_nf4"  # LoRA r16 on every decoder linear
 DUAL = "bf16,int8,int8_dual,fp8,fp8_dual"  # each format's backward with dY quantized apart (today) and by one op
+XCODES = "bf16,int8,int8_xcodes,fp8,fp8_xcodes"  # each format keeping X (today) and X's weight-gradient codes
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -80,6 +84,9 @@ BLOCKS = {
     "layers_b1_dual": ("layers", 1, 1, "default", DUAL, []),
     "layers_b8_dual": ("layers", 8, 1, "default", DUAL, []),
     "trainer_b1_ga8_dual": ("trainer", 1, 8, "default", DUAL, []),
+    # issue 25: lowbit_save_x_codes (int8_xcodes, fp8_xcodes) against keeping X: peak memory at 8x2048
+    "layers_b8_xcodes": ("layers", 8, 1, "default", XCODES, []),
+    "trainer_b8_xcodes": ("trainer", 8, 1, "default", XCODES, []),
     # + a kernel profile of two more Trainer steps (where the Trainer path trails the layers path)
     "trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "bf16,int8,fp8", ["--profile"]),
     # + bf16 through LowBitTrainer without a low-bit recipe (bf16_lbt): its loop's gain apart from the low-bit one

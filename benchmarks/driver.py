@@ -96,11 +96,13 @@ INT8_VARIANTS = {
 }
 # INT8 / FP8 with the weight cache on whatever the accumulation (LowBitTrainer turns it on only with accumulation)
 CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
-# INT8 / FP8 with dY quantized for both gradient matmuls by one op (lowbit_dual_grad_quant, hf_lowbit::quantize_dual;
-# issue 25), to measure against the split path (int8 / fp8) in the same run
-DUAL_VARIANTS = {"int8_dual": "int8", "fp8_dual": "fp8"}
-OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, *DUAL_VARIANTS, "bf16_lbt")  # full fine-tunes, LowBitTrainer
-FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(DUAL_VARIANTS)
+# INT8 / FP8 with one of MixedPrecisionConfig's backward switches on (its LowBitTrainingArguments flag is
+# lowbit_<field>), to measure against int8 / fp8 in the same run (issue 25): dY quantized for both gradient matmuls by
+# one op (hf_lowbit::quantize_dual); X's weight-gradient codes made in the forward and kept instead of X
+SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
+                   for suffix, field in (("dual", "dual_grad_quant"), ("xcodes", "save_x_codes"))}
+OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt")  # full fine-tunes, LowBitTrainer
+FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS)
                 + ("bf16_lbt",))  # compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
@@ -184,13 +186,14 @@ def _bnb_nf4_lora(model, r: int):
 
 def mixed_precision_args(recipe: str) -> dict:
     """The ``LowBitTrainingArguments`` fields of our INT8/FP8 recipe ``recipe`` (``int8``, ``fp8``, INT8_VARIANTS,
-    CACHE_VARIANTS, DUAL_VARIANTS)."""
+    CACHE_VARIANTS, SWITCH_VARIANTS)."""
     if recipe in INT8_VARIANTS:
         return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
     if recipe in CACHE_VARIANTS:
         return {f"{CACHE_VARIANTS[recipe]}_mixed_precision": True, "lowbit_weight_cache": True}
-    if recipe in DUAL_VARIANTS:
-        return {f"{DUAL_VARIANTS[recipe]}_mixed_precision": True, "lowbit_dual_grad_quant": True}
+    if recipe in SWITCH_VARIANTS:
+        fmt, field = SWITCH_VARIANTS[recipe]
+        return {f"{fmt}_mixed_precision": True, f"lowbit_{field}": True}
     return {f"{recipe}_mixed_precision": True}
 
 
@@ -283,8 +286,8 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
     mod = model.model.layers[0].mlp.up_proj
     if recipe.endswith("_cache") and not getattr(mod, "weight_cache", False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")
-    if recipe in DUAL_VARIANTS and not getattr(getattr(mod, "lowbit_config", None), "dual_grad_quant", False):
-        raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's dual_grad_quant is off")
+    if recipe in SWITCH_VARIANTS and not getattr(getattr(mod, "lowbit_config", None), SWITCH_VARIANTS[recipe][1], False):
+        raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's {SWITCH_VARIANTS[recipe][1]} is off")
     weight = getattr(mod.weight, "_data", mod.weight)
     x = torch.randn(256, mod.in_features, device=device, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -75,9 +75,9 @@ class LowBitArgumentsMixin:
         "(no random tensor). On the H200 it cost speed (INT8 0.65x bf16 instead of 0.99x, all three matmuls) and "
         "did not improve the loss (docs/benchmarks.md, 'The seed table').")})
     lowbit_dual_grad_quant: bool | None = field(default=None, metadata={"help": (
-        "INT8/FP8: quantize the output gradient for dX and dW in one op (hf_lowbit::quantize_dual), the same "
-        "bits; needs lowbit_grad_input and lowbit_grad_weight, not lowbit_stochastic_rounding. Slower than the "
-        "default on the H200 (docs/benchmarks.md). Unset: off.")})
+        "INT8/FP8: dY quantized for dX and dW by one op, same bits; slower on the H200 (docs/usage.md). Unset: off.")})
+    lowbit_save_x_codes: bool | None = field(default=None, metadata={"help": (
+        "INT8/FP8: linears keep their input's weight-gradient codes (1 byte, same bits), not the input. Unset: off.")})
     lowbit_cuda_graphs: bool | None = field(default=None, metadata={"help": (
         "Compile with CUDA graphs (torch_compile_mode='reduce-overhead'): at 1-2k-token micro-batches the "
         "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 compute (full "
@@ -139,24 +139,29 @@ class LowBitArgumentsMixin:
         if self.lowbit_stochastic_rounding and not self.int8_mixed_precision:
             raise ValueError(f"{cls}.lowbit_stochastic_rounding=True needs int8_mixed_precision=True "
                              "(it is implemented for INT8 operands only)")
-        for name in ("lowbit_weight_cache", "lowbit_cuda_graphs", "lowbit_dual_grad_quant"):
+        for name in ("lowbit_weight_cache", "lowbit_cuda_graphs", "lowbit_dual_grad_quant", "lowbit_save_x_codes"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{cls}.{name} must be True, False or None (automatic), got {value!r}")
         if self.lowbit_weight_cache and not self.lowbit_recipes:
             raise ValueError(f"{cls}.lowbit_weight_cache=True caches the INT8/FP8 form of trainable "
                              "weights: it needs int8_mixed_precision or fp8_mixed_precision")
-        if self.lowbit_dual_grad_quant:
-            flag = f"{cls}.lowbit_dual_grad_quant=True"
+        # how INT8/FP8 linears quantize their backward's operands: (flag, what it does, the matmuls it needs)
+        for name, what, needs in (
+                ("lowbit_dual_grad_quant", "quantizes the output gradient for both gradient matmuls at once",
+                 ("lowbit_grad_input", "lowbit_grad_weight")),
+                ("lowbit_save_x_codes", "keeps the weight gradient's codes of each input", ("lowbit_grad_weight",))):
+            if not getattr(self, name):
+                continue
+            flag = f"{cls}.{name}=True"
             if not self.lowbit_recipes:
-                raise ValueError(f"{flag} quantizes the output gradient of INT8/FP8 linears: it needs "
-                                 "int8_mixed_precision or fp8_mixed_precision")
+                raise ValueError(f"{flag} {what} of INT8/FP8 linears: it needs int8_mixed_precision or "
+                                 "fp8_mixed_precision")
             if self.lowbit_stochastic_rounding:
-                raise ValueError(f"{flag} with lowbit_stochastic_rounding=True: hf_lowbit::quantize_dual rounds to "
-                                 "nearest only; switch one off")
-            if not (self.lowbit_grad_input and self.lowbit_grad_weight):
-                raise ValueError(f"{flag} quantizes the output gradient for both gradient matmuls at once: it needs "
-                                 "lowbit_grad_input and lowbit_grad_weight True")
+                raise ValueError(f"{flag} with lowbit_stochastic_rounding=True: it rounds to nearest only; switch one "
+                                 "off")
+            if not all(getattr(self, n) for n in needs):
+                raise ValueError(f"{flag} {what}: it needs {' and '.join(needs)} True")
         if self.lowbit_cuda_graphs and self.torch_compile_mode not in (None, "reduce-overhead"):
             raise ValueError(f"{cls}.lowbit_cuda_graphs=True with torch_compile_mode="
                              f"{self.torch_compile_mode!r}: CUDA graphs are torch_compile_mode='reduce-overhead'; "

@@ -43,16 +43,17 @@ def recipes_from_args(args: LowBitArgumentsMixin) -> list[tuple[Callable, object
                                         grad_weight=False) if args.int8_mixed_precision else None)
         recipes.append((convert_to_quantized_base, QuantizedBaseConfig(
             args.lora_base_quant, compute=compute, int8_cache=args.lora_base_int8_cache)))
-    dual = args.lowbit_dual_grad_quant
-    if dual is None:  # unset: MixedPrecisionConfig's default (off until measured), never with stochastic rounding
-        dual = MixedPrecisionConfig.dual_grad_quant and not args.lowbit_stochastic_rounding
+    # unset: MixedPrecisionConfig's defaults (off), never with stochastic rounding (which they cannot serve)
+    dual, x_codes = (getattr(MixedPrecisionConfig, f) and not args.lowbit_stochastic_rounding if v is None else v
+                     for f, v in (("dual_grad_quant", args.lowbit_dual_grad_quant),
+                                  ("save_x_codes", args.lowbit_save_x_codes)))
     for recipe in args.lowbit_recipes:
         recipes.append((convert_to_mixed_precision, MixedPrecisionConfig(
             format=MIXED_PRECISION_RECIPES[recipe], output=args.lowbit_output, grad_input=args.lowbit_grad_input,
             grad_weight=args.lowbit_grad_weight,
             # None (automatic) is LowBitTrainer's to decide: it knows the gradient accumulation
             weight_cache=bool(args.lowbit_weight_cache), stochastic_rounding=args.lowbit_stochastic_rounding,
-            dual_grad_quant=dual)))
+            dual_grad_quant=dual, save_x_codes=x_codes)))
     if args.qat_scheme is not None:
         recipes.append((convert_to_qat, QATConfig(
             scheme=args.qat_scheme, group_size=args.qat_group_size, include_lm_head=args.qat_include_lm_head,

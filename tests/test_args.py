@@ -21,6 +21,12 @@ from hf_lowbit import LowBitTrainingArguments
      "lowbit_dual_grad_quant=True with lowbit_stochastic_rounding=True"),
     ({"fp8_mixed_precision": True, "lowbit_dual_grad_quant": True, "lowbit_grad_weight": False},
      "lowbit_dual_grad_quant=True .* needs lowbit_grad_input and lowbit_grad_weight"),
+    ({"lowbit_save_x_codes": True}, "lowbit_save_x_codes=True .* needs int8_mixed_precision or fp8"),
+    ({"fp8_mixed_precision": True, "lowbit_save_x_codes": 1}, "lowbit_save_x_codes must be"),
+    ({"int8_mixed_precision": True, "lowbit_save_x_codes": True, "lowbit_stochastic_rounding": True},
+     "lowbit_save_x_codes=True with lowbit_stochastic_rounding=True"),
+    ({"int8_mixed_precision": True, "lowbit_save_x_codes": True, "lowbit_grad_weight": False},
+     "lowbit_save_x_codes=True .* needs lowbit_grad_weight True"),
 ])
 def test_bad_arguments_name_the_field(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -40,22 +46,23 @@ def test_cli_flags():
         assert flag in help_text
 
 
-def test_dual_grad_quant_flag_reaches_the_layers():
-    """--lowbit_dual_grad_quant: a CLI flag (in --help), off when unset (also with stochastic rounding), and
-    MixedPrecisionConfig.dual_grad_quant of every swapped layer when given."""
+@pytest.mark.parametrize("field", ["dual_grad_quant", "save_x_codes"])
+def test_backward_quantization_flags_reach_the_layers(field):
+    """--lowbit_dual_grad_quant, --lowbit_save_x_codes: CLI flags (in --help), off when unset (also with stochastic
+    rounding), and the MixedPrecisionConfig field of every swapped layer when given."""
     from conftest import tiny_model
 
     from hf_lowbit import LowBitLinear, prepare_model
 
     parser = HfArgumentParser(LowBitTrainingArguments)
-    assert "--lowbit_dual_grad_quant" in parser.format_help()
-    for argv, dual in ((["--fp8_mixed_precision", "--lowbit_dual_grad_quant", "True"], True),
-                       (["--int8_mixed_precision"], False),
-                       (["--int8_mixed_precision", "--lowbit_stochastic_rounding"], False)):
+    assert f"--lowbit_{field}" in parser.format_help()
+    for argv, on in ((["--fp8_mixed_precision", f"--lowbit_{field}", "True"], True),
+                     (["--int8_mixed_precision"], False),
+                     (["--int8_mixed_precision", "--lowbit_stochastic_rounding"], False)):
         (args,) = parser.parse_args_into_dataclasses(args=["--output_dir", "o", "--report_to", "none",
                                                            "--lowbit_min_features", "16", *argv])
         layers = [m for m in prepare_model(tiny_model(), args).modules() if isinstance(m, LowBitLinear)]
-        assert layers and all(m.lowbit_config.dual_grad_quant is dual for m in layers), argv
+        assert layers and all(getattr(m.lowbit_config, field) is on for m in layers), argv
 
 
 def test_string_exclude_becomes_list():

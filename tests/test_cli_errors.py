@@ -78,7 +78,7 @@ def test_help_is_short_honest_and_quiet():
     proc = subprocess.run([sys.executable, SFT, "--help"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert len(out.splitlines()) < 360  # 354 with lowbit_dual_grad_quant
+    assert len(out.splitlines()) < 360  # 356 with lowbit_dual_grad_quant and lowbit_save_x_codes
     # the low-bit flags come first, before any TrainingArguments flag
     options = out[out.index("low-bit recipes (hf_lowbit):"):]
     assert options.index("--int8_mixed_precision") < options.index("--model_name_or_path") < options.index("--learning_rate")

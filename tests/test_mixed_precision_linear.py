@@ -215,3 +215,77 @@ def test_dual_grad_quant_refuses_stochastic_rounding():
     with pytest.raises(ValueError, match="dual_grad_quant=True with stochastic_rounding=True"):
         MixedPrecisionConfig(format="int8", dual_grad_quant=True, stochastic_rounding=True)
     assert "dual_grad_quant" in repr(LowBitLinear(64, 48, config=MixedPrecisionConfig(dual_grad_quant=True)))
+
+
+# save_x_codes: X's weight-gradient codes made in the forward and kept instead of X (issue 25's memory target)
+def _saved_by_layer(lin, x):
+    """The tensors a forward saves for its backward (shape, dtype), in order."""
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lin(x)
+    return saved
+
+
+@pytest.mark.parametrize("dual", [False, True])
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_save_x_codes_same_gradients_and_keeps_codes_not_x(fmt, cache, dual):
+    """The same dX, dW, db bits as keeping X (with the weight cache, with the dual dY op); the forward saves X's
+    [K, M] codes (1 byte an element) and K float32 scales, and not X."""
+    ref = _dual_grads(fmt, dual, cache=cache)
+    got = _dual_grads(fmt, dual, cache=cache, save_x_codes=True)
+    for name, a, b in zip(("dX", "dW", "db"), ref, got):
+        assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} of {a.numel()} differ"
+    code = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[fmt]
+    for x_codes in (False, True):
+        lin = LowBitLinear(64, 48, dtype=torch.bfloat16, config=MixedPrecisionConfig(format=fmt, save_x_codes=x_codes))
+        saved = _saved_by_layer(lin, torch.randn(3, 10, 64, dtype=torch.bfloat16))
+        assert (((3, 10, 64), torch.bfloat16) in saved) is not x_codes, saved
+        assert (((64, 30), code) in saved and ((64,), torch.float32) in saved) is x_codes, saved
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_save_x_codes_compiled_same_gradients_no_graph_break(fmt):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    ref = _dual_grads(fmt, False, compile=True)
+    torch._dynamo.reset()
+    got = _dual_grads(fmt, False, compile=True, save_x_codes=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for name, a, b in zip(("dX", "dW", "db"), ref, got):
+        assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_save_x_codes_same_gradients_cuda(fmt, compile):
+    torch._dynamo.reset()
+    ref = _dual_grads(fmt, False, "cuda", compile=compile)
+    torch._dynamo.reset()
+    got = _dual_grads(fmt, False, "cuda", compile=compile, save_x_codes=True)
+    for name, a, b in zip(("dX", "dW", "db"), ref, got):
+        assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+@pytest.mark.parametrize("case", ["frozen_weight", "grad_weight_off"])
+def test_save_x_codes_keeps_x_where_it_cannot_apply(case):
+    """No low-bit weight gradient to feed: nothing quantized in the forward for it (X kept only if dW needs it)."""
+    config = {"grad_weight_off": {"grad_weight": False}}.get(case, {})
+    lin = LowBitLinear(64, 48, dtype=torch.bfloat16, config=MixedPrecisionConfig(save_x_codes=True, **config))
+    lin.weight.requires_grad_(case != "frozen_weight")
+    saved = _saved_by_layer(lin, torch.randn(30, 64, dtype=torch.bfloat16, requires_grad=True))
+    assert not any(dtype == torch.int8 and shape == (64, 30) for shape, dtype in saved), saved
+    assert (((30, 64), torch.bfloat16) in saved) is (case == "grad_weight_off"), saved
+
+
+def test_save_x_codes_refuses_stochastic_rounding():
+    with pytest.raises(ValueError, match="save_x_codes=True with stochastic_rounding=True"):
+        MixedPrecisionConfig(save_x_codes=True, stochastic_rounding=True)

@@ -13,16 +13,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_benchmark_train_smoke_on_cpu(tmp_path):
     out = tmp_path / "train.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu", "--no_compile",
-           "--recipes", "bf16,int8,fp8,int8_cache,int8_dual", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+           "--recipes", "bf16,int8,fp8,int8_cache,int8_dual,int8_xcodes", "--hidden", "64", "--intermediate", "128", "--heads", "4",
            "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--batch", "2", "--seq", "32", "--warmup", "1",
            "--steps", "2", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["recipe"] for r in rows] == ["bf16", "int8", "fp8", "int8_cache", "int8_dual"]
-    # the weight cache and the dual quantization of dY change where the codes are computed, not which: the same
-    # losses as INT8 without them
-    assert rows[3]["losses"] == rows[1]["losses"] and rows[4]["losses"] == rows[1]["losses"]
+    assert [r["recipe"] for r in rows] == ["bf16", "int8", "fp8", "int8_cache", "int8_dual", "int8_xcodes"]
+    # the weight cache, the dual quantization of dY and X's codes kept from the forward change where the codes are
+    # computed, not which: the same losses as INT8 without them
+    assert all(r["losses"] == rows[1]["losses"] for r in rows[3:])
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     # same init and data: the low-bit recipes start from bf16's loss
     assert all(abs(r["first_loss"] - rows[0]["first_loss"]) < 0.05 for r in rows)
@@ -180,34 +180,37 @@ def test_benchmark_refuses_a_recipe_that_is_not_active():
     bench.check_recipe_active(model, "int8", "cpu")
 
 
-def test_benchmark_dual_recipes_on_both_paths(tmp_path):
-    """int8_dual / fp8_dual (issue 25): known recipes whose arguments switch lowbit_dual_grad_quant on, on the
-    layers path (apply_recipe, checked active) and the trainer path (LowBitTrainer from recipe_args); the
-    regimes blocks that compare them with the split path."""
+@pytest.mark.parametrize("suffix, field", [("dual", "dual_grad_quant"), ("xcodes", "save_x_codes")])
+def test_benchmark_switch_recipes_on_both_paths(tmp_path, suffix, field):
+    """int8_dual / fp8_dual, int8_xcodes / fp8_xcodes (issue 25): known recipes whose arguments switch
+    lowbit_dual_grad_quant / lowbit_save_x_codes on, on the layers path (apply_recipe, checked active) and the
+    trainer path (LowBitTrainer from recipe_args); the regimes blocks that compare them with int8 / fp8."""
     from conftest import tiny_model
 
     from benchmarks import driver as bench
     from benchmarks.benchmark_regimes import BLOCKS
     from hf_lowbit import LowBitLinear, LowBitTrainer, LowBitTrainingArguments
 
-    for recipe, fmt in (("int8_dual", "int8"), ("fp8_dual", "fp8")):
+    for recipe, fmt in ((f"int8_{suffix}", "int8"), (f"fp8_{suffix}", "fp8")):
         assert recipe in bench.OURS and recipe in bench.FULL_RECIPES
-        assert bench.recipe_args(recipe) == {f"{fmt}_mixed_precision": True, "lowbit_dual_grad_quant": True}
+        assert bench.recipe_args(recipe) == {f"{fmt}_mixed_precision": True, f"lowbit_{field}": True}
         model = tiny_model().bfloat16()
         bench.apply_recipe(model, recipe, min_features=16)
         bench.check_recipe_active(model, recipe, "cpu")
         args = LowBitTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
                                        lowbit_min_features=16, **bench.recipe_args(recipe))
         layers = [m for m in LowBitTrainer(tiny_model(), args=args).model.modules() if isinstance(m, LowBitLinear)]
-        assert layers and all(m.lowbit_config.dual_grad_quant and m.lowbit_config.format == fmt for m in layers)
+        assert layers and all(getattr(m.lowbit_config, field) and m.lowbit_config.format == fmt for m in layers)
     model = tiny_model().bfloat16()
     bench.apply_recipe(model, "int8", min_features=16)
-    with pytest.raises(RuntimeError, match="dual_grad_quant is off"):
-        bench.check_recipe_active(model, "int8_dual", "cpu")
-    assert {name: BLOCKS[name][:5] for name in ("layers_b1_dual", "layers_b8_dual", "trainer_b1_ga8_dual")} == {
-        "layers_b1_dual": ("layers", 1, 1, "default", "bf16,int8,int8_dual,fp8,fp8_dual"),
-        "layers_b8_dual": ("layers", 8, 1, "default", "bf16,int8,int8_dual,fp8,fp8_dual"),
-        "trainer_b1_ga8_dual": ("trainer", 1, 8, "default", "bf16,int8,int8_dual,fp8,fp8_dual")}
+    with pytest.raises(RuntimeError, match=f"{field} is off"):
+        bench.check_recipe_active(model, f"int8_{suffix}", "cpu")
+    recipes = f"bf16,int8,int8_{suffix},fp8,fp8_{suffix}"
+    blocks = {"dual": {"layers_b1_dual": ("layers", 1, 1), "layers_b8_dual": ("layers", 8, 1),
+                       "trainer_b1_ga8_dual": ("trainer", 1, 8)},
+              "xcodes": {"layers_b8_xcodes": ("layers", 8, 1), "trainer_b8_xcodes": ("trainer", 8, 1)}}[suffix]
+    assert {name: BLOCKS[name][:5] for name in blocks} == {
+        name: (*shape, "default", recipes) for name, shape in blocks.items()}
 
 
 def test_benchmark_mm_smoke_on_cpu(tmp_path):

@@ -89,19 +89,20 @@ def scaled_matmul_input_grad(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor,
     return scaled_matmul_quantized(fmt, g.float() * w_scale.reshape(1, -1), 1, qw_t, ones, out_dtype, add=add)
 
 
-def scaled_matmul_grads(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor, x: Tensor, dx_dtype: torch.dtype,
-                        dw_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def scaled_matmul_grads(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor, x: Tensor | tuple[Tensor, Tensor],
+                        dx_dtype: torch.dtype, dw_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Both gradients of ``Y = X · Wᵀ`` with ``g = dY [M, N]`` quantized once for the two of them by
     ``hf_lowbit::quantize_dual`` (two reads of ``g`` instead of three): ``(dX [M, K], dW [N, K])``, the bits of
     :func:`scaled_matmul_input_grad` ``(fmt, g, qw_t, w_scale, dx_dtype)`` and of :func:`scaled_matmul`
     ``(fmt, g, 0, x, 0, dw_dtype)`` (nearest rounding only). ``qw_t [K, N]``, ``w_scale [N]``: the weight's
-    forward codes transposed and its row scales (:func:`quantize_weight_t`); ``x [M, K]``. The codes of ``g`` in
+    forward codes transposed and its row scales (:func:`quantize_weight_t`); ``x [M, K]``, or already quantized
+    per column (``quantize_operand(fmt, x, 0)``: ``(codes [K, M], scales [K])``). The codes of ``g`` in
     both layouts are alive together (``M·N`` bytes more than the split path at the input gradient's matmul)."""
     f = FORMATS[fmt]
     qr, sr, qc, sc = quantize_dual(g, fmt, w_scale.reshape(-1).float())
     ones = torch.ones(qw_t.shape[0], dtype=torch.float32, device=qw_t.device)
     dx = f.scaled_mm(qr, qw_t, sr, ones, dx_dtype)
-    qx, sx = quantize_operand(fmt, x, 0)
+    qx, sx = x if isinstance(x, tuple) else quantize_operand(fmt, x, 0)
     return dx, f.scaled_mm(qc, qx, sc, sx, dw_dtype)
 
 

@@ -52,6 +52,10 @@ class MixedPrecisionConfig:
     # (else the split path). Off: on the H200 the op was 0.95x (INT8) / 0.86x (FP8) the default pair's speed at
     # 2048 tokens (a flip would have to let stochastic_rounding=True fall back instead of raising)
     dual_grad_quant: bool = False
+    # X's column codes (per input feature, across tokens: the weight gradient's operand) made in the forward and kept
+    # for the backward instead of X: 1 byte an element alive between them instead of 2 (issue 25's memory target),
+    # the same bits. Where the weight gradient is low-bit, needed, and rounded to nearest (else X is kept)
+    save_x_codes: bool = False
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -62,6 +66,9 @@ class MixedPrecisionConfig:
         if self.dual_grad_quant and self.stochastic_rounding:
             raise ValueError("MixedPrecisionConfig.dual_grad_quant=True with stochastic_rounding=True: "
                              "hf_lowbit::quantize_dual rounds to nearest only; switch one off")
+        if self.save_x_codes and self.stochastic_rounding:
+            raise ValueError("MixedPrecisionConfig.save_x_codes=True with stochastic_rounding=True: the codes kept "
+                             "from the forward round to nearest; switch one off")
 
     @property
     def recipe(self) -> str:
@@ -81,12 +88,13 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
     The input gradient uses the forward's quantization of the weight, its row scales folded into ``dY``
     (:func:`hf_lowbit.kernels.scaled_matmul_input_grad`): one absmax pass over the weight per step instead of
     two, and without the cache the backward only re-encodes the weight transposed with the saved scales. ``dual``:
-    both gradients' quantizations of ``dY`` from one op (:func:`hf_lowbit.kernels.scaled_matmul_grads`)."""
+    both gradients' quantizations of ``dY`` from one op (:func:`hf_lowbit.kernels.scaled_matmul_grads`).
+    ``x_codes``: ``X``'s column codes made here and saved for the weight gradient instead of ``X``."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, fmt: str, output: bool,
                 grad_input: bool, grad_weight: bool, cached: tuple[Tensor, ...] | None, sr: bool,
-                dual: bool) -> Tensor:
+                dual: bool, x_codes: bool) -> Tensor:
         dtype = _compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         qw = w_scale = qw_t = None
@@ -105,18 +113,26 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
         # (FSDP2 re-gathers them for the backward: no transposed copy alive from forward to backward), or
         # neither: it re-encodes the weight from the scales (per-call codes are not kept either)
         gathered = qw if cached is not None and qw_t is None else None
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight,
-                              *((w_scale, qw_t, gathered) if grad_input else (None, None, None)))
+        # the weight gradient's X: as is, or already quantized per input feature ([K, M] codes + K scales: what
+        # scaled_matmul would make of it in the backward, made here so that X itself need not stay alive)
+        keep_x = ctx.needs_input_grad[1]
+        qx_t = sx = None
+        if keep_x and x_codes and grad_weight and not sr:
+            qx_t, sx = quantize_operand(fmt, x2, 0)
+            keep_x = False
+        ctx.save_for_backward(x if keep_x else None, weight,
+                              *((w_scale, qw_t, gathered) if grad_input else (None, None, None)), qx_t, sx)
         ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype, x.shape, x.dtype, sr,
                      dual)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, weight, w_scale, qw_t, gathered = ctx.saved_tensors
+        x, weight, w_scale, qw_t, gathered, qx_t, sx = ctx.saved_tensors
         fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype, sr, dual = ctx.flags
         g2 = grad_out.reshape(-1, weight.shape[0])
         x2 = None if x is None else x.reshape(-1, x.shape[-1])
+        xq = x2 if qx_t is None else (qx_t, sx)  # the weight gradient's second operand, raw or quantized
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if grad_input:  # dX[M, K] = q(dY·diag(s))[M, N] · Wq[N, K], Wq taken as its transpose [K, N]
@@ -126,20 +142,22 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
                     qw_t, w_scale = quantize_weight_t(fmt, weight, w_scale)
                 # dY quantized for dX and dW in one op (never with stochastic rounding: the config refuses it)
                 if dual and grad_weight and ctx.needs_input_grad[1]:
-                    dx, dw = scaled_matmul_grads(fmt, g2, qw_t, w_scale, x2, x_dtype, weight.dtype)
+                    dx, dw = scaled_matmul_grads(fmt, g2, qw_t, w_scale, xq, x_dtype, weight.dtype)
                 else:
                     dx = scaled_matmul_input_grad(fmt, g2, qw_t, w_scale, x_dtype, stochastic=sr)
             else:
                 dx = (g2.to(dtype) @ weight.to(dtype)).to(x_dtype)
             dx = dx.reshape(x_shape)
         if ctx.needs_input_grad[1] and dw is None:
-            if grad_weight:  # dW[N, K] = dYᵀ[N, M] · X[M, K]: reduce over tokens
+            if grad_weight and qx_t is not None:  # X's codes from the forward (the bits scaled_matmul would make)
+                dw = scaled_matmul_quantized(fmt, g2, 0, qx_t, sx, weight.dtype)
+            elif grad_weight:  # dW[N, K] = dYᵀ[N, M] · X[M, K]: reduce over tokens
                 dw = scaled_matmul(fmt, g2, 0, x2, 0, weight.dtype, stochastic=(sr, sr))
             else:
                 dw = (g2.to(dtype).T @ x2.to(dtype)).to(weight.dtype)
         if bias_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
@@ -153,7 +171,7 @@ def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None
         return F.linear(x, weight, bias)
     return _MixedPrecisionLinearFn.apply(x, weight, bias, config.format, config.output, config.grad_input,
                                          config.grad_weight, cached_weight, config.stochastic_rounding,
-                                         config.dual_grad_quant)
+                                         config.dual_grad_quant, config.save_x_codes)
 
 
 # Layers whose weight cache is on: refreshed after every optimizer step (see _refresh_after_step).
@@ -278,7 +296,8 @@ class MixedPrecisionLinear(nn.Linear):
                              ("grad_weight", c.grad_weight)) if v]
         cache = "".join(f", {name}" for name, flag in (("weight_cache", self.weight_cache),
                                                        ("stochastic_rounding", c.stochastic_rounding),
-                                                       ("dual_grad_quant", c.dual_grad_quant)) if flag)
+                                                       ("dual_grad_quant", c.dual_grad_quant),
+                                                       ("save_x_codes", c.save_x_codes)) if flag)
         return f"{super().extra_repr()}, {c.format}={'+'.join(on) or 'off'}{cache}"
 
 
