@@ -244,7 +244,8 @@ _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLau
 
 def _profiled(fn, device: str, top: int = 8) -> dict:
     """One call of ``fn`` under ``torch.profiler``: its wall ms (profiler overhead included), the GPU's kernel ms,
-    and how many host syncs, CUDA-graph replays and kernel launches it made; the ``top`` kernels by time."""
+    and how many host syncs, CUDA-graph replays and kernel launches it made; the ``top`` kernels by time; the host
+    side: every CPU op's self time and calls (``host_ops``, name -> (ms, calls)) and their sum (``host_self_ms``)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -262,9 +263,12 @@ def _profiled(fn, device: str, top: int = 8) -> dict:
     kernels = sorted(((e.key, e.self_device_time_total / 1000) for e in events
                       if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0), key=lambda k: -k[1])
     count = lambda keys: sum(e.count for e in events if e.key in keys)  # noqa: E731
+    host = {e.key[:120]: (e.self_cpu_time_total / 1000, e.count) for e in events
+            if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0}
     return {"wall_ms": wall, "device_ms": sum(ms for _, ms in kernels), "syncs": count(_CUDA_SYNCS),
             "graph_replays": count(("cudaGraphLaunch",)), "kernel_launches": count(_LAUNCHES),
-            "top_kernels": [{"name": n[:120], "ms": ms} for n, ms in kernels[:top]]}
+            "top_kernels": [{"name": n[:120], "ms": ms} for n, ms in kernels[:top]],
+            "host_self_ms": sum(ms for ms, _ in host.values()), "host_ops": host}
 
 
 def decode_profile(run, t1: int, t2: int, device: str) -> dict:
@@ -274,10 +278,16 @@ def decode_profile(run, t1: int, t2: int, device: str) -> dict:
     short, long = _profiled(lambda: run(t1), device), _profiled(lambda: run(t2), device)
     n = t2 - t1
     per = {f"{k}_per_token": (long[k] - short[k]) / n
-           for k in ("wall_ms", "device_ms", "syncs", "graph_replays", "kernel_launches")}
+           for k in ("wall_ms", "device_ms", "syncs", "graph_replays", "kernel_launches", "host_self_ms")}
     wall = per["wall_ms_per_token"]
     per["busy"] = per["device_ms_per_token"] / wall if device == "cuda" and wall > 0 else None  # CPU: no GPU timeline
-    return {**per, "top_kernels": long["top_kernels"]}
+    # the host's side of a token: each CPU op's self time and calls, the difference of the two calls per token
+    # (what the quantized models' host does between CUDA-graph replays that bf16's does not)
+    ops = {k: ((ms - short["host_ops"].get(k, (0.0, 0))[0]) / n, (c - short["host_ops"].get(k, (0.0, 0))[1]) / n)
+           for k, (ms, c) in long["host_ops"].items()}
+    top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:12]
+    return {**per, "top_kernels": long["top_kernels"],
+            "top_host_ops_per_token": [{"name": k, "ms": ms, "calls": c} for k, (ms, c) in top]}
 
 
 def measure(a, emit) -> dict:
@@ -335,8 +345,9 @@ def measure(a, emit) -> dict:
             phase["prefill_ms"] = _median_ms(lambda: forward(prefill_ids, logits_to_keep=1, use_cache=False),
                                              device, a.reps)
             if a.profile:
-                phase["prefill_profile"] = _profiled(lambda: forward(prefill_ids, logits_to_keep=1, use_cache=False),
-                                                     device)
+                pre = _profiled(lambda: forward(prefill_ids, logits_to_keep=1, use_cache=False), device)
+                pre.pop("host_ops")  # every CPU op: the decode profile keeps the top ones per token
+                phase["prefill_profile"] = pre
             emit(row)
             for b, ids in prompts.items():
                 def run(n, ids=ids):
@@ -437,7 +448,7 @@ def profile_table(rows: list[dict], modes, batches) -> list[str]:
     """The ``--profile`` figures, one line per checkpoint, mode and decode batch (none without them)."""
     head = ["checkpoint", "mode", "prefill GPU ms (wall ms, profiled)", "batch", "decode wall ms/token (profiled)",
             "GPU ms/token", "GPU busy", "host syncs/token", "CUDA-graph replays/token", "kernel launches/token",
-            "cudagraph skips"]
+            "cudagraph skips", "host ops' self ms/token", "top host ops/token (self ms, calls)"]
     out = []
     for r in rows:
         for mode in modes:
@@ -453,6 +464,9 @@ def profile_table(rows: list[dict], modes, batches) -> list[str]:
                            f"{d['graph_replays_per_token']:.1f}", f"{d['kernel_launches_per_token']:.1f}"]
                           if d else ["–"] * 6)
                 cells.append(str(p.get("cudagraph_skips", "–")))
+                host = (d or {}).get("top_host_ops_per_token")  # absent from records written before it was
+                cells += ([f"{d['host_self_ms_per_token']:.2f}", "; ".join(
+                    f"{o['name'][:40]} {o['ms']:.3f} ({o['calls']:.1f})" for o in host[:3])] if host else ["–", "–"])
                 out.append("| " + " | ".join(cells) + " |")
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *out] if out else []
 

@@ -55,6 +55,11 @@ def test_serve_smoke_on_cpu(tmp_path):
             prof = phase["decode_profile_b1"]
             assert prof["wall_ms_per_token"] > 0 and prof["device_ms_per_token"] == 0 and prof["busy"] is None
             assert prof["syncs_per_token"] == prof["graph_replays_per_token"] == 0
+            # the host's side per token: CPU ops' self time, the top ones named (a difference of two profiled calls:
+            # on a loaded CPU it can come out negative, so only its presence is checked)
+            assert isinstance(prof["host_self_ms_per_token"], float)
+            assert prof["top_host_ops_per_token"] and all(o["name"] for o in prof["top_host_ops_per_token"])
+            assert "host_ops" not in phase["prefill_profile"]
             assert phase["prefill_profile"]["wall_ms"] > 0 and phase["cudagraph_skips"] == 0
     assert bf16["eager"]["prefill_vs_bf16"] == 1.0
     # unwrap_tensor_subclass: plain tensors for Dynamo, the same quantized weights rebuilt in the graph
