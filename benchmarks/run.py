@@ -136,7 +136,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
     "serve_profile": ("issue 26: where the compiled path's time goes: bf16 and our int4_tinygemm / fp8_rowwise exports "
                       "in MODES (compiled; or compiled_unwrapped: after torchao's unwrap_tensor_subclass), each prefill "
                       "and decode (two generate lengths) once more under torch.profiler: GPU ms and busy share per "
-                      "decoded token, host syncs, CUDA-graph replays, kernel launches, cudagraph skips, top kernels. "
+                      "decoded token, host syncs, CUDA-graph replays, kernel launches, cudagraph skips, top kernels, and "
+                      "(since d4ef01f) the top host ops' self ms and calls per token. "
                       "MODES=compiled took 4.8 min (5913b2b: GPU busy 61% for bf16, 30% for int4 at batch 1)",
                       "~5 min", [
         "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes ${MODES:-compiled} --profile --checkpoints "
