@@ -229,18 +229,26 @@ def test_serve_kernel_probe_on_cpu():
 
 
 def test_serve_host_calls_counts_each_kind(tmp_path):
-    """benchmarks/serve_host_calls.py: one row per kind with its Python calls per new token (the plumbing; the
-    figures are torch's and torchao's, not asserted); an unknown kind is refused in one line."""
+    """benchmarks/serve_host_calls.py: one row per kind with its Python calls per new token, the guards of its
+    compiled decode step and their check time (the plumbing; the figures are torch's and torchao's, only their
+    order is asserted); an unknown kind is refused in one line."""
     script = os.path.join(ROOT, "benchmarks", "serve_host_calls.py")
     out = tmp_path / "calls.json"
+    kinds = ["bf16", "int4", "int4_unwrapped", "int4_lean"]
     proc = subprocess.run([sys.executable, script, "--backend", "aot_eager", "--layers", "1", "--tokens", "4",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--kinds", ",".join(kinds), "--json", str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["kind"] for r in rows] == ["bf16", "int4", "int4_unwrapped"]
-    assert all(r["calls_per_token"] > 0 and r["most_called"] for r in rows)
+    rows = {r["kind"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == kinds
+    assert all(r["calls_per_token"] > 0 and r["most_called"] and r["cache_lookup_ms_per_token"] > 0
+               and r["guards"] == sum(r["guards_by_type"].values()) for r in rows.values())
     # unwrapping turns each quantized weight into its plain inner tensors: more, plain parameters
-    assert rows[2]["parameters"] > rows[1]["parameters"] == rows[0]["parameters"]
+    assert rows["int4_unwrapped"]["parameters"] == rows["int4_lean"]["parameters"] > rows["int4"]["parameters"]
+    assert rows["int4"]["parameters"] == rows["bf16"]["parameters"]
+    # torchao's unwrap adds guards (its parametrizations' metadata); the guard filter takes the modules' all away
+    assert rows["int4_unwrapped"]["guards"] > rows["int4"]["guards"] > rows["bf16"]["guards"] > rows["int4_lean"]["guards"]
+    assert rows["int4_lean"]["tokens"] == rows["int4"]["tokens"]  # the same weights, the same greedy tokens
     bad = subprocess.run([sys.executable, script, "--kinds", "fp4"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT)
-    assert bad.returncode != 0 and "--kinds fp4: choose from bf16, int4, int4_unwrapped" in bad.stderr
+    assert bad.returncode != 0 and "--kinds fp4: choose from bf16, int4, int4_unwrapped, int4_filtered" in bad.stderr

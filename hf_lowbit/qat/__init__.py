@@ -15,6 +15,9 @@ Fake-quantize during fine-tuning, convert with torchao, save a checkpoint ``from
   (:mod:`.export`) writes the converted model: ``model.safetensors`` with torchao's tensor-subclass metadata, a
   ``TorchAoConfig`` in ``config.json``, the tokenizer and a model card, swapped in atomically;
   :func:`push_quantized_to_hub` uploads exactly those files.
+* serve: :func:`prepare_for_serving` (:mod:`.serving`, torch alone: a serving script can copy the file) unwraps
+  the loaded export's torchao weights to plain tensors rebuilt in the graph and returns ``generate``'s compile
+  config with Dynamo's nn-module guards skipped: less host work per decoded token (docs/qat.md § Serving).
 
 Imports: :mod:`hf_lowbit.kernels` and the core.
 """
@@ -23,8 +26,10 @@ from .linear import (QAT_SCHEMES, FakeQuantScheduleCallback, QATConfig, QATLinea
                      convert_to_qat, cuda_capability_problem, fake_quant_enabled_at, get_scheme, prepare_qat,
                      qat_linear, set_fake_quant_enabled)
 from .export import merge_lora, push_quantized_to_hub, save_quantized
+from .serving import prepare_for_serving, serving_compile_config, unwrap_quantized_weights
 
 __all__ = ["QAT_SCHEMES", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
            "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled", "fake_quant_enabled_at",
            "FakeQuantScheduleCallback", "get_scheme",
-           "save_quantized", "push_quantized_to_hub", "merge_lora"]
+           "save_quantized", "push_quantized_to_hub", "merge_lora",
+           "prepare_for_serving", "serving_compile_config", "unwrap_quantized_weights"]

@@ -1,0 +1,117 @@
+"""Serving an export through transformers' compiled ``generate`` with less host work per decoded token.
+
+    model = AutoModelForCausalLM.from_pretrained(export_dir, device_map="cuda")
+    compile_config = prepare_for_serving(model)
+    model.generate(ids, cache_implementation="static", compile_config=compile_config, ...)
+
+Two costs a torchao tensor-subclass weight adds to every compiled call (issue 26, docs/qat.md § Serving), and what
+removes them:
+
+* AOTAutograd's runtime wrapper flattens each subclass input (``__tensor_flatten__``, its inner tensors) on every
+  call: :func:`unwrap_quantized_weights` registers the inner tensors as the module's parameters (plain tensors)
+  and rebuilds the quantized weight inside the compiled graph, so the wrapper sees plain tensors. Unlike
+  ``torchao.utils.unwrap_tensor_subclass`` it rebuilds each weight in one function that Dynamo puts in the graph
+  whole (``torch._dynamo.allow_in_graph``), so any torchao weight whose inner tensors are plain unwraps:
+  ``Float8Tensor`` too, whose rebuild Dynamo cannot trace through torchao's (its ``act_quant_kwargs`` dataclass
+  is no graph constant).
+* Dynamo checks its guards before every call; the model's modules and parameters make most of them (more after
+  unwrapping: the parametrizations). :func:`serving_compile_config` skips the guards on ``nn.Module`` state
+  (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``); those on the inputs (ids, cache, positions: shapes,
+  dtypes) stay.
+
+Unsafe in one way, as the name says: once compiled, the model's modules must not change (no new weights, no
+``train()``, no swapped layers); call ``torch._dynamo.reset()`` before compiling again after a change. That holds
+for serving a loaded checkpoint.
+
+Needs torch >= 2.8 (the guard filter) and nothing from the rest of hf_lowbit: this file imports only torch (and
+transformers' ``CompileConfig`` when asked for one), so it can be copied next to a serving script.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+__all__ = ["guard_filter", "prepare_for_serving", "serving_compile_config", "unwrap_quantized_weights"]
+
+
+def guard_filter():
+    """``torch.compiler.skip_guard_on_all_nn_modules_unsafe`` (torch >= 2.8), or a RuntimeError that says so."""
+    fn = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    if fn is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.compiler.skip_guard_on_all_nn_modules_unsafe "
+                           "(guard filtering needs torch >= 2.8)")
+    return fn
+
+
+def serving_compile_config(backend: str = "inductor", cudagraphs: bool = True):
+    """transformers' ``CompileConfig`` for ``generate`` with the nn-module guards skipped.
+
+    ``torch.compile`` takes ``mode`` or ``options``, not both, and the guard filter goes in ``options``; so
+    ``mode="reduce-overhead"`` (transformers' default) is written as the option it sets, ``triton.cudagraphs``
+    (``cudagraphs=False``: Inductor's default mode). A backend other than Inductor gets the filter alone."""
+    from transformers import CompileConfig
+
+    options = {"guard_filter_fn": guard_filter()}
+    if backend == "inductor" and cudagraphs:
+        options["triton.cudagraphs"] = True
+    return CompileConfig(backend=backend, mode=None, options=options)
+
+
+class _Rebuild(nn.Module):
+    """A parametrization: a torchao weight kept as its plain inner tensors, rebuilt by one in-graph call."""
+
+    def right_inverse(self, weight: torch.Tensor) -> list[torch.Tensor]:
+        names, meta = weight.__tensor_flatten__()
+        cls = type(weight)
+
+        def rebuild(*tensors):  # metadata in the closure: Dynamo sees tensors in, a tensor out
+            return cls.__tensor_unflatten__(dict(zip(names, tensors)), meta, None, None)
+
+        self.rebuild = torch._dynamo.allow_in_graph(rebuild)
+        self.weight_type = cls.__name__
+        return [getattr(weight, n) for n in names]
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        return self.rebuild(*tensors)
+
+
+def _unwrappable(weight) -> bool:
+    """A tensor-subclass weight whose ``__tensor_flatten__`` gives plain tensors (torchao's quantized weights)."""
+    if not isinstance(weight, torch.Tensor) or type(weight) in (torch.Tensor, nn.Parameter):
+        return False
+    flatten = getattr(weight, "__tensor_flatten__", None)
+    if flatten is None or not hasattr(type(weight), "__tensor_unflatten__"):
+        return False
+    names, _ = flatten()
+    return all(type(getattr(weight, n)) in (torch.Tensor, nn.Parameter) for n in names)
+
+
+def unwrap_quantized_weights(model: nn.Module) -> dict[str, str]:
+    """Each ``nn.Linear`` / ``nn.Embedding`` whose weight is a tensor subclass (torchao's quantized weights) keeps
+    the weight's plain inner tensors as parameters (``parametrizations.weight.original0..``, no grad) and rebuilds
+    the same weight from them on access: eagerly the same tensor type and values, compiled one graph op. In place;
+    returns ``{module name: weight type}`` of the weights unwrapped. A subclass whose inner tensors are
+    subclasses again, or a module already parametrized, is left as it is."""
+    done = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or parametrize.is_parametrized(module, "weight"):
+            continue
+        weight = module.weight
+        if not _unwrappable(weight):
+            continue
+        weight.requires_grad_(False)  # integer inner tensors cannot be parameters that need grad
+        parametrize.register_parametrization(module, "weight", _Rebuild())
+        for p in module.parametrizations.weight.parameters():
+            p.requires_grad_(False)
+        done[name] = type(weight).__name__
+    return done
+
+
+def prepare_for_serving(model: nn.Module, backend: str = "inductor", cudagraphs: bool = True):
+    """:func:`unwrap_quantized_weights` on ``model`` (in place), and the ``CompileConfig`` of
+    :func:`serving_compile_config` to pass to ``generate`` (with ``cache_implementation="static"``)."""
+    config = serving_compile_config(backend, cudagraphs)  # first: a torch without the filter changes nothing
+    unwrap_quantized_weights(model)
+    return config
