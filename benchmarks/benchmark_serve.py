@@ -33,8 +33,15 @@ them inside the compiled graph. Why: ``--profile`` found the compiled quantized 
 decoded token, longer than bf16's; tensor-subclass parameters cost host time on every compiled call (a
 metadata guard and a flatten per weight; on the CPU 3.9x the Python calls per forward of plain weights).
 Measured on the H200 (608b2b4): it did not close int4's extra idle time, and FP8 fails to compile after it (see
-docs/qat.md). Modes run in the order given, on one loaded model (``compiled_unwrapped`` changes it for what
-follows).
+docs/qat.md). ``compiled_lean``: ``hf_lowbit/qat/serving.py``'s ``prepare_for_serving`` (the file alone, loaded
+by path: the process still imports no hf_lowbit), the lines docs/qat.md gives a user: every torchao weight unwrapped
+to its plain inner tensors and rebuilt by one in-graph call (``Float8Tensor`` too), and ``generate``'s
+``CompileConfig`` with ``triton.cudagraphs`` (what ``mode="reduce-overhead"`` sets) and Dynamo's guards on the
+model's modules skipped (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``); the prefill's
+``torch.compile(model)`` gets the same guard filter. Why: on the H200 (c73fbe2) the quantized models' host time per
+token was AOTAutograd's wrapper around the subclass weights (removed by unwrapping) and the guard check (not).
+Modes run in the order given, on one loaded model; a mode after ``compiled_unwrapped`` or ``compiled_lean``
+(which change the model) loads it again.
 A build or measurement that fails (a kernel missing on the image, an unsupported op, a time-out) becomes an
 error row with a one-line reason; the other rows are unaffected. ``--device cpu`` with tiny shapes checks the
 plumbing (``--compile_backend eager``: dynamo without Inductor); its timings mean nothing.
@@ -43,6 +50,7 @@ plumbing (``--compile_backend eager``: dynamo without Inductor); its timings mea
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import json
 import os
@@ -56,7 +64,9 @@ import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-MODES = ("eager", "compiled", "compiled_unwrapped")
+MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean")
+CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean")  # a mode after one of these loads the model again
+SERVING_HELPERS = os.path.join(ROOT, "hf_lowbit", "qat", "serving.py")
 DEFAULT_CHECKPOINTS = ("bf16,qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,"
                        "qat_int4_weight_only")
 ERROR_CHARS = 300
@@ -316,26 +326,45 @@ def measure(a, emit) -> dict:
     prefill_ids = torch.randint(0, a.vocab, (1, a.prefill), generator=gen).to(device)
     prompts = {b: torch.randint(0, a.vocab, (b, a.prompt), generator=gen).to(device) for b in a.batches}
     t1, t2 = a.decode_tokens
+    changed = False  # by an earlier mode: unwrapped weights
     for mode in a.modes:
         phase: dict = {}
         row[mode] = phase
         try:
+            if changed:
+                del model
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                model = AutoModelForCausalLM.from_pretrained(a.ckpt_dir, device_map=device)
+                phase["reloaded"] = True
+            changed = mode in CHANGES_MODEL
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             counters.clear()
             if mode == "eager":
                 forward, gen_kw = model, {"disable_compile": True}
             else:
+                compile_kw = {}
                 if mode == "compiled_unwrapped":
                     from torchao.utils import unwrap_tensor_subclass
 
                     model.requires_grad_(False)  # the int8/uint8 inner tensors cannot be parameters that need grad
                     unwrap_tensor_subclass(model)
+                if mode == "compiled_lean":
+                    serving = _serving_helpers()
+                    compile_config = serving.serving_compile_config(a.compile_backend,
+                                                                    cudagraphs=a.compile_backend == "inductor")
+                    compile_kw = {"options": {"guard_filter_fn": serving.guard_filter()}}
+                    # the weights unwrapped, by tensor type
+                    phase["unwrapped"] = dict(collections.Counter(serving.unwrap_quantized_weights(model).values()))
+                else:
+                    compile_config = CompileConfig(backend=a.compile_backend,
+                                                   mode="reduce-overhead" if a.compile_backend == "inductor" else None)
+                if mode != "compiled":
                     # what Dynamo sees as the model's inputs now (the weights read the same as before)
                     phase["parameter_types"] = sorted({type(t).__name__ for t in model.parameters()})
-                forward = torch.compile(model, backend=a.compile_backend)  # the prefill: static shape, whole model
-                compile_config = CompileConfig(backend=a.compile_backend,
-                                               mode="reduce-overhead" if a.compile_backend == "inductor" else None)
+                # the prefill: static shape, whole model
+                forward = torch.compile(model, backend=a.compile_backend, **compile_kw)
                 compile_config._compile_all_devices = device != "cuda"  # CPU smoke runs only
                 gen_kw = {"cache_implementation": "static", "compile_config": compile_config}
             t = time.perf_counter()
@@ -350,7 +379,7 @@ def measure(a, emit) -> dict:
                 phase["prefill_profile"] = pre
             emit(row)
             for b, ids in prompts.items():
-                def run(n, ids=ids):
+                def run(n, ids=ids, model=model, gen_kw=gen_kw):
                     return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
                                           **gen_kw)
                 t = time.perf_counter()
@@ -372,11 +401,26 @@ def measure(a, emit) -> dict:
                 phase["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             # compiled graphs Inductor could not run as CUDA graphs (reduce-overhead falls back to launching them)
             phase["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+            if mode != "eager":  # the guards Dynamo checks before a call, per compiled graph (prefill, decode b1, b8)
+                from benchmarks.serve_host_calls import compiled_guards
+
+                phase["guards"] = sorted(sum(c.values()) for c in compiled_guards())
         except Exception as e:  # noqa: BLE001 - a row records why a mode failed; the others still run
             phase["error"] = one_line(e)
         emit(row)
         torch._dynamo.reset()
     return row
+
+
+def _serving_helpers():
+    """``hf_lowbit/qat/serving.py`` loaded from its file (it imports only torch): the measured process imports no
+    hf_lowbit, as a user serving the export with these lines copied would not."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_lowbit_serving", SERVING_HELPERS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---------------------------------------------------------------------------------------------------- the run

@@ -134,11 +134,14 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         "${CHECKPOINTS:-qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,qat_int4_weight_only} "
         "--json $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.json --markdown $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.md"]),
     "serve_profile": ("issue 26: where the compiled path's time goes: bf16 and our int4_tinygemm / fp8_rowwise exports "
-                      "in MODES (compiled; or compiled_unwrapped: after torchao's unwrap_tensor_subclass), each prefill "
+                      "in MODES (compiled; compiled_unwrapped: after torchao's unwrap_tensor_subclass; compiled_lean: "
+                      "hf_lowbit/qat/serving.py's prepare_for_serving, our unwrap and Dynamo's nn-module guards "
+                      "skipped), each prefill "
                       "and decode (two generate lengths) once more under torch.profiler: GPU ms and busy share per "
                       "decoded token, host syncs, CUDA-graph replays, kernel launches, cudagraph skips, top kernels, and "
                       "(since d4ef01f) the top host ops' self ms and calls per token. "
-                      "MODES=compiled took 4.8 min (5913b2b: GPU busy 61% for bf16, 30% for int4 at batch 1)",
+                      "MODES=compiled took 4.8 min (5913b2b: GPU busy 61% for bf16, 30% for int4 at batch 1); "
+                      "MODES=compiled_lean is not yet run (expected about the same)",
                       "~5 min", [
         "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes ${MODES:-compiled} --profile --checkpoints "
         "qat_int4_tinygemm,qat_fp8_rowwise --json $OUT/serve_profile_${MODES:-compiled}_h200.json "
