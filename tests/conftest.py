@@ -3,7 +3,14 @@ import sys
 import warnings
 
 import pytest
-import torch
+
+# One intra-op thread per process, this one and the subprocesses it starts (they inherit the variable): the suite's
+# models and kernels are tiny, and on a 2-core machine two OpenMP threads per process spin against each other and
+# against whatever else runs (a subprocess, a second pytest worker). Set OMP_NUM_THREADS to choose another count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 warnings.filterwarnings("ignore", message=".*register_constant.*")
