@@ -114,9 +114,14 @@ def stdlib_corpus():
 
 
 def test_python_docs_corpus_is_real_prose(stdlib_corpus):
+    from benchmarks.corpus import python_docs_corpus
+
     docs = stdlib_corpus
     assert len(docs) > 1000 and sum(map(len, docs)) > 1_000_000
     assert any("division" in d.lower() for d in docs) and all(len(d) >= 200 for d in docs[100:])
+    # max_docs (--max_docs of the benchmarks): the same first documents, without parsing the files after them
+    for n in (40, 300):
+        assert python_docs_corpus(max_docs=n) == docs[:n]
 
 
 def test_python_docs_corpus_packages(stdlib_corpus):
