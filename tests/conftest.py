@@ -96,6 +96,8 @@ def snr_db(ref: torch.Tensor, actual: torch.Tensor) -> float:
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (run on the device; skipped elsewhere)")
     config.addinivalue_line("markers", "slow: end-to-end training runs")
+    # pytest-xdist's (registered here too, so a run without xdist knows it): tests of one group share one worker
+    config.addinivalue_line("markers", "xdist_group(name): run these tests in the same pytest-xdist worker")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -182,6 +182,7 @@ def _run_script(name: str, marker: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("two_processes_match_one")  # one pytest worker for all configs: one_process and _LOSSES
 @pytest.mark.parametrize("config", [c if c in ("ddp", "fsdp2") else pytest.param(c, marks=NEEDS_DEEPSPEED)
                                     for c in CONFIGS])
 def test_two_processes_match_one_and_resume(config, one_process, tmp_path):
