@@ -24,7 +24,7 @@ sft: $(VENV)/.installed
 	$(PY) scripts/sft.py $(ARGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 $(ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal --durations=15 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

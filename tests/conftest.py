@@ -93,11 +93,48 @@ def snr_db(ref: torch.Tensor, actual: torch.Tensor) -> float:
     return (20 * torch.log10(ref.norm() / (ref - actual).norm())).item()
 
 
+def run_root(tmp_path_factory):
+    """A directory of this test run that every pytest-xdist worker sees (their basetemps' parent; basetemp itself
+    without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once_per_run(tmp_path_factory, name: str, compute):
+    """``compute()`` (JSON data) computed once per test run and shared by the pytest-xdist workers: the first to
+    ask computes it under a file lock and writes it into :func:`run_root`, the others wait and read it."""
+    import json
+
+    from filelock import FileLock
+
+    path = run_root(tmp_path_factory) / f"{name}.json"
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            return json.loads(path.read_text())
+        data = compute()
+        path.write_text(json.dumps(data))
+        return data
+
+
+@pytest.fixture(scope="session")
+def sft_help(tmp_path_factory):
+    """``scripts/sft.py --help`` in a fresh process (a quiet start shows only there), run once for the tests that
+    read it (test_sft.py, test_cli_errors.py): ``returncode``, ``stdout``, ``stderr``."""
+    import subprocess
+    from types import SimpleNamespace
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "sft.py")
+
+    def run():
+        proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=300)
+        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+    return SimpleNamespace(**once_per_run(tmp_path_factory, "sft_help", run))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (run on the device; skipped elsewhere)")
     config.addinivalue_line("markers", "slow: end-to-end training runs")
-    # pytest-xdist's (registered here too, so a run without xdist knows it): tests of one group share one worker
-    config.addinivalue_line("markers", "xdist_group(name): run these tests in the same pytest-xdist worker")
 
 
 def pytest_collection_modifyitems(config, items):
