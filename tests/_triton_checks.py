@@ -144,10 +144,12 @@ def check_quantize_t(device: str, **opts) -> int:
 
     formats = [("int8", torch.int8, INT8_MAX), ("fp8", FP8_DTYPE, FP8_MAX)]
     n = 0
-    chunk = 1024 if device == "cuda" else 64  # several partial-absmax chunks either way
+    chunk = 1024 if device == "cuda" else 64  # several partial-absmax chunks either way (CPU: 64 + 6 rows)
     if opts.get("variant", "two_kernel") == "two_kernel":
         opts = {"chunk_m": chunk, **opts}
-    for M, N in ((37, 24), (1030, 70) if device == "cuda" else (150, 40), (5, 3)):
+    # the interpreter runs a kernel's programs one after another: on the CPU, shapes just past the 16x16 tiles
+    # and the chunk (70 x 20, as check_quantize_t_stochastic's), not more programs of the same code
+    for M, N in ((37, 24), (1030, 70) if device == "cuda" else (70, 20), (5, 3)):
         for transposed in (False, True):
             x = (torch.randn(N, M, device=device).T if transposed else torch.randn(M, N, device=device)) * 3
             x[:, 1] = 0  # an all-zero column
