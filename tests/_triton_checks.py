@@ -1,7 +1,8 @@
 """Checks of the Triton kernels against plain-torch references, for the device they run on.
 
 Imported by test_triton_int8.py: directly on CUDA, or in a subprocess with TRITON_INTERPRET=1 on a
-CPU (the interpreter must be switched on before Triton compiles anything).
+CPU (the interpreter must be switched on before Triton compiles anything): ``python tests/_triton_checks.py
+[MODE]`` runs one of ``MODES``, ``... serve`` the modes named on its stdin (what the tests start).
 """
 
 import sys
@@ -572,20 +573,45 @@ def check_nf4_to_int8(device: str) -> int:
     return n
 
 
+# what each mode checks on the CPU and prints (test_triton_int8.run_interpreted and test_stochastic_rounding.py)
+MODES = {
+    "default": lambda: ("checked", check_int8_scaled_mm("cpu"), "matmuls,", check_int8_scaled_mm_addend("cpu"),
+                        "with an addend and", check_quantize_t("cpu"), "quantizations"),
+    "stochastic": lambda: ("checked", check_quantize_t_stochastic("cpu"), "stochastic quantizations"),
+    "variants": lambda: ("checked", check_quantize_t_variants("cpu"), "quantizations of other variants and tiles"),
+    "quant_sweep": lambda: ("checked", check_quant_sweep("cpu"), "quant_sweep candidates"),
+    "dual": lambda: ("checked", check_quantize_dual("cpu"), "dual quantizations and", check_quant_dual_bench("cpu"),
+                     "quant_dual candidates"),
+    "nf4": lambda: ("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes"),
+    "stochastic_saturates": lambda: ("checked", check_quantize_t_stochastic_saturates("cpu"),
+                                     "saturating stochastic quantizations"),
+}
+END = "@@ end of mode:"  # serve(): the line after each mode's output, then ok or failed
+
+
+def serve() -> None:
+    """Run the modes named on stdin, one a line, one after another in this process: the imports and Triton's
+    first-call work are paid once, not once a mode. Before each mode torch's global generator is re-seeded with
+    the seed this process started with, so a mode draws as it would in a process of its own, whatever ran before
+    it. Each mode's output (its traceback if it failed), then ``END ok`` or ``END failed``; stdin's end stops the
+    process."""
+    import traceback
+
+    fresh = torch.initial_seed()  # nothing has drawn yet: the generator as a new process starts it
+    for line in sys.stdin:
+        mode = line.strip()
+        torch.manual_seed(fresh)
+        try:
+            print(*MODES[mode]())
+            status = "ok"
+        except Exception:  # noqa: BLE001 - reported to the test, which fails; the next mode still runs
+            traceback.print_exc(file=sys.stdout)
+            status = "failed"
+        print(END, status, flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["stochastic"]:
-        print("checked", check_quantize_t_stochastic("cpu"), "stochastic quantizations")
-    elif sys.argv[1:] == ["variants"]:
-        print("checked", check_quantize_t_variants("cpu"), "quantizations of other variants and tiles")
-    elif sys.argv[1:] == ["quant_sweep"]:
-        print("checked", check_quant_sweep("cpu"), "quant_sweep candidates")
-    elif sys.argv[1:] == ["dual"]:  # one process for both (each start imports torch and Triton)
-        print("checked", check_quantize_dual("cpu"), "dual quantizations and", check_quant_dual_bench("cpu"),
-              "quant_dual candidates")
-    elif sys.argv[1:] == ["nf4"]:
-        print("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes")
-    elif sys.argv[1:] == ["stochastic_saturates"]:
-        print("checked", check_quantize_t_stochastic_saturates("cpu"), "saturating stochastic quantizations")
+    if sys.argv[1:] == ["serve"]:
+        serve()
     else:
-        print("checked", check_int8_scaled_mm("cpu"), "matmuls,", check_int8_scaled_mm_addend("cpu"),
-              "with an addend and", check_quantize_t("cpu"), "quantizations")
+        print(*MODES[sys.argv[1] if sys.argv[1:] else "default"]())

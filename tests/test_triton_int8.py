@@ -3,13 +3,18 @@ on CUDA."""
 
 import functools
 import os
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 
 import pytest
 
 pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+END = "@@ end of mode:"  # the line _triton_checks.serve() prints after each mode (_triton_checks.END)
 
 
 # A kernel that uses nothing of ours: if the interpreter cannot run it, the Triton/numpy pair is broken
@@ -49,15 +54,59 @@ def _interpreter_broken() -> str:
             f"{numpy.__version__}: {probe.stderr.strip().splitlines()[-1:]}")
 
 
-def run_interpreted(*args: str) -> str:
-    """``tests/_triton_checks.py *args`` under TRITON_INTERPRET=1; its stdout. Skips where Triton's CPU
-    interpreter does not run (probed with a kernel of its own, not by version numbers)."""
+class _Checks:
+    """``tests/_triton_checks.py serve`` under TRITON_INTERPRET=1: one process for this pytest process's
+    interpreted checks, run one after another (each fresh process spent ~10 s importing torch, transformers and
+    Triton, and Triton its first-call work, before a check of a few seconds). Started on first use; its stdin
+    closes, and it exits, with this process."""
+
+    proc = None
+    lines: "queue.Queue[str | None]"
+    stderr = None
+
+    @staticmethod
+    def _read(stdout, lines) -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put(None)
+
+    @classmethod
+    def run(cls, mode: str, timeout: float) -> tuple[bool, str]:
+        """``mode``'s output and whether it passed; a time-out or a dead process fails it (and the next mode
+        starts a new process)."""
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.stderr = tempfile.TemporaryFile(mode="w+")
+            cls.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "_triton_checks.py"), "serve"],
+                                        env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=cls.stderr, text=True)
+            cls.lines = queue.Queue()
+            threading.Thread(target=cls._read, args=(cls.proc.stdout, cls.lines), daemon=True).start()
+        cls.proc.stdin.write(mode + "\n")
+        cls.proc.stdin.flush()
+        out, deadline = [], time.monotonic() + timeout
+        while True:
+            try:
+                line = cls.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                cls.proc.kill()
+                line = f"timed out after {timeout} s"
+            if line is None or line.startswith("timed out"):  # the process died, or was killed
+                cls.stderr.seek(0)
+                return False, "".join(out) + f"{line or ''}\nexit status {cls.proc.wait()}\n" + cls.stderr.read()[-3000:]
+            if line.startswith(END):
+                return line.split()[-1] == "ok", "".join(out)
+            out.append(line)
+
+
+def run_interpreted(mode: str = "default") -> str:
+    """``tests/_triton_checks.py``'s ``mode`` under TRITON_INTERPRET=1 (in this pytest process's checks process);
+    its output. Skips where Triton's CPU interpreter does not run (probed with a kernel of its own, not by version
+    numbers)."""
     if _interpreter_broken():
         pytest.skip(_interpreter_broken())
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_triton_checks.py"), *args], env=_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    ok, out = _Checks.run(mode, timeout=600)
+    assert ok, out[-6000:]
+    return out
 
 
 def test_triton_int8_scaled_mm_interpreted():
