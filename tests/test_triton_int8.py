@@ -113,18 +113,60 @@ def test_triton_int8_scaled_mm_interpreted():
     assert "checked 24 matmuls, 24 with an addend and 60 quantizations" in run_interpreted()
 
 
+# one test per case (a shape and layout; with the addend, a shape and rank): each autotunes its own kernels (the
+# slowest CUDA tests as one: 188 s and 345 s on the H200, session 9), so pytest-xdist workers (the cuda_tests stage)
+# share them out; two checks a case, float32 and bf16 outputs (the same autotuning key)
+N_INT8_MM_CASES = 20  # 5 shapes x a, b transposed or not
+N_INT8_MM_ADDEND_CASES = 12  # 3 shapes x 4 ranks
+
+
 @pytest.mark.cuda
-def test_triton_int8_scaled_mm_cuda():
-    from _triton_checks import check_int8_scaled_mm
+@pytest.mark.parametrize("i", range(N_INT8_MM_CASES))
+def test_triton_int8_scaled_mm_cuda(i):
+    from _triton_checks import check_int8_scaled_mm, int8_scaled_mm_cases
 
-    assert check_int8_scaled_mm("cuda") > 0
+    assert len(int8_scaled_mm_cases("cuda")) == N_INT8_MM_CASES
+    assert check_int8_scaled_mm("cuda", [i]) == 2, int8_scaled_mm_cases("cuda")[i]
 
 
 @pytest.mark.cuda
-def test_triton_int8_scaled_mm_addend_cuda():
-    from _triton_checks import check_int8_scaled_mm_addend
+@pytest.mark.parametrize("i", range(N_INT8_MM_ADDEND_CASES))
+def test_triton_int8_scaled_mm_addend_cuda(i):
+    from _triton_checks import check_int8_scaled_mm_addend, int8_scaled_mm_addend_cases
 
-    assert check_int8_scaled_mm_addend("cuda") > 0
+    assert len(int8_scaled_mm_addend_cases("cuda")) == N_INT8_MM_ADDEND_CASES
+    assert check_int8_scaled_mm_addend("cuda", [i]) == 2, int8_scaled_mm_addend_cases("cuda")[i]
+
+
+def test_int8_scaled_mm_cases_one_at_a_time_check_the_whole_run(monkeypatch):
+    """The split of the two CUDA matmul checks, on the CPU's cases: each case alone makes its two checks on the
+    operands the whole run gives it (the kernel replaced by the CPU op, allocating its output as the kernel does,
+    and recording what it gets)."""
+    import _triton_checks as tc
+    import torch
+
+    from hf_lowbit.kernels.int8 import int8_scaled_mm
+
+    calls = []
+
+    def kernel(a, b, sa, sb, dtype, c=None, d=None):
+        calls.append([t.clone() for t in (a, b, sa, sb, c, d) if t is not None])
+        return torch.empty(a.shape[0], b.shape[0], dtype=dtype).copy_(int8_scaled_mm(a, b, sa, sb, dtype, c, d))
+
+    monkeypatch.setattr(tc, "int8_scaled_mm_triton", kernel)
+    for check, cases in ((tc.check_int8_scaled_mm, tc.int8_scaled_mm_cases("cpu")),
+                         (tc.check_int8_scaled_mm_addend, tc.int8_scaled_mm_addend_cases("cpu"))):
+        calls.clear()
+        torch.manual_seed(0)
+        assert check("cpu") == 2 * len(cases)
+        whole = list(calls)
+        for i in range(len(cases)):
+            calls.clear()
+            torch.manual_seed(0)
+            assert check("cpu", [i]) == 2
+            assert len(calls) == 2 and all(
+                len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+                for x, y in zip(calls, whole[2 * i:2 * i + 2])), cases[i]
 
 
 # one test per variant: each compiles its own kernels (minutes over all of them on the device's CPU), so pytest-xdist
