@@ -28,9 +28,9 @@ import sys
 
 import pytest
 import torch
+from conftest import once_per_run, run_root
 from safetensors.torch import load_file
 
-from conftest import once_per_run, run_root
 from hf_lowbit.cli.sft import main
 from hf_lowbit.integrations.distributed import fsdp2_shards_integer_params
 

@@ -75,7 +75,7 @@ class _Checks:
         """``mode``'s output and whether it passed; a time-out or a dead process fails it (and the next mode
         starts a new process)."""
         if cls.proc is None or cls.proc.poll() is not None:
-            cls.stderr = tempfile.TemporaryFile(mode="w+")
+            cls.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - the checks process's stderr, kept with it
             cls.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "_triton_checks.py"), "serve"],
                                         env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=cls.stderr, text=True)
