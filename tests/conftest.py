@@ -8,6 +8,10 @@ import pytest
 # models and kernels are tiny, and on a 2-core machine two OpenMP threads per process spin against each other and
 # against whatever else runs (a subprocess, a second pytest worker). Set OMP_NUM_THREADS to choose another count.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor compiles its C++ kernels in this process, not in a pool of compile workers (one per core, each importing
+# torch again in every process that compiles): on 2 cores already shared by 2 pytest workers the pool only adds
+# work. Set TORCHINDUCTOR_COMPILE_THREADS to choose another count.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
