@@ -4,6 +4,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+# make test: pytest-xdist worker processes (2: the CI machine's cores; most tests are single-threaded Python:
+# subprocesses, Triton's interpreter, compiles); WORKERS=0 runs every test in the one pytest process
+WORKERS ?= 2
 
 .PHONY: sft test install clean
 
@@ -21,7 +24,7 @@ sft: $(VENV)/.installed
 	$(PY) scripts/sft.py $(ARGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15 $(ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal --durations=15 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -10,12 +10,11 @@ from __future__ import annotations
 import os
 
 
-def _docstrings(root, min_chars: int, skip: set[str]) -> list[str]:
+def _docstrings(root, min_chars: int, skip: set[str]):
     """Module, class and function docstrings of the ``*.py`` files under ``root`` (a directory, or one file;
-    parsed, never imported)."""
+    parsed, never imported), one file after another: a caller that needs only the first few stops the parsing."""
     import ast
 
-    docs = []
     for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
         if root.is_dir() and skip & set(path.relative_to(root).parts):
             continue
@@ -27,8 +26,7 @@ def _docstrings(root, min_chars: int, skip: set[str]) -> list[str]:
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node)
                 if doc and len(doc) >= min_chars:
-                    docs.append(doc)
-    return docs
+                    yield doc
 
 
 def package_sources(packages: tuple[str, ...]) -> list[list]:
@@ -51,7 +49,7 @@ def package_sources(packages: tuple[str, ...]) -> list[list]:
     return out
 
 
-def python_docs_corpus(min_chars: int = 200, packages: tuple[str, ...] = ()) -> list[str]:
+def python_docs_corpus(min_chars: int = 200, packages: tuple[str, ...] = (), max_docs: int = 0) -> list[str]:
     """English prose every CPython installation ships: the ``pydoc`` topic pages plus the module,
     class and function docstrings of the standard library (read with ``ast``; nothing is imported
     or downloaded). Deterministic for a given Python version; tests and ``idlelib`` are left out.
@@ -60,7 +58,11 @@ def python_docs_corpus(min_chars: int = 200, packages: tuple[str, ...] = ()) -> 
     more, for runs longer than the ~0.46M tokens of the standard library allow without repeating it), each
     once (libraries repeat argument docs verbatim); deterministic for given package versions. A package that
     is not installed is an error: a run must not silently train on less text than asked.
+
+    ``max_docs``: only the first ``max_docs`` of those documents (the same ones, in the same order), parsing no
+    file after the one that completes them.
     """
+    import itertools
     import sysconfig
     from pathlib import Path
 
@@ -69,11 +71,19 @@ def python_docs_corpus(min_chars: int = 200, packages: tuple[str, ...] = ()) -> 
     sources = package_sources(packages)  # a name that is not installed fails before the parsing
     docs = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
     skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "ensurepip"}
-    docs += _docstrings(Path(sysconfig.get_paths()["stdlib"]), min_chars, skip)
-    for paths in sources:
-        found = [d for p in paths for d in _docstrings(p, min_chars, {"test", "tests", "testing"})]
-        docs += list(dict.fromkeys(found))
-    return docs
+
+    def parsed():
+        yield from _docstrings(Path(sysconfig.get_paths()["stdlib"]), min_chars, skip)
+        for paths in sources:
+            seen = set()  # each package's docstrings once, in the order first found
+            for d in (d for p in paths for d in _docstrings(p, min_chars, {"test", "tests", "testing"})):
+                if d not in seen:
+                    seen.add(d)
+                    yield d
+
+    if max_docs:
+        return (docs + list(itertools.islice(parsed(), max(0, max_docs - len(docs)))))[:max_docs]
+    return docs + list(parsed())
 
 
 def build_bpe_tokenizer(texts: list[str], vocab_size: int = 4096):
@@ -171,9 +181,7 @@ def _build_blocks(seq: int, vocab: int, eval_fraction: float | None, seed: int, 
 
     from hf_lowbit.data import pack, split_records
 
-    docs = python_docs_corpus(packages=packages)
-    if max_docs:
-        docs = docs[:max_docs]
+    docs = python_docs_corpus(packages=packages, max_docs=max_docs)
     train_docs, eval_docs = (docs, []) if eval_fraction is None else split_records(docs, eval_fraction, seed)
     tok = build_bpe_tokenizer(train_docs, vocab)
     train, held_out = pack(train_docs, tok, seq).blocks, pack(eval_docs, tok, seq).blocks if eval_docs else None

@@ -25,7 +25,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
     "cuda_tests": ("every test with 'cuda' in its id, on WORKERS (default 8) pytest-xdist processes when xdist imports "
                    "(carry its wheel and execnet's in .whl, installed like torchao's): Triton's compiles, on the CPU, "
                    "dominate, and one process took > 9 min (session 9)", "~6.5 min on 10 workers (b4e3db1: 375 s, bound by "
-                   "the autotuned INT8 matmul tests, 345 s and 188 s)", [
+                   "the autotuned INT8 matmul tests, 345 s and 188 s; one test per case since, not yet re-timed)", [
         "python3 -m pytest -q -rfEs -p no:cacheprovider -k cuda tests/ --durations=25 "
         "$(python3 -c 'import xdist' 2>/dev/null && echo \"-n ${WORKERS:-8}\") 2>&1 | tee $OUT/pytest_cuda.txt"]),
     "regimes": ("1x2048 / 8x2048 tokens, gradient accumulation, hand loop and Trainer, Liger (docs/benchmarks.md "

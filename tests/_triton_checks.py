@@ -1,7 +1,8 @@
 """Checks of the Triton kernels against plain-torch references, for the device they run on.
 
 Imported by test_triton_int8.py: directly on CUDA, or in a subprocess with TRITON_INTERPRET=1 on a
-CPU (the interpreter must be switched on before Triton compiles anything).
+CPU (the interpreter must be switched on before Triton compiles anything): ``python tests/_triton_checks.py
+[MODE]`` runs one of ``MODES``, ``... serve`` the modes named on its stdin (what the tests start).
 """
 
 import sys
@@ -64,72 +65,103 @@ def _poison_works(device: str) -> None:
     assert torch.isnan(f).all() and (i == -128).all() and torch.isnan(e.float()).all()
 
 
-def check_int8_scaled_mm(device: str) -> int:
-    _poison_works(device)
+def int8_scaled_mm_cases(device: str) -> list[tuple]:
+    """:func:`check_int8_scaled_mm`'s cases in its order: ``(M, N, K, a_t, b_t)``, a shape and which operands are
+    transposed views. Each is its own autotuning key (the kernel's: shape and layout, not the output dtype)."""
     shapes = CUDA_SHAPES if device == "cuda" else CPU_SHAPES
+    return [(M, N, K, a_t, b_t) for M, N, K in shapes for a_t in (False, True) for b_t in (False, True)]
+
+
+def check_int8_scaled_mm(device: str, cases: list[int] | None = None) -> int:
+    """The INT8 matmul against the exact integer product (scaled in float64), float32 and bf16 outputs, operands
+    as transposed views or not, its output allocated as poison (all of it written). ``cases``: indices into
+    :func:`int8_scaled_mm_cases` to check (all by default; the CUDA test checks one per test, so pytest-xdist
+    workers share the autotuning). Every case's operands are drawn all the same, so a subset checks the very
+    operands the whole run does. Returns the number of checks (two a case)."""
+    _poison_works(device)
+    all_cases = int8_scaled_mm_cases(device)
+    cases = set(range(len(all_cases)) if cases is None else cases)
     n = 0
-    for M, N, K in shapes:
-        for a_t in (False, True):
-            for b_t in (False, True):
-                a = torch.randint(-127, 128, (K, M) if a_t else (M, K), dtype=torch.int8, device=device)
-                b = torch.randint(-127, 128, (K, N) if b_t else (N, K), dtype=torch.int8, device=device)
-                a, b = (a.T if a_t else a), (b.T if b_t else b)
-                sa = torch.rand(M, device=device) / 1000 + 1e-4
-                sb = torch.rand(N, device=device) / 1000 + 1e-4
-                ref = int8_mm_reference(a, b).double() * sa.double()[:, None] * sb.double()[None, :]
-                for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
-                    with PoisonedAllocations() as poison:  # the kernel's own output starts as NaN
-                        out = int8_scaled_mm_triton(a, b, sa, sb, dtype)
-                    assert ((M, N), dtype) in poison.shapes, "the output was not allocated where it is poisoned"
-                    assert out.shape == (M, N) and out.dtype == dtype
-                    assert torch.isfinite(out).all(), f"unwritten or non-finite output at {(M, N, K)}"
-                    rel = ((out.double() - ref).norm() / ref.norm()).item()
-                    assert rel < tol, f"{(M, N, K)} a_t={a_t} b_t={b_t} {dtype}: rel err {rel:.2e}"
-                    n += 1
+    for i, (M, N, K, a_t, b_t) in enumerate(all_cases):
+        a = torch.randint(-127, 128, (K, M) if a_t else (M, K), dtype=torch.int8, device=device)
+        b = torch.randint(-127, 128, (K, N) if b_t else (N, K), dtype=torch.int8, device=device)
+        a, b = (a.T if a_t else a), (b.T if b_t else b)
+        sa = torch.rand(M, device=device) / 1000 + 1e-4
+        sb = torch.rand(N, device=device) / 1000 + 1e-4
+        if i not in cases:
+            continue
+        ref = int8_mm_reference(a, b).double() * sa.double()[:, None] * sb.double()[None, :]
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
+            with PoisonedAllocations() as poison:  # the kernel's own output starts as NaN
+                out = int8_scaled_mm_triton(a, b, sa, sb, dtype)
+            assert ((M, N), dtype) in poison.shapes, "the output was not allocated where it is poisoned"
+            assert out.shape == (M, N) and out.dtype == dtype
+            assert torch.isfinite(out).all(), f"unwritten or non-finite output at {(M, N, K)}"
+            rel = ((out.double() - ref).norm() / ref.norm()).item()
+            assert rel < tol, f"{(M, N, K)} a_t={a_t} b_t={b_t} {dtype}: rel err {rel:.2e}"
+            n += 1
     return n
 
 
-def check_int8_scaled_mm_addend(device: str) -> int:
+def int8_scaled_mm_addend_cases(device: str) -> list[tuple]:
+    """:func:`check_int8_scaled_mm_addend`'s cases in its order: ``(M, N, K, R)``, a shape and the addend's rank.
+    Each is its own autotuning key (the kernel's: shape, layout and R, not the output dtype)."""
+    shapes = [(33, 17, 70), (5, 40, 129), (4096, 1536, 4096)] if device == "cuda" else CPU_SHAPES
+    return [(M, N, K, R) for M, N, K in shapes
+            for R in (16, 8, 20, 64)]  # up to FUSED_LORA_MAX_RANK; BLOCK_R 16, 32 and 64
+
+
+def check_int8_scaled_mm_addend(device: str, cases: list[int] | None = None) -> int:
     """The low-rank addend in the epilogue, ``+ c @ d.T`` (a LoRA branch), against the reference op (plain torch,
     float32). Both form ``S = p + Σ_r c_r d_r`` in float32 from the same ``p = acc · sa · sb`` (the same roundings);
     they differ only in the order of the R products' additions, each of which errs by at most
     ``(R + 1) · u · (|p| + Σ|c_r d_r|)`` (``u = 2**-24``; the standard bound for a sum of R + 1 terms). float32
     outputs: within twice that of each other. bf16 outputs round S once more: within that plus one bf16 spacing of
     the result (an order difference can flip a rounding; near cancellation the float32 bound dominates), and on
-    CUDA equal on all but 1%. ``d`` is a transposed view (``A.T`` in the backward)."""
+    CUDA equal on all but 1%. ``d`` is a transposed view (``A.T`` in the backward). ``cases``: indices into
+    :func:`int8_scaled_mm_addend_cases` to check (all by default; the CUDA test checks one per test, so
+    pytest-xdist workers share the autotuning); every case's operands are drawn all the same, so a subset checks
+    the very operands the whole run does. Returns the number of checks (two a case: float32 and bf16)."""
     from hf_lowbit.kernels.int8 import int8_scaled_mm
 
-    shapes = [(33, 17, 70), (5, 40, 129), (4096, 1536, 4096)] if device == "cuda" else CPU_SHAPES
+    all_cases = int8_scaled_mm_addend_cases(device)
+    cases = set(range(len(all_cases)) if cases is None else cases)
     n = 0
     g = torch.Generator().manual_seed(0)
-    for M, N, K in shapes:
-        for R in (16, 8, 20, 64):  # up to FUSED_LORA_MAX_RANK; BLOCK_R 16, 32 and 64
-            a = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=g)
-            b = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
-            sa, sb = torch.rand(M, generator=g) / 1000 + 1e-4, torch.rand(N, generator=g) / 1000 + 1e-4
-            # the addend about the size of the product (a LoRA branch beside its base), so both are checked
-            size = (int8_mm_reference(a, b).double() * sa.double()[:, None] * sb.double()[None, :]).std().item()
-            for dtype in (torch.float32, torch.bfloat16):
-                c = (torch.randn(M, R, generator=g) * size / R ** 0.5).to(dtype)
-                # d as the forward passes it (B·s, [N, R] contiguous) and as the backward does (A.T, a view)
-                d = torch.randn(N, R, generator=g).to(dtype) if R in (8, 64) else torch.randn(R, N, generator=g).to(dtype).T
-                with PoisonedAllocations() as poison:
-                    out = int8_scaled_mm_triton(*(t.to(device) for t in (a, b, sa, sb)), dtype, c.to(device),
-                                                d.to(device))
-                assert ((M, N), dtype) in poison.shapes and torch.isfinite(out).all()
-                ref = int8_scaled_mm(a, b, sa, sb, dtype, c, d).double()
-                got = out.cpu().double()
-                parts = (int8_mm_reference(a, b).double() * sa.double()[:, None] * sb.double()[None, :]).abs() \
-                    + c.double().abs() @ d.double().abs().T
-                bound = 2 * (R + 1) * 2.0 ** -24 * parts
-                if dtype == torch.bfloat16:
-                    bound = bound + torch.finfo(torch.bfloat16).eps * ref.abs()
-                    if device == "cuda":  # the interpreter casts float32 to bf16 by truncation (half the values
-                        # one spacing off); the GPU rounds to nearest like torch
-                        assert (got != ref).float().mean().item() < 0.01, f"{(M, N, K, R)} bf16: too many flips"
-                worst = ((got - ref).abs() / bound).max().item()
-                assert worst <= 1, f"{(M, N, K, R)} {dtype}: {worst:.2f} x the bound"
-                n += 1
+    for i, (M, N, K, R) in enumerate(all_cases):
+        a = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=g)
+        b = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+        sa, sb = torch.rand(M, generator=g) / 1000 + 1e-4, torch.rand(N, generator=g) / 1000 + 1e-4
+        addends = []
+        for dtype in (torch.float32, torch.bfloat16):  # drawn before anything is checked: the generator's order
+            c = torch.randn(M, R, generator=g)  # scaled below, once the product's size is known
+            # d as the forward passes it (B·s, [N, R] contiguous) and as the backward does (A.T, a view)
+            d = torch.randn(N, R, generator=g).to(dtype) if R in (8, 64) else torch.randn(R, N, generator=g).to(dtype).T
+            addends.append((dtype, c, d))
+        if i not in cases:
+            continue
+        # the exact product, scaled (in float64), once for the case: what the addend's size and the bound use
+        prod = int8_mm_reference(a, b).double() * sa.double()[:, None] * sb.double()[None, :]
+        # the addend about the size of the product (a LoRA branch beside its base), so both are checked
+        size = prod.std().item()
+        for dtype, c, d in addends:
+            c = (c * size / R ** 0.5).to(dtype)
+            with PoisonedAllocations() as poison:
+                out = int8_scaled_mm_triton(*(t.to(device) for t in (a, b, sa, sb)), dtype, c.to(device),
+                                            d.to(device))
+            assert ((M, N), dtype) in poison.shapes and torch.isfinite(out).all()
+            ref = int8_scaled_mm(a, b, sa, sb, dtype, c, d).double()
+            got = out.cpu().double()
+            parts = prod.abs() + c.double().abs() @ d.double().abs().T
+            bound = 2 * (R + 1) * 2.0 ** -24 * parts
+            if dtype == torch.bfloat16:
+                bound = bound + torch.finfo(torch.bfloat16).eps * ref.abs()
+                if device == "cuda":  # the interpreter casts float32 to bf16 by truncation (half the values
+                    # one spacing off); the GPU rounds to nearest like torch
+                    assert (got != ref).float().mean().item() < 0.01, f"{(M, N, K, R)} bf16: too many flips"
+            worst = ((got - ref).abs() / bound).max().item()
+            assert worst <= 1, f"{(M, N, K, R)} {dtype}: {worst:.2f} x the bound"
+            n += 1
     return n
 
 
@@ -144,10 +176,12 @@ def check_quantize_t(device: str, **opts) -> int:
 
     formats = [("int8", torch.int8, INT8_MAX), ("fp8", FP8_DTYPE, FP8_MAX)]
     n = 0
-    chunk = 1024 if device == "cuda" else 64  # several partial-absmax chunks either way
+    chunk = 1024 if device == "cuda" else 64  # several partial-absmax chunks either way (CPU: 64 + 6 rows)
     if opts.get("variant", "two_kernel") == "two_kernel":
         opts = {"chunk_m": chunk, **opts}
-    for M, N in ((37, 24), (1030, 70) if device == "cuda" else (150, 40), (5, 3)):
+    # the interpreter runs a kernel's programs one after another: on the CPU, shapes just past the 16x16 tiles
+    # and the chunk (70 x 20, as check_quantize_t_stochastic's), not more programs of the same code
+    for M, N in ((37, 24), (1030, 70) if device == "cuda" else (70, 20), (5, 3)):
         for transposed in (False, True):
             x = (torch.randn(N, M, device=device).T if transposed else torch.randn(M, N, device=device)) * 3
             x[:, 1] = 0  # an all-zero column
@@ -570,20 +604,45 @@ def check_nf4_to_int8(device: str) -> int:
     return n
 
 
+# what each mode checks on the CPU and prints (test_triton_int8.run_interpreted and test_stochastic_rounding.py)
+MODES = {
+    "default": lambda: ("checked", check_int8_scaled_mm("cpu"), "matmuls,", check_int8_scaled_mm_addend("cpu"),
+                        "with an addend and", check_quantize_t("cpu"), "quantizations"),
+    "stochastic": lambda: ("checked", check_quantize_t_stochastic("cpu"), "stochastic quantizations"),
+    "variants": lambda: ("checked", check_quantize_t_variants("cpu"), "quantizations of other variants and tiles"),
+    "quant_sweep": lambda: ("checked", check_quant_sweep("cpu"), "quant_sweep candidates"),
+    "dual": lambda: ("checked", check_quantize_dual("cpu"), "dual quantizations and", check_quant_dual_bench("cpu"),
+                     "quant_dual candidates"),
+    "nf4": lambda: ("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes"),
+    "stochastic_saturates": lambda: ("checked", check_quantize_t_stochastic_saturates("cpu"),
+                                     "saturating stochastic quantizations"),
+}
+END = "@@ end of mode:"  # serve(): the line after each mode's output, then ok or failed
+
+
+def serve() -> None:
+    """Run the modes named on stdin, one a line, one after another in this process: the imports and Triton's
+    first-call work are paid once, not once a mode. Before each mode torch's global generator is re-seeded with
+    the seed this process started with, so a mode draws as it would in a process of its own, whatever ran before
+    it. Each mode's output (its traceback if it failed), then ``END ok`` or ``END failed``; stdin's end stops the
+    process."""
+    import traceback
+
+    fresh = torch.initial_seed()  # nothing has drawn yet: the generator as a new process starts it
+    for line in sys.stdin:
+        mode = line.strip()
+        torch.manual_seed(fresh)
+        try:
+            print(*MODES[mode]())
+            status = "ok"
+        except Exception:  # noqa: BLE001 - reported to the test, which fails; the next mode still runs
+            traceback.print_exc(file=sys.stdout)
+            status = "failed"
+        print(END, status, flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["stochastic"]:
-        print("checked", check_quantize_t_stochastic("cpu"), "stochastic quantizations")
-    elif sys.argv[1:] == ["variants"]:
-        print("checked", check_quantize_t_variants("cpu"), "quantizations of other variants and tiles")
-    elif sys.argv[1:] == ["quant_sweep"]:
-        print("checked", check_quant_sweep("cpu"), "quant_sweep candidates")
-    elif sys.argv[1:] == ["dual"]:  # one process for both (each start imports torch and Triton)
-        print("checked", check_quantize_dual("cpu"), "dual quantizations and", check_quant_dual_bench("cpu"),
-              "quant_dual candidates")
-    elif sys.argv[1:] == ["nf4"]:
-        print("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes")
-    elif sys.argv[1:] == ["stochastic_saturates"]:
-        print("checked", check_quantize_t_stochastic_saturates("cpu"), "saturating stochastic quantizations")
+    if sys.argv[1:] == ["serve"]:
+        serve()
     else:
-        print("checked", check_int8_scaled_mm("cpu"), "matmuls,", check_int8_scaled_mm_addend("cpu"),
-              "with an addend and", check_quantize_t("cpu"), "quantizations")
+        print(*MODES[sys.argv[1] if sys.argv[1:] else "default"]())

@@ -3,7 +3,18 @@ import sys
 import warnings
 
 import pytest
-import torch
+
+# One intra-op thread per process, this one and the subprocesses it starts (they inherit the variable): the suite's
+# models and kernels are tiny, and on a 2-core machine two OpenMP threads per process spin against each other and
+# against whatever else runs (a subprocess, a second pytest worker). Set OMP_NUM_THREADS to choose another count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor compiles its C++ kernels in this process, not in a pool of compile workers (one per core, each importing
+# torch again in every process that compiles): on 2 cores already shared by 2 pytest workers the pool only adds
+# work. Set TORCHINDUCTOR_COMPILE_THREADS to choose another count.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 warnings.filterwarnings("ignore", message=".*register_constant.*")
@@ -84,6 +95,45 @@ def saved_bytes(fn, free=()):
 def snr_db(ref: torch.Tensor, actual: torch.Tensor) -> float:
     ref, actual = ref.double(), actual.double()
     return (20 * torch.log10(ref.norm() / (ref - actual).norm())).item()
+
+
+def run_root(tmp_path_factory):
+    """A directory of this test run that every pytest-xdist worker sees (their basetemps' parent; basetemp itself
+    without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once_per_run(tmp_path_factory, name: str, compute):
+    """``compute()`` (JSON data) computed once per test run and shared by the pytest-xdist workers: the first to
+    ask computes it under a file lock and writes it into :func:`run_root`, the others wait and read it."""
+    import json
+
+    from filelock import FileLock
+
+    path = run_root(tmp_path_factory) / f"{name}.json"
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            return json.loads(path.read_text())
+        data = compute()
+        path.write_text(json.dumps(data))
+        return data
+
+
+@pytest.fixture(scope="session")
+def sft_help(tmp_path_factory):
+    """``scripts/sft.py --help`` in a fresh process (a quiet start shows only there), run once for the tests that
+    read it (test_sft.py, test_cli_errors.py): ``returncode``, ``stdout``, ``stderr``."""
+    import subprocess
+    from types import SimpleNamespace
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "sft.py")
+
+    def run():
+        proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=300)
+        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+    return SimpleNamespace(**once_per_run(tmp_path_factory, "sft_help", run))
 
 
 def pytest_configure(config):

@@ -74,8 +74,8 @@ def test_data_mistakes_name_file_and_line_before_the_model_loads(capsys, tmp_pat
     assert f"--model_name_or_path {tokenizer_only_dir!r}: no model could be loaded" in err
 
 
-def test_help_is_short_honest_and_quiet():
-    proc = subprocess.run([sys.executable, SFT, "--help"], capture_output=True, text=True, timeout=300)
+def test_help_is_short_honest_and_quiet(sft_help):
+    proc = sft_help
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert len(out.splitlines()) < 360  # 356 with lowbit_dual_grad_quant and lowbit_save_x_codes

@@ -28,6 +28,7 @@ import sys
 
 import pytest
 import torch
+from conftest import once_per_run, run_root
 from safetensors.torch import load_file
 
 from hf_lowbit.cli.sft import main
@@ -70,9 +71,6 @@ RUN = ["--max_steps", str(STEPS), "--logging_steps", "1", "--block_size", "32", 
        "--warmup_steps", "0", "--report_to", "none", "--disable_tqdm", "True", "--seed", "0"]
 
 
-_LOSSES: dict[str, dict[str, list[float]]] = {}
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,15 +85,19 @@ def _losses(output_dir) -> tuple[dict, list[float]]:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """Losses of each recipe in one process with the whole global batch."""
-    out = {}
-    for recipe, flags in RECIPES.items():
-        d = tmp_path_factory.mktemp(f"one-{recipe}")
-        metrics = main(RUN + flags + ["--per_device_train_batch_size", str(GLOBAL_BATCH), "--save_strategy", "no",
-                                      "--output_dir", str(d)])
-        assert metrics["num_processes"] == 1
-        out[recipe] = metrics["train_losses"]
-    return out
+    """Losses of each recipe in one process with the whole global batch (once per test run, whichever pytest-xdist
+    workers run the configs)."""
+    def compute():
+        out = {}
+        for recipe, flags in RECIPES.items():
+            d = tmp_path_factory.mktemp(f"one-{recipe}")
+            metrics = main(RUN + flags + ["--per_device_train_batch_size", str(GLOBAL_BATCH), "--save_strategy", "no",
+                                          "--output_dir", str(d)])
+            assert metrics["num_processes"] == 1
+            out[recipe] = metrics["train_losses"]
+        return out
+
+    return once_per_run(tmp_path_factory, "distributed_one_process", compute)
 
 
 def test_lowbit_linear_under_fully_shard():
@@ -184,7 +186,7 @@ def _run_script(name: str, marker: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [c if c in ("ddp", "fsdp2") else pytest.param(c, marks=NEEDS_DEEPSPEED)
                                     for c in CONFIGS])
-def test_two_processes_match_one_and_resume(config, one_process, tmp_path):
+def test_two_processes_match_one_and_resume(config, one_process, tmp_path, tmp_path_factory):
     proc = _launch(config, tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     run_losses = {}
@@ -224,8 +226,13 @@ def test_two_processes_match_one_and_resume(config, one_process, tmp_path):
 
     # FSDP2 and ZeRO-2 compute on each rank what DDP does: with the configs that ran in this session, step-1
     # losses agree as float32 sums in two orders do. Later steps: see the module docstring (no tighter bound holds).
-    _LOSSES[config] = run_losses
-    for other, losses in _LOSSES.items():
+    # Each config's losses go into a file of this test run, so the configs compare wherever pytest-xdist ran them.
+    shared = run_root(tmp_path_factory)
+    written = shared / f".distributed-losses-{config}.json.tmp"
+    written.write_text(json.dumps(run_losses))
+    os.replace(written, shared / f"distributed-losses-{config}.json")
+    for path in shared.glob("distributed-losses-*.json"):
+        other, losses = path.name[len("distributed-losses-"):-len(".json")], json.loads(path.read_text())
         for recipe in RECIPES:
             assert abs(losses[recipe][0] - run_losses[recipe][0]) <= STEP1_ATOL, (recipe, other, config)
 

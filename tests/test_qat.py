@@ -308,7 +308,8 @@ def _eval_qat_script(monkeypatch):
     from benchmarks import corpus
 
     topics = pydoc_data.topics.topics
-    monkeypatch.setattr(corpus, "python_docs_corpus", lambda packages=(): [topics[k] for k in sorted(topics)])
+    monkeypatch.setattr(corpus, "python_docs_corpus",
+                        lambda packages=(), max_docs=0: [topics[k] for k in sorted(topics)][:max_docs or None])
     return script
 
 

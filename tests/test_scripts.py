@@ -58,16 +58,26 @@ def test_benchmark_regimes_trainer_path_smoke_on_cpu(tmp_path):
     assert abs(records[2]["first_loss"] - records[0]["first_loss"]) < 0.05
 
 
+def _train_main_refuses(argv: list[str], message: str) -> None:
+    """benchmark_train.py's main() on ``argv`` stops with ``message`` before starting any recipe process; in process
+    (the script itself runs in test_benchmark_train_*_smoke_on_cpu; a subprocess only to see an argument refused
+    spent ~8 s importing)."""
+    from unittest import mock
+
+    from benchmarks import benchmark_train
+
+    with mock.patch.object(sys, "argv", ["benchmark_train.py", *argv]), \
+            mock.patch.object(benchmark_train, "run_worker", side_effect=AssertionError("a recipe process started")), \
+            pytest.raises(SystemExit, match=message):
+        benchmark_train.main()
+
+
 def test_benchmark_train_liger_is_for_the_trainer_path():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu",
-                           "--liger", "both"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode != 0 and "--liger: the trainer path only" in proc.stderr
+    _train_main_refuses(["--device", "cpu", "--liger", "both"], "--liger: the trainer path only")
 
 
 def test_benchmark_train_rejects_unknown_recipe():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu",
-                           "--recipes", "int4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode != 0 and "unknown recipe 'int4'" in proc.stderr
+    _train_main_refuses(["--device", "cpu", "--recipes", "int4"], "unknown recipe 'int4'")
 
 
 def test_benchmark_quality_smoke_on_cpu(tmp_path):
@@ -99,10 +109,19 @@ def test_benchmark_quality_parallel_with_packages_on_cpu(tmp_path):
     assert [r["recipe"] for r in data["rows"]] == ["bf16", "int8"]
     assert list(data["meta"]["corpus"]["packages"]) == ["typing_extensions"]
     assert all(len(r["losses"]) == 3 for r in data["rows"]) and "[int8] step 3/3" in proc.stdout
-    bad = subprocess.run(cmd[:-2] + ["--corpus_packages", "no_such_package_hf_lowbit"], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
-    assert bad.returncode != 0 and "--corpus_packages: package 'no_such_package_hf_lowbit' is not installed" in bad.stderr
-    assert bad.stderr.count("--corpus_packages:") == 1  # said once: no child was started to say it again
+    # the same command with a package that is not installed, in process (a subprocess spent ~10 s importing): it
+    # stops before starting any child
+    import importlib.util
+    from unittest import mock
+
+    spec = importlib.util.spec_from_file_location("benchmark_quality", cmd[1])
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = [os.path.basename(cmd[1]), *cmd[2:-2], "--corpus_packages", "no_such_package_hf_lowbit"]
+    with mock.patch.object(sys, "argv", argv), \
+            mock.patch("subprocess.Popen", side_effect=AssertionError("a child was started")), \
+            pytest.raises(SystemExit, match="--corpus_packages: package 'no_such_package_hf_lowbit' is not installed"):
+        bench.main()
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +133,14 @@ def stdlib_corpus():
 
 
 def test_python_docs_corpus_is_real_prose(stdlib_corpus):
+    from benchmarks.corpus import python_docs_corpus
+
     docs = stdlib_corpus
     assert len(docs) > 1000 and sum(map(len, docs)) > 1_000_000
     assert any("division" in d.lower() for d in docs) and all(len(d) >= 200 for d in docs[100:])
+    # max_docs (--max_docs of the benchmarks): the same first documents, without parsing the files after them
+    for n in (40, 300):
+        assert python_docs_corpus(max_docs=n) == docs[:n]
 
 
 def test_python_docs_corpus_packages(stdlib_corpus):
@@ -228,14 +252,16 @@ def test_benchmark_mm_smoke_on_cpu(tmp_path):
 def test_benchmark_mm_quant_sweep_refuses_without_cuda(tmp_path):
     """--quant_sweep needs a GPU: without one it says so and writes nothing (its code path on the CPU interpreter:
     test_triton_int8.py::test_quant_sweep_candidates_interpreted)."""
-    import torch
+    from unittest import mock
 
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is here")
-    out = tmp_path / "sweep.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_mm.py"), "--quant_sweep", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr and not out.exists()
+    from benchmarks import benchmark_mm
+
+    out = tmp_path / "sweep.json"  # in process, as test_benchmark_mm_dual_refuses_without_cuda
+    argv = ["benchmark_mm.py", "--quant_sweep", "--json", str(out)]
+    with mock.patch.object(sys, "argv", argv), mock.patch("torch.cuda.is_available", return_value=False), \
+            pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        benchmark_mm.main()
+    assert not out.exists()
 
 
 def test_benchmark_mm_dual_refuses_without_cuda(tmp_path):

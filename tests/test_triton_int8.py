@@ -3,13 +3,18 @@ on CUDA."""
 
 import functools
 import os
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 
 import pytest
 
 pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+END = "@@ end of mode:"  # the line _triton_checks.serve() prints after each mode (_triton_checks.END)
 
 
 # A kernel that uses nothing of ours: if the interpreter cannot run it, the Triton/numpy pair is broken
@@ -49,33 +54,119 @@ def _interpreter_broken() -> str:
             f"{numpy.__version__}: {probe.stderr.strip().splitlines()[-1:]}")
 
 
-def run_interpreted(*args: str) -> str:
-    """``tests/_triton_checks.py *args`` under TRITON_INTERPRET=1; its stdout. Skips where Triton's CPU
-    interpreter does not run (probed with a kernel of its own, not by version numbers)."""
+class _Checks:
+    """``tests/_triton_checks.py serve`` under TRITON_INTERPRET=1: one process for this pytest process's
+    interpreted checks, run one after another (each fresh process spent ~10 s importing torch, transformers and
+    Triton, and Triton its first-call work, before a check of a few seconds). Started on first use; its stdin
+    closes, and it exits, with this process."""
+
+    proc = None
+    lines: "queue.Queue[str | None]"
+    stderr = None
+
+    @staticmethod
+    def _read(stdout, lines) -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put(None)
+
+    @classmethod
+    def run(cls, mode: str, timeout: float) -> tuple[bool, str]:
+        """``mode``'s output and whether it passed; a time-out or a dead process fails it (and the next mode
+        starts a new process)."""
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - the checks process's stderr, kept with it
+            cls.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "_triton_checks.py"), "serve"],
+                                        env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=cls.stderr, text=True)
+            cls.lines = queue.Queue()
+            threading.Thread(target=cls._read, args=(cls.proc.stdout, cls.lines), daemon=True).start()
+        cls.proc.stdin.write(mode + "\n")
+        cls.proc.stdin.flush()
+        out, deadline = [], time.monotonic() + timeout
+        while True:
+            try:
+                line = cls.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                cls.proc.kill()
+                line = f"timed out after {timeout} s"
+            if line is None or line.startswith("timed out"):  # the process died, or was killed
+                cls.stderr.seek(0)
+                return False, "".join(out) + f"{line or ''}\nexit status {cls.proc.wait()}\n" + cls.stderr.read()[-3000:]
+            if line.startswith(END):
+                return line.split()[-1] == "ok", "".join(out)
+            out.append(line)
+
+
+def run_interpreted(mode: str = "default") -> str:
+    """``tests/_triton_checks.py``'s ``mode`` under TRITON_INTERPRET=1 (in this pytest process's checks process);
+    its output. Skips where Triton's CPU interpreter does not run (probed with a kernel of its own, not by version
+    numbers)."""
     if _interpreter_broken():
         pytest.skip(_interpreter_broken())
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_triton_checks.py"), *args], env=_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    ok, out = _Checks.run(mode, timeout=600)
+    assert ok, out[-6000:]
+    return out
 
 
 def test_triton_int8_scaled_mm_interpreted():
     assert "checked 24 matmuls, 24 with an addend and 60 quantizations" in run_interpreted()
 
 
+# one test per case (a shape and layout; with the addend, a shape and rank): each autotunes its own kernels (the
+# slowest CUDA tests as one: 188 s and 345 s on the H200, session 9), so pytest-xdist workers (the cuda_tests stage)
+# share them out; two checks a case, float32 and bf16 outputs (the same autotuning key)
+N_INT8_MM_CASES = 20  # 5 shapes x a, b transposed or not
+N_INT8_MM_ADDEND_CASES = 12  # 3 shapes x 4 ranks
+
+
 @pytest.mark.cuda
-def test_triton_int8_scaled_mm_cuda():
-    from _triton_checks import check_int8_scaled_mm
+@pytest.mark.parametrize("i", range(N_INT8_MM_CASES))
+def test_triton_int8_scaled_mm_cuda(i):
+    from _triton_checks import check_int8_scaled_mm, int8_scaled_mm_cases
 
-    assert check_int8_scaled_mm("cuda") > 0
+    assert len(int8_scaled_mm_cases("cuda")) == N_INT8_MM_CASES
+    assert check_int8_scaled_mm("cuda", [i]) == 2, int8_scaled_mm_cases("cuda")[i]
 
 
 @pytest.mark.cuda
-def test_triton_int8_scaled_mm_addend_cuda():
-    from _triton_checks import check_int8_scaled_mm_addend
+@pytest.mark.parametrize("i", range(N_INT8_MM_ADDEND_CASES))
+def test_triton_int8_scaled_mm_addend_cuda(i):
+    from _triton_checks import check_int8_scaled_mm_addend, int8_scaled_mm_addend_cases
 
-    assert check_int8_scaled_mm_addend("cuda") > 0
+    assert len(int8_scaled_mm_addend_cases("cuda")) == N_INT8_MM_ADDEND_CASES
+    assert check_int8_scaled_mm_addend("cuda", [i]) == 2, int8_scaled_mm_addend_cases("cuda")[i]
+
+
+def test_int8_scaled_mm_cases_one_at_a_time_check_the_whole_run(monkeypatch):
+    """The split of the two CUDA matmul checks, on the CPU's cases: each case alone makes its two checks on the
+    operands the whole run gives it (the kernel replaced by the CPU op, allocating its output as the kernel does,
+    and recording what it gets)."""
+    import _triton_checks as tc
+    import torch
+
+    from hf_lowbit.kernels.int8 import int8_scaled_mm
+
+    calls = []
+
+    def kernel(a, b, sa, sb, dtype, c=None, d=None):
+        calls.append([t.clone() for t in (a, b, sa, sb, c, d) if t is not None])
+        return torch.empty(a.shape[0], b.shape[0], dtype=dtype).copy_(int8_scaled_mm(a, b, sa, sb, dtype, c, d))
+
+    monkeypatch.setattr(tc, "int8_scaled_mm_triton", kernel)
+    for check, cases in ((tc.check_int8_scaled_mm, tc.int8_scaled_mm_cases("cpu")),
+                         (tc.check_int8_scaled_mm_addend, tc.int8_scaled_mm_addend_cases("cpu"))):
+        calls.clear()
+        torch.manual_seed(0)
+        assert check("cpu") == 2 * len(cases)
+        whole = list(calls)
+        for i in range(len(cases)):
+            calls.clear()
+            torch.manual_seed(0)
+            assert check("cpu", [i]) == 2
+            assert len(calls) == 2 and all(
+                len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+                for x, y in zip(calls, whole[2 * i:2 * i + 2])), cases[i]
 
 
 # one test per variant: each compiles its own kernels (minutes over all of them on the device's CPU), so pytest-xdist
