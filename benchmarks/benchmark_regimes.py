@@ -27,6 +27,10 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
 * ``layers_b8_xcodes``, ``trainer_b8_xcodes`` (issue 25's memory target): int8 and fp8 beside ``int8_xcodes`` /
   ``fp8_xcodes`` (``lowbit_save_x_codes``: each linear keeps X's weight-gradient codes, made in the forward, instead
   of X), peak memory and speed at 8x2048 in the same run;
+* ``layers_b8_recompute``, ``trainer_b8_recompute`` (issue 25's memory target): bf16, int8, fp8 beside ``bf16_recompute``,
+  ``int8_recompute``, ``fp8_recompute`` (Inductor's partitioner free to recompute activations the backward materializes:
+  ``torch._functorch.config.ban_recompute_materialized_backward = False``; bf16 with it too, so what it gives apart from
+  the low-bit compute shows), peak memory and speed at 8x2048 in the same run;
 * ``trainer_b1_ga8_liger``, ``trainer_b1_ga8_liger_fp8``, ``trainer_b8_liger``: the Trainer path with each
   recipe run without and then with ``use_liger_kernel=True`` (``liger`` in the records; ``vs_bf16`` is to bf16
   without Liger, ``vs_no_liger`` to the same recipe without it): what Liger's kernels (norms, SwiGLU, RoPE,
@@ -63,6 +67,7 @@ FULL = "bf16,int8,fp8,torchao_float8"
 QLORA = "lora_bf16,lora_nf4_int8,lora_int8_int8,lora_bnb_nf4"  # LoRA r16 on every decoder linear
 DUAL = "bf16,int8,int8_dual,fp8,fp8_dual"  # each format's backward with dY quantized apart (today) and by one op
 XCODES = "bf16,int8,int8_xcodes,fp8,fp8_xcodes"  # each format keeping X (today) and X's weight-gradient codes
+RECOMPUTE = "bf16,bf16_recompute,int8,int8_recompute,fp8_recompute"  # the partitioner's bans as they are, and relaxed
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -87,6 +92,10 @@ BLOCKS = {
     # issue 25: lowbit_save_x_codes (int8_xcodes, fp8_xcodes) against keeping X: peak memory at 8x2048
     "layers_b8_xcodes": ("layers", 8, 1, "default", XCODES, []),
     "trainer_b8_xcodes": ("trainer", 8, 1, "default", XCODES, []),
+    # issue 25: the partitioner free to recompute what the backward materializes (the linears' normed and SwiGLU
+    # inputs): peak memory and speed at 8x2048 against the default partition, bf16 with the same setting beside
+    "layers_b8_recompute": ("layers", 8, 1, "default", RECOMPUTE, []),
+    "trainer_b8_recompute": ("trainer", 8, 1, "default", RECOMPUTE, []),
     # + a kernel profile of two more Trainer steps (where the Trainer path trails the layers path)
     "trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "bf16,int8,fp8", ["--profile"]),
     # + bf16 through LowBitTrainer without a low-bit recipe (bf16_lbt): its loop's gain apart from the low-bit one

@@ -101,9 +101,16 @@ CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
 # one op (hf_lowbit::quantize_dual); X's weight-gradient codes made in the forward and kept instead of X
 SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
                    for suffix, field in (("dual", "dual_grad_quant"), ("xcodes", "save_x_codes"))}
-OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt")  # full fine-tunes, LowBitTrainer
+# bf16 / INT8 / FP8 with Inductor's partitioner free to recompute, in the backward, activations that a matmul or a
+# Triton kernel reads there (torch._functorch.config.ban_recompute_materialized_backward = False, set for the whole
+# process before anything compiles: apply_partitioner_setting): what is kept for the backward then is the layer's input
+# and what attention and SwiGLU need, not the linears' normed / SwiGLU inputs (issue 25's memory target;
+# benchmarks/activation_memory_probe.py). bf16_recompute is the stock bf16 recipe (Trainer) with the same setting
+RECOMPUTE_VARIANTS = {f"{base}_recompute": base for base in ("bf16", "int8", "fp8")}
+OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt", "int8_recompute",
+        "fp8_recompute")  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS)
-                + ("bf16_lbt",))  # compared with bf16
+                + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS))  # compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
 # INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
@@ -186,7 +193,8 @@ def _bnb_nf4_lora(model, r: int):
 
 def mixed_precision_args(recipe: str) -> dict:
     """The ``LowBitTrainingArguments`` fields of our INT8/FP8 recipe ``recipe`` (``int8``, ``fp8``, INT8_VARIANTS,
-    CACHE_VARIANTS, SWITCH_VARIANTS)."""
+    CACHE_VARIANTS, SWITCH_VARIANTS, RECOMPUTE_VARIANTS)."""
+    recipe = RECOMPUTE_VARIANTS.get(recipe, recipe)
     if recipe in INT8_VARIANTS:
         return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
     if recipe in CACHE_VARIANTS:
@@ -214,13 +222,27 @@ def apply_lora_recipe(model, recipe: str, min_features: int, r: int):
         return prepare_model(model, args, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
 
 
+def apply_partitioner_setting(recipe: str) -> bool:
+    """For a RECOMPUTE_VARIANTS recipe, let Inductor's partitioner recompute activations that the backward
+    materializes (``torch._functorch.config.ban_recompute_materialized_backward = False``, process-wide: call it
+    before anything compiles; each recipe runs in its own process); return whether the recipe is one."""
+    if recipe not in RECOMPUTE_VARIANTS:
+        return False
+    import torch._functorch.config as functorch_config
+
+    functorch_config.ban_recompute_materialized_backward = False
+    return True
+
+
 def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = False):
     """Swap the model's decoder linears for ``recipe`` (LM head and embeddings always stay bf16);
     ``weight_cache``: our INT8/FP8 layers quantize each weight once per optimizer step (with gradient
-    accumulation), as ``LowBitTrainer`` does by default then."""
+    accumulation), as ``LowBitTrainer`` does by default then. RECOMPUTE_VARIANTS swap as their base recipe (the
+    partitioner setting is :func:`apply_partitioner_setting`'s)."""
     import torch
     from torch import nn
 
+    recipe = RECOMPUTE_VARIANTS.get(recipe, recipe)
     if recipe == "bf16":
         return
     if recipe in OURS:
@@ -267,6 +289,13 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
     import torch.nn.functional as F
     from torch import nn
 
+    if recipe in RECOMPUTE_VARIANTS:
+        import torch._functorch.config as functorch_config
+
+        if functorch_config.ban_recompute_materialized_backward:
+            raise RuntimeError(f"recipe {recipe!r} is not active: the partitioner still bans recomputing materialized "
+                               "activations (apply_partitioner_setting was not called)")
+        recipe = RECOMPUTE_VARIANTS[recipe]
     if recipe == "bf16":
         return
     if recipe in LORA_RECIPES:
@@ -303,10 +332,11 @@ def build_model(a, device: str, weight_cache: bool = False):
         from hf_lowbit import LoraLinear
 
         LoraLinear.fuse_into_base = False
+    apply_partitioner_setting(a.recipe)  # before anything compiles (the Trainer path's model too)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(llama_config(a), dtype=torch.bfloat16, attn_implementation="sdpa")
-    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", *OURS, *OURS_LORA):
+    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", "bf16_recompute", *OURS, *OURS_LORA):
         return model  # the Trainer path: LowBitTrainer swaps and wraps (stock Trainer for bf16)
     if getattr(a, "path", "layers") == "trainer" and a.recipe == "lora_bf16":
         from peft import LoraConfig, get_peft_model  # what a stock Trainer user runs: PEFT's own LoRA
@@ -365,7 +395,7 @@ def recipe_args(recipe: str) -> dict:
     LoRA over our bases); ``bf16`` and ``lora_bf16`` have none."""
     if recipe in _LORA_ARGS:
         return dict(_LORA_ARGS[recipe])
-    return {} if recipe in ("bf16", "bf16_lbt") else mixed_precision_args(recipe)
+    return {} if recipe in ("bf16", "bf16_lbt", "bf16_recompute") else mixed_precision_args(recipe)
 
 
 # -------------------------------------------------------------------------------------- a training step, timed

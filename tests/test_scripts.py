@@ -237,6 +237,39 @@ def test_benchmark_switch_recipes_on_both_paths(tmp_path, suffix, field):
         name: (*shape, "default", recipes) for name, shape in blocks.items()}
 
 
+def test_benchmark_recompute_recipes_on_both_paths(tmp_path, monkeypatch):
+    """bf16_recompute / int8_recompute / fp8_recompute (issue 25): their base recipe's swap and arguments (bf16 through
+    the stock Trainer), with the partitioner's ban on recomputing materialized activations lifted by build_model before
+    anything compiles (refused as not active without it); the regimes blocks that compare them."""
+    import torch._functorch.config as functorch_config
+    from conftest import tiny_model
+
+    from benchmarks import driver as bench
+    from benchmarks.benchmark_regimes import BLOCKS
+
+    monkeypatch.setattr(functorch_config, "ban_recompute_materialized_backward", True)  # restored after the test
+    model = tiny_model().bfloat16()
+    bench.apply_recipe(model, "int8_recompute", min_features=16)
+    with pytest.raises(RuntimeError, match="not active: the partitioner"):
+        bench.check_recipe_active(model, "int8_recompute", "cpu")
+    assert not bench.apply_partitioner_setting("int8") and functorch_config.ban_recompute_materialized_backward
+    assert bench.apply_partitioner_setting("int8_recompute") and not functorch_config.ban_recompute_materialized_backward
+    bench.check_recipe_active(model, "int8_recompute", "cpu")
+    for recipe, base in (("bf16_recompute", "bf16"), ("int8_recompute", "int8"), ("fp8_recompute", "fp8")):
+        assert recipe in bench.FULL_RECIPES and (recipe in bench.OURS) is (base in bench.OURS)
+        assert bench.recipe_args(recipe) == bench.recipe_args(base)
+        swapped = []
+        for name in (recipe, base):
+            model = tiny_model().bfloat16()
+            bench.apply_recipe(model, name, min_features=16)
+            bench.check_recipe_active(model, name, "cpu")
+            swapped.append([type(m).__name__ for m in model.modules()])
+        assert swapped[0] == swapped[1], recipe
+    recipes = "bf16,bf16_recompute,int8,int8_recompute,fp8_recompute"
+    assert BLOCKS["layers_b8_recompute"][:5] == ("layers", 8, 1, "default", recipes)
+    assert BLOCKS["trainer_b8_recompute"][:5] == ("trainer", 8, 1, "default", recipes)
+
+
 def test_benchmark_mm_smoke_on_cpu(tmp_path):
     out = tmp_path / "mm.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_mm.py"), "--device", "cpu", "--tokens", "32",
