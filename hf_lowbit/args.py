@@ -77,7 +77,8 @@ class LowBitArgumentsMixin:
     lowbit_dual_grad_quant: bool | None = field(default=None, metadata={"help": (
         "INT8/FP8: dY quantized for dX and dW by one op, same bits; slower on the H200 (docs/usage.md). Unset: off.")})
     lowbit_save_x_codes: bool | None = field(default=None, metadata={"help": (
-        "INT8/FP8: linears keep their input's weight-gradient codes (1 byte, same bits), not the input. Unset: off.")})
+        "INT8/FP8: linears keep their input's weight-gradient codes (1 byte, same bits), not the input; eager "
+        "only (compiled, the partitioner already decides; docs/usage.md). Unset: off.")})
     lowbit_cuda_graphs: bool | None = field(default=None, metadata={"help": (
         "Compile with CUDA graphs (torch_compile_mode='reduce-overhead'): at 1-2k-token micro-batches the "
         "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 compute (full "

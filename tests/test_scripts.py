@@ -270,6 +270,26 @@ def test_benchmark_recompute_recipes_on_both_paths(tmp_path, monkeypatch):
     assert BLOCKS["trainer_b8_recompute"][:5] == ("trainer", 8, 1, "default", recipes)
 
 
+def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path):
+    """benchmarks/activation_memory_probe.py --mode partition (a tiny layer): compiled, lowbit_save_x_codes keeps the same
+    tensors as INT8 without it (the partitioner places X's codes), down_proj's input among them as codes; with the
+    CUDA graph's Triton ops where triton imports (a stand-in target), else opaque custom ops."""
+    import importlib.util
+
+    kernels = "cuda" if importlib.util.find_spec("triton") else "opaque"
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "activation_memory_probe.py"), "--mode", "partition",
+           "--kernels", kernels, "--recipes", "int8,int8_xcodes", "--hidden", "64", "--intermediate", "128", "--heads",
+           "4", "--kv_heads", "2", "--batch", "2", "--seq", "32", "--min_features", "16", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert all("error" not in r for r in rows), rows
+    kept = [sorted((tuple(t["shape"]), t["dtype"]) for t in r["rows"] if not t["param"]) for r in rows]
+    assert kept[0] == kept[1] and rows[0]["saved_bytes_per_token"] == rows[1]["saved_bytes_per_token"]
+    assert ((128, 64), "int8") in kept[0], kept[0]  # down_proj's input [64 tokens, 128] kept as its column codes
+
+
 def test_benchmark_mm_smoke_on_cpu(tmp_path):
     out = tmp_path / "mm.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_mm.py"), "--device", "cpu", "--tokens", "32",
