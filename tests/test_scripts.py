@@ -237,7 +237,7 @@ def test_benchmark_switch_recipes_on_both_paths(tmp_path, suffix, field):
         name: (*shape, "default", recipes) for name, shape in blocks.items()}
 
 
-def test_benchmark_recompute_recipes_on_both_paths(tmp_path, monkeypatch):
+def test_benchmark_recompute_recipes_on_both_paths():
     """bf16_recompute / int8_recompute / fp8_recompute (issue 25): their base recipe's swap and arguments (bf16 through
     the stock Trainer), with the partitioner's ban on recomputing materialized activations lifted by build_model before
     anything compiles (refused as not active without it); the regimes blocks that compare them."""
@@ -247,7 +247,17 @@ def test_benchmark_recompute_recipes_on_both_paths(tmp_path, monkeypatch):
     from benchmarks import driver as bench
     from benchmarks.benchmark_regimes import BLOCKS
 
-    monkeypatch.setattr(functorch_config, "ban_recompute_materialized_backward", True)  # restored after the test
+    # torch's own patch, not monkeypatch: pytest 9's monkeypatch undoes a config-module attribute with delattr, which
+    # hides the entry and breaks every later compile in this process ("... does not exist")
+    with functorch_config.patch(ban_recompute_materialized_backward=True):
+        _check_recompute_recipes(bench, functorch_config, tiny_model)
+    assert functorch_config.ban_recompute_materialized_backward  # the default is back, the entry still readable
+    recipes = "bf16,bf16_recompute,int8,int8_recompute,fp8_recompute"
+    assert BLOCKS["layers_b8_recompute"][:5] == ("layers", 8, 1, "default", recipes)
+    assert BLOCKS["trainer_b8_recompute"][:5] == ("trainer", 8, 1, "default", recipes)
+
+
+def _check_recompute_recipes(bench, functorch_config, tiny_model):
     model = tiny_model().bfloat16()
     bench.apply_recipe(model, "int8_recompute", min_features=16)
     with pytest.raises(RuntimeError, match="not active: the partitioner"):
@@ -265,9 +275,6 @@ def test_benchmark_recompute_recipes_on_both_paths(tmp_path, monkeypatch):
             bench.check_recipe_active(model, name, "cpu")
             swapped.append([type(m).__name__ for m in model.modules()])
         assert swapped[0] == swapped[1], recipe
-    recipes = "bf16,bf16_recompute,int8,int8_recompute,fp8_recompute"
-    assert BLOCKS["layers_b8_recompute"][:5] == ("layers", 8, 1, "default", recipes)
-    assert BLOCKS["trainer_b8_recompute"][:5] == ("trainer", 8, 1, "default", recipes)
 
 
 def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path):
