@@ -97,6 +97,7 @@ def use_kernels(kind: str) -> None:
             return int8_scaled_mm_triton(a, b, sa, sb, out_dtype)
 
         formats = ("int8",)  # FP8 on CUDA is aten._scaled_mm; here its CPU custom op, opaque too
+        K.shares_codes = lambda x: True  # X's column codes through hf_lowbit::quantize_t_shared, as on CUDA
     else:
         rows = 256  # row chunks: no full-size float32 temporaries (the GPU kernels have none)
 
@@ -157,6 +158,27 @@ class _Partitioned(Exception):
     pass
 
 
+def quantize_calls(graph) -> dict:
+    """How many column quantizations a graph makes: opaque ``quantize_t*`` ops by name, traced Triton launches by
+    kernel (``_quantize_t_kernel``: one per ``quantize_t`` call)."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    counts = {}
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = str(n.target)
+        if "triton_kernel_wrapper" in name:
+            kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+            name = getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
+            if name != "_quantize_t_kernel":
+                continue
+        elif "quantize_t" not in name:
+            continue
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def partition_worker(a) -> dict:
     """One layer's saved-for-backward tensors: name, shape, dtype, bytes, the forward op that makes it."""
     import torch
@@ -180,6 +202,7 @@ def partition_worker(a) -> dict:
                 rows.append({"name": n.name, "shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""),
                              "bytes": v.numel() * v.element_size(), "op": op})
         found["rows"] = rows
+        found["quantize_calls"] = {"forward": quantize_calls(fw.graph), "backward": quantize_calls(bw.graph)}
         raise _Partitioned  # nothing compiled or run beyond this
 
     cfx.min_cut_rematerialization_partition = partition
@@ -196,7 +219,8 @@ def partition_worker(a) -> dict:
         r["param"] = r["op"] == "input" and tuple(r["shape"]) in params
     saved = sum(r["bytes"] for r in rows if not r["param"])
     return {"recipe": a.recipe, "mode": "partition", "kernels": a.kernels, "tokens": a.batch * a.seq,
-            "saved_gib": saved / GIB, "saved_bytes_per_token": saved / (a.batch * a.seq), "rows": rows}
+            "saved_gib": saved / GIB, "saved_bytes_per_token": saved / (a.batch * a.seq), "rows": rows,
+            "quantize_calls": found["quantize_calls"]}
 
 
 def timeline_worker(a) -> dict:
@@ -302,6 +326,7 @@ def main():
                 if not r["param"]:
                     print(f"    {r['name']:16s} {str(tuple(r['shape'])):22s} {r['dtype']:9s} "
                           f"{r['bytes'] / 2 ** 20:8.1f} MiB  {r['op']}")
+            print(f"    column quantizations: {row['quantize_calls']}")
         else:
             print(f"{recipe}: peak {row['peak_gib']:.3f} GiB ({row['peak_phase']}, {row['peak_ops'][:1]}), after the "
                   f"forward {row['after_forward_gib']:.3f}, parameters + optimizer states {row['static_gib']:.3f}",

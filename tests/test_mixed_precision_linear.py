@@ -289,3 +289,65 @@ def test_save_x_codes_keeps_x_where_it_cannot_apply(case):
 def test_save_x_codes_refuses_stochastic_rounding():
     with pytest.raises(ValueError, match="save_x_codes=True with stochastic_rounding=True"):
         MixedPrecisionConfig(save_x_codes=True, stochastic_rounding=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantize_t_shared_op_is_quantize_t(fmt):
+    """hf_lowbit::quantize_t_shared (the opaque op sibling layers' X goes through on CUDA): registered correctly
+    (schema, fake tensors, no aliasing: torch.library.opcheck) and the bits of quantize_t."""
+    from hf_lowbit.kernels import quantize_t, quantize_t_shared
+
+    x = torch.randn(48, 80, dtype=torch.bfloat16)
+    torch.library.opcheck(quantize_t_shared, (x, fmt))
+    for a, b in zip(quantize_t_shared(x, fmt), quantize_t(x, fmt)):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def _sibling_grads(fmt, device, compile, shares=None, monkeypatch=None):
+    """q/k/v-like siblings (three linears on one input), summed: output and every gradient."""
+    import hf_lowbit.kernels as K
+
+    if shares is not None:
+        monkeypatch.setattr(K, "shares_codes", lambda x: shares)
+    torch.manual_seed(0)
+    lins = nn.ModuleList(LowBitLinear(64, n, bias=False, device=device, dtype=torch.bfloat16,
+                                      config=MixedPrecisionConfig(format=fmt)) for n in (64, 32, 32))
+
+    def fn(x):
+        return torch.cat([lin(x) for lin in lins], -1)
+
+    x = torch.randn(3, 40, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = (torch.compile(fn) if compile else fn)(x)
+    y.backward(torch.randn(y.shape, generator=torch.Generator(device).manual_seed(1), device=device).to(y.dtype))
+    return [y, x.grad] + [lin.weight.grad for lin in lins]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_siblings_share_x_codes_compiled_same_gradients(fmt, monkeypatch):
+    """Compiled, siblings quantize their shared input once through the opaque op (forced here on the CPU, where it
+    runs the reference) with the gradients of the compiled per-layer path, and no graph break. (Against eager, dX
+    differs in rounding: Inductor adds the three siblings' input gradients in float32.)"""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    ref = _sibling_grads(fmt, "cpu", compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    got = _sibling_grads(fmt, "cpu", compile=True, shares=True, monkeypatch=monkeypatch)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for name, a, b in zip(("Y", "dX", "dWq", "dWk", "dWv"), ref, got):
+        assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_siblings_share_x_codes_cuda(fmt, monkeypatch):
+    """On the GPU, where X's column codes go through hf_lowbit::quantize_t_shared: compiled siblings get the
+    gradients of the per-layer quantize_t path bit for bit."""
+    torch._dynamo.reset()
+    ref = _sibling_grads(fmt, "cuda", compile=True, shares=False, monkeypatch=monkeypatch)
+    torch._dynamo.reset()
+    got = _sibling_grads(fmt, "cuda", compile=True, shares=True, monkeypatch=monkeypatch)
+    for name, a, b in zip(("Y", "dX", "dWq", "dWk", "dWv"), ref, got):
+        assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} of {a.numel()} differ"

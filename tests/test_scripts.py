@@ -280,7 +280,8 @@ def _check_recompute_recipes(bench, functorch_config, tiny_model):
 def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path):
     """benchmarks/activation_memory_probe.py --mode partition (a tiny layer): compiled, lowbit_save_x_codes keeps the same
     tensors as INT8 without it (the partitioner places X's codes), down_proj's input among them as codes; with the
-    CUDA graph's Triton ops where triton imports (a stand-in target), else opaque custom ops."""
+    CUDA graph's Triton ops where triton imports (a stand-in target), else opaque custom ops. On the CUDA graph,
+    sibling linears (q/k/v, gate/up) quantize their shared input once (hf_lowbit::quantize_t_shared, merged by CSE)."""
     import importlib.util
 
     kernels = "cuda" if importlib.util.find_spec("triton") else "opaque"
@@ -295,6 +296,12 @@ def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path
     kept = [sorted((tuple(t["shape"]), t["dtype"]) for t in r["rows"] if not t["param"]) for r in rows]
     assert kept[0] == kept[1] and rows[0]["saved_bytes_per_token"] == rows[1]["saved_bytes_per_token"]
     assert ((128, 64), "int8") in kept[0], kept[0]  # down_proj's input [64 tokens, 128] kept as its column codes
+    if kernels == "cuda":  # X quantized per column once per distinct input (q/k/v's, o's, gate/up's, down's), not 7x
+        for r in rows:
+            calls = r["quantize_calls"]
+            shared = sum(c.get("hf_lowbit.quantize_t_shared.default", 0) for c in calls.values())
+            per_call = sum(c.get("_quantize_t_kernel", 0) for c in calls.values())
+            assert (shared, per_call) == (4, 7), calls  # 7: each linear's own dY
 
 
 def test_benchmark_mm_smoke_on_cpu(tmp_path):

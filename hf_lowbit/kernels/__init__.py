@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .formats import FORMATS, Format, get_format
 from .quantize_dual import quantize_dual
-from .quantize_t import quantize_t
+from .quantize_t import quantize_t, quantize_t_shared, shares_codes
 
 
 def scaled_matmul(fmt: str, x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dtype: torch.dtype,
@@ -27,16 +27,22 @@ def scaled_matmul(fmt: str, x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dt
     return scaled_matmul_quantized(fmt, x, x_dim, qw, sw, out_dtype, stochastic[0])
 
 
-def quantize_operand(fmt: str, x: Tensor, dim: int, stochastic: bool = False) -> tuple[Tensor, Tensor]:
+def quantize_operand(fmt: str, x: Tensor, dim: int, stochastic: bool = False,
+                     shared: bool = False) -> tuple[Tensor, Tensor]:
     """``x`` quantized along ``dim`` with its reduction dim contiguous: ``(q [other, dim], scale [other])``.
 
     ``stochastic`` (INT8 only): stochastic rounding. The column layout is ``hf_lowbit::quantize_t``, whose
     Triton kernel draws the random numbers in registers; the row layout is plain torch (``torch.rand_like``,
     which in a compiled layer cost memory on the H200 — the layer's own input gradient therefore rounds
-    through ``quantize_t`` instead, :func:`scaled_matmul_input_grad`)."""
+    through ``quantize_t`` instead, :func:`scaled_matmul_input_grad`). ``shared``: sibling layers quantize
+    this same tensor the same way (a layer's input X, per column, for the weight gradient): on CUDA the column
+    layout then goes through ``hf_lowbit::quantize_t_shared``, which a compiled graph computes once for all of
+    them (nearest rounding only: stochastic codes are drawn per layer)."""
     if stochastic and fmt != "int8":
         raise ValueError(f"stochastic rounding is implemented for INT8, not {fmt!r}")
     if dim == 0:
+        if shared and not stochastic and shares_codes(x):
+            return quantize_t_shared(x, fmt)
         return quantize_t(x, fmt, stochastic)
     q, s = FORMATS[fmt].quantize(x, dim=1, stochastic=True) if stochastic else FORMATS[fmt].quantize(x, dim=1)
     return q, s.reshape(-1)
@@ -102,7 +108,7 @@ def scaled_matmul_grads(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor, x: T
     qr, sr, qc, sc = quantize_dual(g, fmt, w_scale.reshape(-1).float())
     ones = torch.ones(qw_t.shape[0], dtype=torch.float32, device=qw_t.device)
     dx = f.scaled_mm(qr, qw_t, sr, ones, dx_dtype)
-    qx, sx = x if isinstance(x, tuple) else quantize_operand(fmt, x, 0)
+    qx, sx = x if isinstance(x, tuple) else quantize_operand(fmt, x, 0, shared=True)
     return dx, f.scaled_mm(qc, qx, sc, sx, dw_dtype)
 
 
@@ -135,4 +141,4 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
 
 __all__ = ["FORMATS", "Format", "get_format", "scaled_matmul", "scaled_matmul_quantized", "quantize_operand",
            "quantize_weight", "quantize_weight_t", "scaled_matmul_input_grad", "scaled_matmul_grads", "quantize_t",
-           "quantize_dual"]
+           "quantize_t_shared", "quantize_dual"]

@@ -44,3 +44,36 @@ def quantize_t(x: Tensor, fmt: str, stochastic: bool = False, row_mul: Tensor | 
         x = x.float() * row_mul.reshape(-1, 1)
     q, scale = f.quantize(x, dim=0, stochastic=True) if stochastic else f.quantize(x, dim=0)
     return q.T.contiguous(), scale.reshape(-1)
+
+
+@torch.library.custom_op("hf_lowbit::quantize_t_shared", mutates_args=())
+def quantize_t_shared(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    """:func:`quantize_t` (nearest rounding), the same bits, as an opaque op: for an operand that sibling layers
+    quantize identically, a decoder layer's normed input X, which q/k/v (and gate/up) each quantize per column for
+    their weight gradients. Under ``torch.compile`` the joint graph's CSE merges identical calls of an opaque op
+    into one, but never merges ``quantize_t``'s traced Triton launches (their outputs come from ``aten.empty``,
+    which CSE skips): with this op X is quantized once per sibling group, and its one set of codes is what the
+    partitioner may keep. The kernels launch directly (``wrap_triton``'s eager dispatch costs ~1 ms a launch)."""
+    _check(x, fmt)
+    if x.device.type == "cuda":
+        from torch._library.triton import set_wrap_triton_enabled
+
+        from .triton_quant import quantize_t_triton
+
+        f = FORMATS[fmt]
+        with set_wrap_triton_enabled(False):
+            return quantize_t_triton(x, f.dtype, f.qmax)
+    return quantize_t(x, fmt)
+
+
+@quantize_t_shared.register_fake
+def _(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    _check(x, fmt)
+    return (x.new_empty((x.shape[1], x.shape[0]), dtype=FORMATS[fmt].dtype),
+            x.new_empty((x.shape[1],), dtype=torch.float32))
+
+
+def shares_codes(x: Tensor) -> bool:
+    """Whether a shared operand goes through :func:`quantize_t_shared` (CUDA) or :func:`quantize_t` (elsewhere:
+    the plain-torch path, which Inductor fuses, recomputes and CSEs by itself)."""
+    return x.device.type == "cuda"

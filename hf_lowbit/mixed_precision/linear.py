@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..compute import compute_dtype as _compute_dtype  # the name the Function body below uses
-from ..kernels import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t, scaled_matmul,
+from ..kernels import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t,
                   scaled_matmul_grads, scaled_matmul_input_grad, scaled_matmul_quantized)
 from .fsdp_all_gather import GatheredLowBitWeight, gathered_operands
 from ..swap import LinearFilter, SwapReport, swap_linears
@@ -118,7 +118,7 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
         keep_x = ctx.needs_input_grad[1]
         qx_t = sx = None
         if keep_x and x_codes and grad_weight and not sr:
-            qx_t, sx = quantize_operand(fmt, x2, 0)
+            qx_t, sx = quantize_operand(fmt, x2, 0, shared=True)
             keep_x = False
         ctx.save_for_backward(x if keep_x else None, weight,
                               *((w_scale, qw_t, gathered) if grad_input else (None, None, None)), qx_t, sx)
@@ -151,8 +151,9 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1] and dw is None:
             if grad_weight and qx_t is not None:  # X's codes from the forward (the bits scaled_matmul would make)
                 dw = scaled_matmul_quantized(fmt, g2, 0, qx_t, sx, weight.dtype)
-            elif grad_weight:  # dW[N, K] = dYᵀ[N, M] · X[M, K]: reduce over tokens
-                dw = scaled_matmul(fmt, g2, 0, x2, 0, weight.dtype, stochastic=(sr, sr))
+            elif grad_weight:  # dW[N, K] = dYᵀ[N, M] · X[M, K]: reduce over tokens; X's codes shared by siblings
+                qx, sx = quantize_operand(fmt, x2, 0, sr, shared=True)
+                dw = scaled_matmul_quantized(fmt, g2, 0, qx, sx, weight.dtype, sr)
             else:
                 dw = (g2.to(dtype).T @ x2.to(dtype)).to(weight.dtype)
         if bias_dtype is not None and ctx.needs_input_grad[2]:
