@@ -107,10 +107,14 @@ SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
 # and what attention and SwiGLU need, not the linears' normed / SwiGLU inputs (issue 25's memory target;
 # benchmarks/activation_memory_probe.py). bf16_recompute is the stock bf16 recipe (Trainer) with the same setting
 RECOMPUTE_VARIANTS = {f"{base}_recompute": base for base in ("bf16", "int8", "fp8")}
+# INT8 / FP8 as before hf_lowbit::quantize_t_shared (issue 25): each linear quantizes its input X per column for
+# itself (hf_lowbit.kernels.shares_codes made False for the whole process), to measure the sharing in the same run
+UNSHARED_VARIANTS = {f"{fmt}_unshared": fmt for fmt in ("int8", "fp8")}
+PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS}  # a base recipe + a process-wide setting
 OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt", "int8_recompute",
-        "fp8_recompute")  # full fine-tunes, LowBitTrainer
+        "fp8_recompute", *UNSHARED_VARIANTS)  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS)
-                + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS))  # compared with bf16
+                + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS))  # compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
 # INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
@@ -193,8 +197,8 @@ def _bnb_nf4_lora(model, r: int):
 
 def mixed_precision_args(recipe: str) -> dict:
     """The ``LowBitTrainingArguments`` fields of our INT8/FP8 recipe ``recipe`` (``int8``, ``fp8``, INT8_VARIANTS,
-    CACHE_VARIANTS, SWITCH_VARIANTS, RECOMPUTE_VARIANTS)."""
-    recipe = RECOMPUTE_VARIANTS.get(recipe, recipe)
+    CACHE_VARIANTS, SWITCH_VARIANTS, PROCESS_VARIANTS)."""
+    recipe = PROCESS_VARIANTS.get(recipe, recipe)
     if recipe in INT8_VARIANTS:
         return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
     if recipe in CACHE_VARIANTS:
@@ -222,10 +226,21 @@ def apply_lora_recipe(model, recipe: str, min_features: int, r: int):
         return prepare_model(model, args, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
 
 
+def _never_share(x) -> bool:
+    return False
+
+
 def apply_partitioner_setting(recipe: str) -> bool:
-    """For a RECOMPUTE_VARIANTS recipe, let Inductor's partitioner recompute activations that the backward
-    materializes (``torch._functorch.config.ban_recompute_materialized_backward = False``, process-wide: call it
-    before anything compiles; each recipe runs in its own process); return whether the recipe is one."""
+    """A PROCESS_VARIANTS recipe's process-wide setting (call it before anything compiles; each recipe runs in its
+    own process); return whether the recipe is one. RECOMPUTE_VARIANTS: let Inductor's partitioner recompute
+    activations that the backward materializes (``torch._functorch.config.ban_recompute_materialized_backward =
+    False``); UNSHARED_VARIANTS: every linear quantizes its X per column itself (``hf_lowbit.kernels.shares_codes``
+    always False: no ``hf_lowbit::quantize_t_shared``)."""
+    if recipe in UNSHARED_VARIANTS:
+        import hf_lowbit.kernels as K
+
+        K.shares_codes = _never_share
+        return True
     if recipe not in RECOMPUTE_VARIANTS:
         return False
     import torch._functorch.config as functorch_config
@@ -237,12 +252,12 @@ def apply_partitioner_setting(recipe: str) -> bool:
 def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = False):
     """Swap the model's decoder linears for ``recipe`` (LM head and embeddings always stay bf16);
     ``weight_cache``: our INT8/FP8 layers quantize each weight once per optimizer step (with gradient
-    accumulation), as ``LowBitTrainer`` does by default then. RECOMPUTE_VARIANTS swap as their base recipe (the
-    partitioner setting is :func:`apply_partitioner_setting`'s)."""
+    accumulation), as ``LowBitTrainer`` does by default then. PROCESS_VARIANTS swap as their base recipe (their
+    setting is :func:`apply_partitioner_setting`'s)."""
     import torch
     from torch import nn
 
-    recipe = RECOMPUTE_VARIANTS.get(recipe, recipe)
+    recipe = PROCESS_VARIANTS.get(recipe, recipe)
     if recipe == "bf16":
         return
     if recipe in OURS:
@@ -296,6 +311,13 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
             raise RuntimeError(f"recipe {recipe!r} is not active: the partitioner still bans recomputing materialized "
                                "activations (apply_partitioner_setting was not called)")
         recipe = RECOMPUTE_VARIANTS[recipe]
+    if recipe in UNSHARED_VARIANTS:
+        import hf_lowbit.kernels as K
+
+        if K.shares_codes is not _never_share:
+            raise RuntimeError(f"recipe {recipe!r} is not active: X's column codes are still shared "
+                               "(apply_partitioner_setting was not called)")
+        recipe = UNSHARED_VARIANTS[recipe]
     if recipe == "bf16":
         return
     if recipe in LORA_RECIPES:

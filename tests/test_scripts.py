@@ -277,6 +277,33 @@ def _check_recompute_recipes(bench, functorch_config, tiny_model):
         assert swapped[0] == swapped[1], recipe
 
 
+def test_benchmark_unshared_recipes(monkeypatch):
+    """int8_unshared / fp8_unshared (issue 25): their base recipe's swap and arguments, with X's column codes no longer
+    shared (hf_lowbit.kernels.shares_codes always False, set by build_model; refused as not active without it); the
+    regimes blocks that compare them."""
+    import torch
+    from conftest import tiny_model
+
+    import hf_lowbit.kernels as K
+    from benchmarks import driver as bench
+    from benchmarks.benchmark_regimes import BLOCKS
+
+    monkeypatch.setattr(K, "shares_codes", K.shares_codes)  # a plain module attribute: restored after the test
+    model = tiny_model().bfloat16()
+    bench.apply_recipe(model, "int8_unshared", min_features=16)
+    with pytest.raises(RuntimeError, match="still shared"):
+        bench.check_recipe_active(model, "int8_unshared", "cpu")
+    assert bench.apply_partitioner_setting("int8_unshared") and not K.shares_codes(torch.empty(1, device="meta"))
+    bench.check_recipe_active(model, "int8_unshared", "cpu")
+    for recipe, base in (("int8_unshared", "int8"), ("fp8_unshared", "fp8")):
+        assert recipe in bench.FULL_RECIPES and recipe in bench.OURS
+        assert bench.mixed_precision_args(recipe) == bench.mixed_precision_args(base)
+    shared = "bf16,int8,int8_unshared,fp8,fp8_unshared"
+    assert {name: BLOCKS[name][:5] for name in ("layers_b8_shared", "layers_b1_shared", "trainer_b8_shared")} == {
+        "layers_b8_shared": ("layers", 8, 1, "default", shared), "layers_b1_shared": ("layers", 1, 1, "default", shared),
+        "trainer_b8_shared": ("trainer", 8, 1, "default", shared)}
+
+
 def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path):
     """benchmarks/activation_memory_probe.py --mode partition (a tiny layer): compiled, lowbit_save_x_codes keeps the same
     tensors as INT8 without it (the partitioner places X's codes), down_proj's input among them as codes; with the
