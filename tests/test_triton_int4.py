@@ -188,3 +188,23 @@ def test_repacked_weight_is_tinygemm_weight_cuda():
     diff = ours != tiny
     assert diff.float().mean().item() < 1e-4, f"{diff.sum().item()} of {diff.numel()} weights differ"
     assert ((ours.float() - tiny.float()).abs() <= 2 ** -7 * tiny.float().abs()).all()
+
+
+def test_benchmark_int4_on_cpu(capsys):
+    """benchmarks/benchmark_int4.py: parses its flags, says on a CPU that it needs CUDA; its table from a row."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "benchmark_int4.py")
+    spec = importlib.util.spec_from_file_location("benchmark_int4", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if not torch.cuda.is_available():
+        bench.main(["--ms", "1", "--shapes", "64x1024", "--sweep"])
+        assert "no CUDA device" in capsys.readouterr().out
+    row = {"N": 4096, "K": 4096, "M": 1, "split_k": 2, "ours_us": 5.0, "ours_gb_s": 1800.0, "tinygemm_us": 9.0,
+           "tinygemm_gb_s": 1000.0, "bf16_us": 12.0, "bf16_gb_s": 2800.0, "ours_vs_tinygemm": 1.8, "ours_vs_bf16": 2.4,
+           "max_diff_vs_tinygemm": 0.0, "max_abs_tinygemm": 1.0}
+    sweep = {"N": 4096, "K": 4096, "M": 1, "sweep": [32, 128, 4], "split_k": 1, "ours_us": 5.0, "ours_gb_s": 1800.0}
+    lines = bench.markdown([row, sweep])
+    assert "| 4096x4096 | 1 | 2 | 5.0 | 1800 |" in lines[2] and "(32, 128, 4)" in lines[-1]
