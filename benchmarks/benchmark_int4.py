@@ -48,7 +48,12 @@ def bench(a) -> list[dict]:
 
     from benchmarks.driver import graph_ms
     from hf_lowbit.kernels.int4 import int4_dequantize, int4_linear
-    from hf_lowbit.kernels.triton_int4 import _decode_tiles, _sms, decode_split_k, int4_decode_triton
+    from hf_lowbit.kernels.triton_int4 import (
+        _decode_tiles,
+        _sms,
+        decode_split_k,
+        int4_decode_triton,
+    )
 
     rows = []
     for N, K in a.shapes:
@@ -97,7 +102,6 @@ def bench(a) -> list[dict]:
             best = min((r for r in rows if r.get("sweep") and r["N"] == N and r["K"] == K and "ours_us" in r),
                        key=lambda r: r["ours_us"], default=None)
             print(f"sweep {N}x{K} best: {best}", flush=True)
-        del packed, s, z, qdata, sz, w_bf16
         torch.cuda.empty_cache()
     return rows
 
