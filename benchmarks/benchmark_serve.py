@@ -40,8 +40,12 @@ to its plain inner tensors and rebuilt by one in-graph call (``Float8Tensor`` to
 model's modules skipped (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``); the prefill's
 ``torch.compile(model)`` gets the same guard filter. Why: on the H200 (c73fbe2) the quantized models' host time per
 token was AOTAutograd's wrapper around the subclass weights (removed by unwrapping) and the guard check (not).
-Modes run in the order given, on one loaded model; a mode after ``compiled_unwrapped`` or ``compiled_lean``
-(which change the model) loads it again.
+``compiled_int4k``: ``compiled_lean`` after ``hf_lowbit.qat.int4_serving.use_int4_kernels(model)``, which swaps
+every linear with an ``Int4TilePackedTo4dTensor`` weight (tinygemm) for hf_lowbit's int4 kernels (a split-K GEMV
+for decode, dequantize + cuBLAS for prefill; issue 26); it imports hf_lowbit (the phase says so), so run it last.
+On a CPU it skips int4_tinygemm checkpoints (the repack runs tinygemm); others swap nothing and run as
+``compiled_lean``. Modes run in the order given, on one loaded model; a mode after one that changes the model
+(``compiled_unwrapped``, ``compiled_lean``, ``compiled_int4k``) loads it again.
 A build or measurement that fails (a kernel missing on the image, an unsupported op, a time-out) becomes an
 error row with a one-line reason; the other rows are unaffected. ``--device cpu`` with tiny shapes checks the
 plumbing (``--compile_backend eager``: dynamo without Inductor); its timings mean nothing.
@@ -64,8 +68,10 @@ import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean")
-CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean")  # a mode after one of these loads the model again
+MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k")
+# a mode after one of these loads the model again
+CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", "compiled_int4k")
+TINYGEMM_WEIGHT = "Int4TilePackedTo4dTensor"
 SERVING_HELPERS = os.path.join(ROOT, "hf_lowbit", "qat", "serving.py")
 DEFAULT_CHECKPOINTS = ("bf16,qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,"
                        "qat_int4_weight_only")
@@ -341,6 +347,10 @@ def measure(a, emit) -> dict:
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             counters.clear()
+            if mode == "compiled_int4k" and row["weight_type"] == TINYGEMM_WEIGHT and device != "cuda":
+                phase["skipped"] = f"{TINYGEMM_WEIGHT} on {device}: the int4 kernels' repack runs tinygemm (CUDA)"
+                emit(row)
+                continue
             if mode == "eager":
                 forward, gen_kw = model, {"disable_compile": True}
             else:
@@ -350,7 +360,14 @@ def measure(a, emit) -> dict:
 
                     model.requires_grad_(False)  # the int8/uint8 inner tensors cannot be parameters that need grad
                     unwrap_tensor_subclass(model)
-                if mode == "compiled_lean":
+                if mode == "compiled_int4k":  # hf_lowbit's int4 kernels, then what compiled_lean does
+                    from hf_lowbit.qat.int4_serving import use_int4_kernels
+
+                    phase["imports_hf_lowbit"] = True
+                    report = use_int4_kernels(model)
+                    phase["int4_kernels"] = {"swapped": len(report.swapped), "skipped": dict(
+                        collections.Counter(e.reason for e in report.skipped))}
+                if mode in ("compiled_lean", "compiled_int4k"):
                     serving = _serving_helpers()
                     compile_config = serving.serving_compile_config(a.compile_backend,
                                                                     cudagraphs=a.compile_backend == "inductor")
@@ -477,6 +494,9 @@ def table(rows: list[dict], modes, batches) -> list[str]:
                 continue
             if "error" in p and "prefill_ms" not in p:
                 cells += [f"error: {p['error'][:120]}"] + [""] * (2 + 2 * len(batches))
+                continue
+            if "skipped" in p:
+                cells += [f"skipped: {p['skipped'][:120]}"] + [""] * (2 + 2 * len(batches))
                 continue
             cells += [f"{p['prefill_ms']:.1f}", f"{p.get('prefill_vs_bf16', float('nan')):.2f}x"]
             for b in batches:

@@ -148,6 +148,21 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes ${MODES:-compiled} --profile --checkpoints "
         "qat_int4_tinygemm,qat_fp8_rowwise --json $OUT/serve_profile_${MODES:-compiled}_h200.json "
         "--markdown $OUT/serve_profile_${MODES:-compiled}_h200.md"]),
+    "int4_mm": ("issue 26: hf_lowbit's int4 decode kernel (hf_lowbit::int4_linear) against tinygemm "
+                "(aten._weight_int4pack_mm) and bf16 F.linear on the Llama-8B layer shapes and LM heads, M = 1 and 8 "
+                "(and the 2048-row prefill path): GPU µs (CUDA graph), GB/s of the bytes each must read, the "
+                "split-K chosen, the largest difference from tinygemm's output. SWEEP=--sweep adds the decode "
+                "kernel's tiles x split-K at M = 1 (to set DECODE_TILES; many Triton compiles)",
+                "1-2 min, 5-8 min with --sweep (estimates, not yet run)", [
+        "timeout 580 " + B + "benchmark_int4.py ${SWEEP:-} --json $OUT/int4_mm_h200.json "
+        "--markdown $OUT/int4_mm_h200.md"]),
+    "serve_int4k": ("issue 26: the int4_tinygemm export served with hf_lowbit's int4 kernels (compiled_int4k: "
+                    "use_int4_kernels + prepare_for_serving) beside compiled_lean (tinygemm), bf16 in the same call, "
+                    "under the profiler (GPU ms per decoded token, prefill GPU ms). Run int4_mm first: if the "
+                    "kernel is slower than tinygemm there, this call will say the same",
+                    "~5-6 min (estimate: serve_profile's 4.8 min for 3 checkpoints x 1 mode; here 2 x 2)", [
+        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes compiled_lean,compiled_int4k --profile "
+        "--checkpoints qat_int4_tinygemm --json $OUT/serve_int4k_h200.json --markdown $OUT/serve_int4k_h200.md"]),
     "serve_merge": ("issue 26: the serve calls' JSON (and the probe's) joined, ratios kept per call (a call's file "
                     "that is missing is left out, and said so); the PNG needs matplotlib (merge on any machine that "
                     "has it)", "seconds", [

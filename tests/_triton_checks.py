@@ -604,6 +604,68 @@ def check_nf4_to_int8(device: str) -> int:
     return n
 
 
+def _int4_tol(x, w, ref):
+    """How far two float32 sums of the same exact products (bf16 x·w), in different orders, each rounded to bf16
+    once, may differ: each sum errs by at most ``K·2**-24·Σ|x_k w_k|`` (the standard bound for K terms), and the
+    rounding to bf16 can flip by one spacing of the result (at most ``2**-7·|ref|``)."""
+    abs_sum = x.double().abs() @ w.double().abs().T
+    return 2 * x.shape[1] * 2.0 ** -24 * abs_sum + 2.0 ** -7 * ref.double().abs() + 1e-30
+
+
+def int4_operands(N, K, group_size, device, seed=0):
+    """Random codes and per-group bf16 scales and zeros of about a trained int4 weight's size."""
+    from hf_lowbit.kernels.int4 import pack_int4
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=g)
+    s = (torch.rand(N, K // group_size, generator=g) * 0.01 + 1e-3).bfloat16()
+    z = (torch.randn(N, K // group_size, generator=g) * 0.01).bfloat16()
+    return q, pack_int4(q).to(device), s.to(device), z.to(device)
+
+
+def check_int4(device: str) -> int:
+    """The int4 kernels (:mod:`hf_lowbit.kernels.triton_int4`) against plain torch (:mod:`hf_lowbit.kernels.int4`):
+    the dequantized weight bit for bit; the decode kernel (M = 1, 3, 16, split K or not, an empty K slice, x rows
+    of a wider tensor) and the large-M path (dequantize + ``F.linear``, M = 17, 33) within :func:`_int4_tol` of the
+    reference (on these operands: equal on almost all outputs); outputs allocated as poison, all written. N is not
+    a multiple of the tiles; K spans several groups. Returns the number of checks."""
+    import torch.nn.functional as F
+
+    from hf_lowbit.kernels.int4 import int4_dequantize, int4_linear_reference, unpack_int4
+    from hf_lowbit.kernels.triton_int4 import int4_decode_triton, int4_dequant_triton
+
+    shapes = [(40, 128, 32), (24, 256, 64), (16, 64, 32)]
+    if device == "cuda":
+        shapes += [(4096, 4096, 128), (1024, 4096, 128), (4096, 14336, 128), (14336, 4096, 64), (1000, 4096, 256)]
+    n = 0
+    for N, K, gs in shapes:
+        q, p, s, z = int4_operands(N, K, gs, device)
+        assert torch.equal(unpack_int4(p).cpu(), q.to(torch.uint8))
+        ref_w = int4_dequantize(p, s, z, gs)
+        with PoisonedAllocations() as poison:
+            w = int4_dequant_triton(p, s, z, gs)
+        assert ((N, K), torch.bfloat16) in poison.shapes
+        assert torch.equal(w, ref_w), f"{(N, K, gs)}: {(w != ref_w).sum().item()} dequantized weights differ"
+        n += 1
+        for M in (1, 3, 16, 17, 33):
+            wide = torch.randn(M, K + 8, device=device).bfloat16()
+            x = wide[:, 8:]  # rows of stride K + 8
+            ref = int4_linear_reference(x, p, s, z, gs)
+            tol = _int4_tol(x, ref_w, ref)
+            runs = [("decode", sk) for sk in (None, 1, 3)] if M <= 16 else [("dequant+mm", None)]
+            for path, sk in runs:
+                with PoisonedAllocations() as poison:
+                    y = (int4_decode_triton(x, p, s, z, gs, split_k=sk) if path == "decode"
+                         else F.linear(x, int4_dequant_triton(p, s, z, gs)))
+                # the kernel's own output (the decode's y; the dequantized weight, F.linear allocating y in the mm)
+                mine = (M, N) if path == "decode" else (N, K)
+                assert (mine, torch.bfloat16) in poison.shapes and torch.isfinite(y).all(), (N, K, M, path, sk)
+                err = (y.double() - ref.double()).abs()
+                assert (err <= tol).all(), f"{(M, N, K, gs)} {path} split_k={sk}: max err {err.max().item():.3e}"
+                n += 1
+    return n
+
+
 # what each mode checks on the CPU and prints (test_triton_int8.run_interpreted and test_stochastic_rounding.py)
 MODES = {
     "default": lambda: ("checked", check_int8_scaled_mm("cpu"), "matmuls,", check_int8_scaled_mm_addend("cpu"),
@@ -614,6 +676,7 @@ MODES = {
     "dual": lambda: ("checked", check_quantize_dual("cpu"), "dual quantizations and", check_quant_dual_bench("cpu"),
                      "quant_dual candidates"),
     "nf4": lambda: ("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes"),
+    "int4": lambda: ("checked", check_int4("cpu"), "int4 dequantizations and matmuls"),
     "stochastic_saturates": lambda: ("checked", check_quantize_t_stochastic_saturates("cpu"),
                                      "saturating stochastic quantizations"),
 }

@@ -1,0 +1,158 @@
+"""hf_lowbit's int4 decode kernel against tinygemm and bf16, one linear at a time, GPU time alone (issue 26).
+
+    python benchmarks/benchmark_int4.py --json OUT/int4_mm_h200.json --markdown OUT/int4_mm_h200.md
+
+For each Llama-8B layer shape ``[out, in]`` (q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096, down 4096x14336)
+and the LM heads (32000 and 128256 x 4096), at M = 1 and 8 rows (``--ms``): ``ours`` (``hf_lowbit::int4_linear``:
+the split-K GEMV, tinygemm's numerics), ``tinygemm`` (``aten._weight_int4pack_mm`` on torchao's tile-packed
+weight of the same codes, what an int4_tinygemm export runs), ``bf16`` (``F.linear``, cuBLAS), and at M = 2048
+(``--prefill``) the prefill path (ours: dequantize + cuBLAS). Each: µs (ten calls in one CUDA graph, replayed:
+``benchmarks.driver.graph_ms``), and GB/s counted as the bytes a call must read (the weight as stored: int4 codes
++ bf16 scales and zeros, or bf16; plus x and y). Also the split-K factor ours chose, and the largest difference
+of ours against tinygemm's output (the same weight: float32 sums in different orders). Also ``--sweep``: the
+decode kernel's tiles (BLOCK_N, BLOCK_K, warps) and split-K on each shape at M = 1, to set ``DECODE_TILES``.
+CUDA only: on a CPU it says so and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+SHAPES = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (32000, 4096), (128256, 4096))
+SWEEP_TILES = [(bn, bk, w) for bn in (16, 32, 64, 128) for bk in (64, 128) for w in (2, 4, 8)]
+
+
+def _weights(N: int, K: int, gs: int):
+    """Codes, scales and zeros (random, a trained weight's size) in our layout and as torchao's tinygemm weight."""
+    import torch
+    from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
+
+    from hf_lowbit.kernels.int4 import pack_int4
+
+    q = torch.randint(0, 16, (N, K), device="cuda", dtype=torch.int32)
+    s = (torch.rand(N, K // gs, device="cuda") * 0.01 + 1e-3).bfloat16()
+    z = (torch.randn(N, K // gs, device="cuda") * 0.01).bfloat16()
+    qdata = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous(), 8)
+    return pack_int4(q), s, z, qdata, pack_tinygemm_scales_and_zeros(s, z)
+
+
+def bench(a) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.driver import graph_ms
+    from hf_lowbit.kernels.int4 import int4_dequantize, int4_linear
+    from hf_lowbit.kernels.triton_int4 import (
+        _decode_tiles,
+        _sms,
+        decode_split_k,
+        int4_decode_triton,
+    )
+
+    rows = []
+    for N, K in a.shapes:
+        if K % 1024:  # tinygemm's packing wants K a multiple of 1024 (torchao pads to it)
+            print(f"skip {N}x{K}: K not a multiple of 1024", flush=True)
+            continue
+        packed, s, z, qdata, sz = _weights(N, K, a.group_size)
+        w_bf16 = int4_dequantize(packed, s, z, a.group_size)
+        int4_bytes = packed.numel() + 2 * s.numel() + 2 * z.numel()
+        for M in a.ms + ([a.prefill] if a.prefill else []):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            io = 2 * M * (K + N)
+            ours = int4_linear(x, packed, s, z, a.group_size)
+            tiny = torch.ops.aten._weight_int4pack_mm(x, qdata, a.group_size, sz)
+            ref = F.linear(x, w_bf16)
+            row = {"N": N, "K": K, "M": M, "group_size": a.group_size,
+                   "max_diff_vs_tinygemm": (ours.float() - tiny.float()).abs().max().item(),
+                   "max_abs_tinygemm": tiny.float().abs().max().item(),
+                   "max_diff_vs_bf16_linear": (ours.float() - ref.float()).abs().max().item()}
+            if M <= 16:
+                bn, bk, _ = _decode_tiles(M, a.group_size, None)
+                row["split_k"] = decode_split_k(N, K, bn, bk, _sms(x.device))
+            for name, fn, wbytes in (
+                    ("ours", lambda: int4_linear(x, packed, s, z, a.group_size), int4_bytes),
+                    ("tinygemm", lambda: torch.ops.aten._weight_int4pack_mm(x, qdata, a.group_size, sz), int4_bytes),
+                    ("bf16", lambda: F.linear(x, w_bf16), 2 * N * K)):
+                us = graph_ms(fn) * 1000
+                row[f"{name}_us"] = us
+                row[f"{name}_gb_s"] = (wbytes + io) / us / 1e3
+            row["ours_vs_tinygemm"] = row["tinygemm_us"] / row["ours_us"]
+            row["ours_vs_bf16"] = row["bf16_us"] / row["ours_us"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        if a.sweep:
+            x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+            for tiles in SWEEP_TILES:
+                for split in (1, 2, 4, 8, 16):
+                    try:
+                        us = graph_ms(lambda: int4_decode_triton(x, packed, s, z, a.group_size, split, tiles)) * 1000
+                    except Exception as e:  # noqa: BLE001 - a tile that does not compile is recorded, not fatal
+                        rows.append({"N": N, "K": K, "M": 1, "sweep": list(tiles), "split_k": split,
+                                     "error": f"{type(e).__name__}: {str(e)[:100]}"})
+                        continue
+                    rows.append({"N": N, "K": K, "M": 1, "sweep": list(tiles), "split_k": split, "ours_us": us,
+                                 "ours_gb_s": (int4_bytes + 2 * (K + N)) / us / 1e3})
+            best = min((r for r in rows if r.get("sweep") and r["N"] == N and r["K"] == K and "ours_us" in r),
+                       key=lambda r: r["ours_us"], default=None)
+            print(f"sweep {N}x{K} best: {best}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: list[dict]) -> list[str]:
+    head = ["N x K", "M", "split-K", "ours µs", "GB/s", "tinygemm µs", "GB/s", "bf16 µs", "GB/s", "ours vs tinygemm",
+            "ours vs bf16", "max diff vs tinygemm (max |y|)"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.get("sweep"):
+            continue
+        out.append("| " + " | ".join([
+            f"{r['N']}x{r['K']}", str(r["M"]), str(r.get("split_k", "–")),
+            f"{r['ours_us']:.1f}", f"{r['ours_gb_s']:.0f}", f"{r['tinygemm_us']:.1f}", f"{r['tinygemm_gb_s']:.0f}",
+            f"{r['bf16_us']:.1f}", f"{r['bf16_gb_s']:.0f}", f"{r['ours_vs_tinygemm']:.2f}x", f"{r['ours_vs_bf16']:.2f}x",
+            f"{r['max_diff_vs_tinygemm']:.2e} ({r['max_abs_tinygemm']:.2e})"]) + " |")
+    sweep = sorted((r for r in rows if r.get("sweep") and "ours_us" in r), key=lambda r: (r["N"], r["K"], r["ours_us"]))
+    if sweep:
+        out += ["", "| N x K | tiles (BLOCK_N, BLOCK_K, warps) | split-K | µs | GB/s |", "|---|---|---|---|---|"]
+        out += [f"| {r['N']}x{r['K']} | {tuple(r['sweep'])} | {r['split_k']} | {r['ours_us']:.1f} | "
+                f"{r['ours_gb_s']:.0f} |" for r in sweep]
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="out x in, comma-separated")
+    p.add_argument("--ms", default="1,8", help="decode rows")
+    p.add_argument("--prefill", type=int, default=2048, help="rows of the prefill case (0: none)")
+    p.add_argument("--group_size", type=int, default=128)
+    p.add_argument("--sweep", action="store_true", help="also the decode kernel's tiles and split-K at M = 1")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    a = p.parse_args(argv)
+    a.shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    a.ms = [int(m) for m in a.ms.split(",")]
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmark_int4.py: no CUDA device (tinygemm and the kernels' timings need one); nothing measured")
+        return
+    rows = bench(a)
+    print("\n".join(markdown(rows)))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"commit": os.environ.get("HF_LOWBIT_COMMIT"), "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write("\n".join(markdown(rows)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

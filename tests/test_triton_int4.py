@@ -1,0 +1,207 @@
+"""The int4 serving kernels (hf_lowbit/kernels/triton_int4.py, the op in hf_lowbit/kernels/int4.py) and the module
+that serves int4_tinygemm exports with them (hf_lowbit/qat/int4_serving.py): interpreted on CPU, compiled on CUDA;
+the repack from torchao's Int4TilePackedTo4dTensor on CUDA only (tinygemm unpacks its own layout)."""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_lowbit.kernels.int4 import (
+    from_tinygemm,
+    int4_dequantize,
+    int4_linear,
+    int4_linear_reference,
+    pack_int4,
+    unpack_int4,
+)
+from hf_lowbit.qat.int4_serving import Int4ServingLinear, use_int4_kernels
+
+pytest.importorskip("triton")
+
+
+def test_triton_int4_interpreted():
+    """Dequantized weights bit for bit, decode (M 1, 3, 16; split K 1, 3 and the default) and dequant + mm
+    (M 17, 33) within the float32-order bound, on 3 shapes (_triton_checks.check_int4)."""
+    from test_triton_int8 import run_interpreted
+
+    assert "checked 36 int4 dequantizations and matmuls" in run_interpreted("int4")
+
+
+@pytest.mark.cuda
+def test_triton_int4_cuda():
+    from _triton_checks import check_int4
+
+    assert check_int4("cuda") == 8 * 12
+
+
+def _operands(N=24, K=128, gs=32, seed=0):
+    from _triton_checks import int4_operands
+
+    return int4_operands(N, K, gs, "cpu", seed)
+
+
+def test_pack_round_trip_and_layout():
+    q = torch.randint(0, 16, (5, 12))
+    p = pack_int4(q)
+    assert p.dtype == torch.uint8 and p.shape == (5, 6)
+    assert torch.equal(p[:, 0], (q[:, 0] | (q[:, 1] << 4)).to(torch.uint8))  # even column in the low nibble
+    assert torch.equal(unpack_int4(p), q.to(torch.uint8))
+
+
+def test_dequantize_is_tinygemm_fake_quant():
+    """The weight a layer serves equals what QAT's fake quant trained with (fake_quant_int4_tinygemm), bit for bit,
+    when its codes, scales and zeros are torchao's tinygemm quantization of the same weight."""
+    from torchao.quantization.quant_primitives import (
+        MappingType,
+        _choose_qparams_affine_tinygemm,
+        _quantize_affine_tinygemm,
+    )
+
+    from hf_lowbit.kernels.fake_quant import fake_quant_int4_tinygemm
+
+    gs = 32
+    w = (torch.randn(16, 128) * 0.05).bfloat16()
+    scale, zero = _choose_qparams_affine_tinygemm(w, MappingType.ASYMMETRIC, (1, gs), torch.int32, 0, 15,
+                                                  scale_dtype=torch.bfloat16, zero_point_dtype=torch.bfloat16)
+    q = _quantize_affine_tinygemm(w, [1, gs], scale, zero, torch.int32, 0, 15)
+    deq = int4_dequantize(pack_int4(q), scale.reshape(16, -1), zero.reshape(16, -1), gs)
+    assert torch.equal(deq, fake_quant_int4_tinygemm(w, gs))
+
+
+def test_from_tinygemm_layout():
+    """torchao's scale_and_zero ([G_pad, N_pad, 2], packed by its own pack_tinygemm_scales_and_zeros) and padded codes
+    to our layout: padding dropped, exact."""
+    from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
+
+    N, K, gs, N_pad, K_pad = 20, 96, 32, 24, 1024
+    q = torch.randint(0, 16, (N_pad, K_pad), dtype=torch.uint8)
+    s = torch.rand(N_pad, K_pad // gs).bfloat16()
+    z = torch.randn(N_pad, K_pad // gs).bfloat16()
+    sz = pack_tinygemm_scales_and_zeros(s, z)
+    assert sz.shape == (K_pad // gs, N_pad, 2)
+    packed, scales, zeros = from_tinygemm(q, sz, (N, K), gs)
+    assert torch.equal(packed, pack_int4(q[:N, :K]))
+    assert torch.equal(scales, s[:N, :K // gs]) and torch.equal(zeros, z[:N, :K // gs])
+    assert scales.is_contiguous() and zeros.is_contiguous()
+    with pytest.raises(ValueError, match="not a multiple"):
+        from_tinygemm(q, sz, (N, 100), gs)
+
+
+def test_op_checks_and_reference_path():
+    _, p, s, z = _operands()
+    x = torch.randn(3, 128).bfloat16()
+    assert torch.equal(int4_linear(x, p, s, z, 32), int4_linear_reference(x, p, s, z, 32))
+    with pytest.raises(RuntimeError, match="bf16"):
+        int4_linear(x.float(), p, s, z, 32)
+    with pytest.raises(RuntimeError, match="group_size"):
+        int4_linear(x, p, s, z, 48)
+
+
+def test_module_forward_equals_reference():
+    _, p, s, z = _operands()
+    bias = torch.randn(24).bfloat16()
+    m = Int4ServingLinear(p, s, z, 32, bias)
+    x = torch.randn(2, 5, 128)  # float32 in, float32 out, computed in bf16
+    y = m(x)
+    ref = int4_linear_reference(x.reshape(-1, 128).bfloat16(), p, s, z, 32).reshape(2, 5, 24)
+    assert y.dtype == torch.float32 and torch.equal(y, (ref + bias).float())
+    assert {n for n, _ in m.named_buffers()} == {"packed", "scales", "zeros", "bias"}
+    assert list(m.parameters()) == []
+    assert "group_size=32" in repr(m)
+
+
+def test_op_compiles_without_graph_breaks():
+    """The op traces into one compiled graph (fullgraph; a graph break would raise), forward and module alike."""
+    from torch._dynamo.utils import counters
+
+    _, p, s, z = _operands()
+    m = Int4ServingLinear(p, s, z, 32)
+    x = torch.randn(4, 128).bfloat16()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), m(x))
+    assert sum(counters["graph_break"].values()) == 0
+    torch._dynamo.reset()
+
+
+def test_use_int4_kernels_skips_with_reasons():
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+    report = use_int4_kernels(model)
+    assert not report.swapped and len(report.skipped) == 2
+    assert all("not Int4TilePackedTo4dTensor" in e.reason for e in report.skipped)
+    assert type(model[0]) is nn.Linear
+
+
+# ---- CUDA only: a real Int4TilePackedTo4dTensor, repacked ----
+
+def _tinygemm_model(gs, N=1024, K=4096, seed=0):
+    from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+    torch.manual_seed(seed)
+    # the second layer's out_features (520) is padded by torchao to a multiple of 8 (528), its bias kept aside
+    model = nn.Sequential(nn.Linear(K, N, bias=False), nn.Linear(N, 520, bias=True)).to("cuda", torch.bfloat16)
+    quantize_(model, Int4WeightOnlyConfig(group_size=gs, int4_packing_format="tile_packed_to_4d"))
+    return model
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gs", [32, 64, 128, 256])
+def test_repack_from_torchao_cuda(gs):
+    """Repacked from a real export's weight: the codes exactly (tinygemm's own product with the repacked bf16 weight
+    equals ours within the order bound), and the swapped model's outputs (decode and prefill rows, eager and
+    compiled) equal tinygemm's within a bf16 rounding of the result."""
+    model = _tinygemm_model(gs)
+    assert type(model[0].weight).__name__ == "Int4TilePackedTo4dTensor"
+    ours = _tinygemm_model(gs)  # the same seed: the same weights, quantized the same
+    report = use_int4_kernels(ours)
+    swapped = {e.name for e in report.swapped}
+    assert swapped == {"0", "1"}, report.summary()
+    for M in (1, 8, 16, 17, 300):
+        x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
+        ref = model(x)
+        for fn in (ours, torch.compile(ours, fullgraph=True)):
+            y = fn(x)
+            err = (y.float() - ref.float()).abs()
+            # the same bf16 weight and exact products; float32 sums in different orders, each layer's output
+            # rounded to bf16 (the second layer's input differs by the first's roundings)
+            assert (err <= 2 ** -6 * ref.float().abs() + 1e-2 * ref.float().abs().mean()).all(), (M, err.max())
+        torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+def test_repacked_weight_is_tinygemm_weight_cuda():
+    """The repacked layer's bf16 weight is tinygemm's: its product with the identity (every column of Wᵀ) equal."""
+    from hf_lowbit.kernels.int4 import repack_tinygemm_weight
+
+    model = _tinygemm_model(128, K=2048)
+    weight = model[1].weight  # 520 x 1024: N padded to 528 in torchao's layout
+    packed, scales, zeros, gs = repack_tinygemm_weight(weight)
+    eye = torch.eye(1024, device="cuda", dtype=torch.bfloat16)
+    tiny = torch.ops.aten._weight_int4pack_mm(eye, weight.qdata, gs, weight.scale_and_zero)[:, :520]
+    ours = int4_dequantize(packed, scales, zeros, gs).T
+    # equal, unless tinygemm's bf16 FMA (one rounding) and our float32 sum then bf16 (two) differ somewhere: then
+    # by one bf16 step, rarely (a float32 sum landing exactly on a bf16 tie); the count says how often
+    diff = ours != tiny
+    assert diff.float().mean().item() < 1e-4, f"{diff.sum().item()} of {diff.numel()} weights differ"
+    assert ((ours.float() - tiny.float()).abs() <= 2 ** -7 * tiny.float().abs()).all()
+
+
+def test_benchmark_int4_on_cpu(capsys):
+    """benchmarks/benchmark_int4.py: parses its flags, says on a CPU that it needs CUDA; its table from a row."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "benchmark_int4.py")
+    spec = importlib.util.spec_from_file_location("benchmark_int4", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if not torch.cuda.is_available():
+        bench.main(["--ms", "1", "--shapes", "64x1024", "--sweep"])
+        assert "no CUDA device" in capsys.readouterr().out
+    row = {"N": 4096, "K": 4096, "M": 1, "split_k": 2, "ours_us": 5.0, "ours_gb_s": 1800.0, "tinygemm_us": 9.0,
+           "tinygemm_gb_s": 1000.0, "bf16_us": 12.0, "bf16_gb_s": 2800.0, "ours_vs_tinygemm": 1.8, "ours_vs_bf16": 2.4,
+           "max_diff_vs_tinygemm": 0.0, "max_abs_tinygemm": 1.0}
+    sweep = {"N": 4096, "K": 4096, "M": 1, "sweep": [32, 128, 4], "split_k": 1, "ours_us": 5.0, "ours_gb_s": 1800.0}
+    lines = bench.markdown([row, sweep])
+    assert "| 4096x4096 | 1 | 2 | 5.0 | 1800 |" in lines[2] and "(32, 128, 4)" in lines[-1]
