@@ -65,6 +65,14 @@ def log(msg: str) -> None:
     print(f"[{time.time() - _T0:6.0f} s] {msg}", flush=True)
 
 
+def batch_order(n_blocks: int, steps: int, batch: int, seed: int):
+    """The block indices of each of :func:`train`'s ``steps`` batches: ``batch`` drawn at random (with replacement)
+    from ``n_blocks``, by a generator seeded ``seed``."""
+    order = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield torch.randint(0, n_blocks, (batch,), generator=order)
+
+
 def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None) -> list[float]:
     """AdamW with warm-up + cosine, bf16 autocast, random batches drawn from ``seed`` (same for every run)."""
     fwd = model if fwd is None else fwd  # a compiled module has no truth value (no len)
@@ -72,11 +80,10 @@ def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None) -> list[
     warm = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / steps))))
-    order = torch.Generator().manual_seed(seed)
     losses = []
     model.train()
-    for _ in range(steps):
-        ids = blocks[torch.randint(0, blocks.shape[0], (a.batch,), generator=order)].to(a.device)
+    for idx in batch_order(blocks.shape[0], steps, a.batch, seed):
+        ids = blocks[idx].to(a.device)
         losses.append(train_step(model, [ids], opt, fwd=fwd, autocast=True, clip=1.0, sched=sched)[0].item())
     return losses
 
