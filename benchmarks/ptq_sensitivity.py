@@ -32,7 +32,7 @@ single `--group_size` of `eval_qat.py`); `:nohead` leaves the LM head in float (
 input embedding is never quantized (as in `eval_qat.py`). The QAT schemes are int4 only: there are no
 lower-bit reference rows.
 
-`--deadline_s S` skips a base whose expected end falls past S seconds since start (expected: as long as the last
+`--deadline_s S` skips a base whose expected end falls past S seconds since the process started (expected: as long as the last
 base of the same shape and steps took, else its H200 estimate), so a device call ends with its files written; the
 JSON and markdown are rewritten (atomically) after every base, with `meta.partial` until the last.
 """
@@ -191,6 +191,19 @@ def plan(configs: list[dict], a, n_variants: int) -> None:
               f"ends at ~{total:.0f} s{late}")
     print(f"  total ~{total:.0f} s with {STARTUP_S:.0f} s of start-up (imports, corpus cache); each base charged a "
           "compile, though one of the same shape as the base before it may reuse it")
+
+
+def process_start() -> float:
+    """When this process started (Linux: /proc), else now: --deadline_s counts the imports too, as the device
+    call's timeout does."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 # ------------------------------------------------------------------------------------------------------ the rows
@@ -418,7 +431,7 @@ def main():
     if a.plan:
         plan(configs, a, len(variants))
         return
-    started = time.time()
+    started = process_start()
     skipped = {}
     for scheme in sorted({v["scheme"] for v in variants}):
         problem = cuda_capability_problem(scheme) if a.device == "cuda" else (
