@@ -49,6 +49,7 @@ import os
 import re
 import sys
 import time
+import traceback
 
 import torch
 
@@ -270,6 +271,12 @@ def weight_stats(model) -> dict:
     return out
 
 
+def failure(e: BaseException) -> str:
+    """A failed row's or base's record: the exception's type and first line (the traceback goes to stderr)."""
+    traceback.print_exc()
+    return f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+
+
 def loss_of(model, blocks, a) -> float:
     """Mean token NLL (float32) = log of ``eval_qat.perplexity``."""
     return math.log(perplexity(model, blocks, a))
@@ -336,15 +343,21 @@ def run_base(cfg: dict, a, tok, pre_blocks, eval_blocks, variants: list[dict], e
     else:
         for v in variants:
             t1 = time.time()
-            q = quantize(base, v, cfg["hidden"])
-            loss = loss_of(q, eval_blocks, ev)
-            layers = quantized_layers(q)
-            del q
+            row = {**v, "group_size": "per_channel" if v["group"] == "ch" else
+                   cfg["hidden"] if v["group"] == "hidden" else v["group"],
+                   "eval_qat_flags": eval_qat_flags(cfg, a, v)}
+            try:
+                q = quantize(base, v, cfg["hidden"])
+                loss = loss_of(q, eval_blocks, ev)
+                layers = quantized_layers(q)
+                del q
+            except Exception as e:  # one variant that fails here (a kernel, a shape) must not end the sweep
+                rows.append({**row, "error": failure(e), "seconds": time.time() - t1})
+                log(f"{cfg['name']}: {v['name']}: {rows[-1]['error']}")
+                continue
             inc = (loss - held_out) / held_out
-            rows.append({**v, "group_size": "per_channel" if v["group"] == "ch" else
-                         cfg["hidden"] if v["group"] == "hidden" else v["group"], "loss": loss,
-                         "ptq_loss_increase": inc, "reaches_target": inc >= a.target, **layers,
-                         "eval_qat_flags": eval_qat_flags(cfg, a, v), "seconds": time.time() - t1})
+            rows.append({**row, "loss": loss, "ptq_loss_increase": inc, "reaches_target": inc >= a.target,
+                         **layers, "seconds": time.time() - t1})
             left = f"; float: {', '.join(layers['unquantized'])}" if layers["unquantized"] else ""
             log(f"{cfg['name']}: {v['name']}: loss {held_out:.4f} -> {loss:.4f} ({inc:+.2%}), "
                 f"{layers['quantized']} linears quantized{left}")
@@ -365,14 +378,19 @@ def write(bases: list[dict], info: dict, a, partial: bool) -> None:
     table = ["| base | held-out loss | train loss (gap) | epochs | tokens / param | lr | largest int4 PTQ increase | "
              f"variants >= {a.target:.0%} |", "|---|---|---|---|---|---|---|---|"]
     for b in bases:
-        rows = b["variants"]
+        if "error" in b:
+            table.append(f"| {b['name']} | {b['error']} |" + " |" * 6)
+            continue
+        rows = [r for r in b["variants"] if "error" not in r]
         worst = max(rows, key=lambda r: r["ptq_loss_increase"]) if rows else None
         table.append(f"| {b['name']} | {b['loss']['held_out']:.4f} | {b['loss']['train']:.4f} ({b['gap']:+.4f}) | "
                      f"{b['epochs']:.1f} | {b['tokens_per_param']:.2f} | {b['config']['lr']:g} | "
                      + (f"{worst['ptq_loss_increase']:+.2%} ({worst['name']}) | " if worst else
                         ("diverged | " if b.get("diverged") else "– | "))
-                     + f"{sum(r['reaches_target'] for r in rows)} of {len(rows)} |")
+                     + f"{sum(r['reaches_target'] for r in rows)} of {len(b['variants'])} |")
     for b in bases:
+        if "error" in b:
+            continue
         w = b["weights"]
         table += ["", f"**{b['name']}**: {b['config']['layers']} x "
                   f"{b['config']['hidden']}, MLP {b['config']['intermediate']}, batch {b['config']['batch']} x "
@@ -387,6 +405,9 @@ def write(bases: list[dict], info: dict, a, partial: bool) -> None:
                   "| PTQ variant | group | linears quantized | left in float | held-out loss | increase | eval_qat.py |",
                   "|---|---|---|---|---|---|---|"]
         for r in b["variants"]:
+            if "error" in r:
+                table.append(f"| {r['name']} | {r['group_size']} | | | | {r['error']} | {r['eval_qat_flags']} |")
+                continue
             inc = f"{r['ptq_loss_increase']:+.2%}"
             left = ", ".join(n.replace("model.layers.*.", "") for n in r["unquantized"]) or "–"
             table.append(f"| {r['name']} | {r['group_size']} | {r['quantized']} | {left} | {r['loss']:.4f} | "
@@ -472,7 +493,15 @@ def main():
             torch._dynamo.reset()  # a new shape: compile it afresh (not as dynamic shapes after a recompile)
         shape = new_shape
         t0 = time.time()
-        bases.append(run_base(cfg, a, tok, pre_blocks, eval_blocks, variants, est))
+        try:
+            bases.append(run_base(cfg, a, tok, pre_blocks, eval_blocks, variants, est))
+        except Exception as e:  # e.g. out of memory: the other bases still run
+            bases.append({"name": cfg["name"], "config": {k: cfg[k] for k in CONFIG_KEYS}, "error": failure(e),
+                          "estimate_h200_s": est, "seconds": time.time() - t0})
+            log(f"{cfg['name']}: {bases[-1]['error']}")
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         took[new_shape] = time.time() - t0
         if i + 1 < len(configs):
             write(bases, info, a, partial=True)

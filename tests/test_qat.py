@@ -551,3 +551,36 @@ def test_ptq_sensitivity_refuses_bad_specs_and_skips_past_the_deadline(tmp_path,
     for name in script.DEFAULT_CONFIGS.split(","):
         assert f"  {name} " in plan
     assert "total ~" in plan
+
+
+def test_ptq_sensitivity_records_a_failure_and_goes_on(tmp_path, monkeypatch):
+    """One device call runs the whole sweep: a variant that raises is an error row, a base that raises (out of
+    memory, say) an error record, and the rest still runs and is written."""
+    script = _eval_qat_script(monkeypatch, "ptq_sensitivity")
+    quantize, pretrain, calls = script.quantize, script.pretrain, []
+
+    def failing_quantize(base, variant, hidden):
+        if variant["group"] == "ch":
+            raise NotImplementedError("no per-channel kernel here\nsecond line")
+        return quantize(base, variant, hidden)
+
+    def failing_pretrain(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return pretrain(*args)
+
+    monkeypatch.setattr(script, "quantize", failing_quantize)
+    monkeypatch.setattr(script, "pretrain", failing_pretrain)
+    out, md = tmp_path / "ptq.json", tmp_path / "ptq.md"
+    monkeypatch.setattr(sys, "argv", ["ptq_sensitivity.py", *PTQ_SWEEP_TINY, "--json", str(out), "--markdown", str(md)])
+    script.main()
+    first, second = json.loads(out.read_text())["bases"]
+    assert first["error"] == "error: RuntimeError: CUDA out of memory (simulated)" and "variants" not in first
+    rows = {r["name"]: r for r in second["variants"]}
+    assert rows["int4_weight_only per-channel + LM head"]["error"] == (
+        "error: NotImplementedError: no per-channel kernel here")
+    assert "loss" not in rows["int4_weight_only per-channel + LM head"]
+    assert math.isfinite(rows["8da4w g32 + LM head"]["ptq_loss_increase"]) and len(rows) == 6
+    text = md.read_text()
+    assert "error: RuntimeError: CUDA out of memory (simulated)" in text and "no per-channel kernel here" in text
