@@ -9,7 +9,7 @@ adds only what it varies (benchmarks/README.md lists them).
 * a training step and its timing: :func:`train_step`, :func:`timed_steps`, :func:`median_ms`, :func:`graph_ms`,
   :func:`kernel_profile`;
 * records: :func:`run_worker` (one process per recipe, its ``RESULT`` line), :func:`save_json`,
-  :func:`write_results` (JSON + markdown, the commit named), :func:`error_cell`;
+  :func:`write_results` (JSON + markdown, the commit named; both through :func:`write_atomic`), :func:`error_cell`;
 * plots: :func:`bar_plot`, :func:`plot_results` (``python benchmarks/driver.py plot IN.json OUT.png``);
 * :func:`allow_fsdp_on_cpu`: FSDP2 in gloo CPU processes, for the CPU checks of the distributed paths.
 """
@@ -582,13 +582,30 @@ def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda") -> di
 
 
 # -------------------------------------------------------------------------------------------------------- records
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path``, its folder made, through a temporary sibling renamed into place: a process
+    killed mid-write (a device call's timeout) leaves the previous file or the new one whole, never half of it."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path) + ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open(path, "w") would make it (mkstemp makes it 0600)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def save_json(path: str | None, data, indent: int = 1) -> None:
-    """Write ``data`` to ``path`` (if any), its folder made; scripts rewrite it after every row, so a run cut short
-    keeps the rows it finished."""
+    """Write ``data`` to ``path`` (if any), its folder made, atomically (:func:`write_atomic`); scripts rewrite it
+    after every row, so a run cut short keeps the rows it finished."""
     if path:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(data, f, indent=indent)
+        write_atomic(path, json.dumps(data, indent=indent))
 
 
 def error_cell(error: str, n: int = 80) -> str:
@@ -614,7 +631,8 @@ def run_worker(cmd: list[str], label: dict, timeout: int, env: dict | None = Non
 
 def write_results(data: dict, table: list[str], header: str, json_path: str | None = None,
                   markdown_path: str | None = None) -> None:
-    """Print the markdown ``table``; write ``data`` as JSON and ``header`` + table as markdown if asked.
+    """Print the markdown ``table``; write ``data`` as JSON and ``header`` + table as markdown if asked (each
+    atomically: :func:`write_atomic`).
 
     ``data["meta"]["commit"]`` records the commit measured (:func:`git_commit`, unless the script set it); the
     markdown header names it too."""
@@ -623,13 +641,9 @@ def write_results(data: dict, table: list[str], header: str, json_path: str | No
     header = f"{header}, commit {meta['commit']}"
     print("\n".join(table))
     if json_path:
-        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(data, f, indent=1)
+        write_atomic(json_path, json.dumps(data, indent=1))
     if markdown_path:
-        os.makedirs(os.path.dirname(markdown_path) or ".", exist_ok=True)
-        with open(markdown_path, "w") as f:
-            f.write(header + "\n\n" + "\n".join(table) + "\n")
+        write_atomic(markdown_path, header + "\n\n" + "\n".join(table) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------------------- plots

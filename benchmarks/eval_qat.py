@@ -65,6 +65,14 @@ def log(msg: str) -> None:
     print(f"[{time.time() - _T0:6.0f} s] {msg}", flush=True)
 
 
+def batch_order(n_blocks: int, steps: int, batch: int, seed: int):
+    """The block indices of each of :func:`train`'s ``steps`` batches: ``batch`` drawn at random (with replacement)
+    from ``n_blocks``, by a generator seeded ``seed``."""
+    order = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield torch.randint(0, n_blocks, (batch,), generator=order)
+
+
 def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None) -> list[float]:
     """AdamW with warm-up + cosine, bf16 autocast, random batches drawn from ``seed`` (same for every run)."""
     fwd = model if fwd is None else fwd  # a compiled module has no truth value (no len)
@@ -72,11 +80,10 @@ def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None) -> list[
     warm = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / steps))))
-    order = torch.Generator().manual_seed(seed)
     losses = []
     model.train()
-    for _ in range(steps):
-        ids = blocks[torch.randint(0, blocks.shape[0], (a.batch,), generator=order)].to(a.device)
+    for idx in batch_order(blocks.shape[0], steps, a.batch, seed):
+        ids = blocks[idx].to(a.device)
         losses.append(train_step(model, [ids], opt, fwd=fwd, autocast=True, clip=1.0, sched=sched)[0].item())
     return losses
 
@@ -116,12 +123,59 @@ def spread(values: list[float]) -> dict:
     return {"mean": mean, "min": min(values), "max": max(values), "std": math.sqrt(var), "n": len(values)}
 
 
-def ptq(model, config: QATConfig):
-    """A converted copy of ``model`` (no training): torchao's quantization of its weights as they are."""
-    q = copy.deepcopy(model)
-    prepare_qat(q, config, include_lm_head=config.include_lm_head)
+def ptq(model, config: QATConfig, exclude: tuple[str, ...] = ("lm_head",), in_place: bool = False):
+    """A converted copy of ``model`` (no training): torchao's quantization of its weights as they are.
+
+    ``exclude``: module names or globs left as they are (the LM head is quantized anyway with
+    ``config.include_lm_head``); ``in_place``: convert ``model`` itself (several passes, e.g. one group size per
+    ``in_features``: ``benchmarks/ptq_sensitivity.py``'s per-channel rows)."""
+    q = model if in_place else copy.deepcopy(model)
+    prepare_qat(q, config, exclude=exclude, include_lm_head=config.include_lm_head)
     convert_qat(q, config)
     return q
+
+
+def add_corpus_flags(p: argparse.ArgumentParser) -> None:
+    """--corpus_packages, --corpus_cache, --corpus_only (:func:`load_corpus` reads them)."""
+    p.add_argument("--corpus_packages", default="",
+                   help="comma-separated installed packages whose docstrings join the corpus (e.g. "
+                        "torch,transformers,sympy,networkx,numpy, ~5.6M tokens: room for a larger model to train without "
+                        "repeating the text)")
+    p.add_argument("--corpus_cache", default=None, metavar="DIR",
+                   help="keep the tokenized corpus in DIR and reuse it (built once, e.g. on the CPU machine, and "
+                        "carried to the GPU: the package corpus takes minutes to build)")
+    p.add_argument("--corpus_only", action="store_true",
+                   help="build (or check) the --corpus_cache entry for these flags, then stop")
+
+
+def load_corpus(a):
+    """The corpus of the flags (``a.seq``, ``a.vocab``, ``a.seed``, ``a.max_docs`` and :func:`add_corpus_flags`'):
+    ``(tokenizer, train blocks, held-out blocks, its record)``, with a progress line; a package that is not installed
+    stops the run."""
+    try:
+        tok, train_blocks, eval_blocks, corpus = corpus_blocks(
+            a.seq, a.vocab, seed=a.seed, max_docs=a.max_docs,
+            packages=tuple(x for x in a.corpus_packages.split(",") if x), cache_dir=a.corpus_cache)
+    except ValueError as e:  # a package that is not installed
+        raise SystemExit(f"--corpus_packages: {e}") from None
+    log(f"corpus: {corpus['documents']} documents, {train_blocks.numel()} training and {eval_blocks.numel()} "
+        f"held-out tokens")
+    return tok, train_blocks, eval_blocks, corpus
+
+
+def halves(train_blocks):
+    """(pre-training blocks, fine-tuning blocks): disjoint halves of the training blocks."""
+    half = train_blocks.shape[0] // 2
+    return train_blocks[:half], train_blocks[half:]
+
+
+def pretrain(a, model_config, blocks, seed: int):
+    """A model of ``model_config`` seeded by ``seed``, pre-trained ``a.pretrain_steps`` steps at ``a.pretrain_lr``
+    on ``blocks`` (batches drawn from ``seed``; compiled with ``a.compile``): ``(model, its per-step losses)``."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_config(model_config).to(a.device)
+    losses = train(base, blocks, a, a.pretrain_steps, a.pretrain_lr, seed, torch.compile(base) if a.compile else None)
+    return base, losses
 
 
 def main():
@@ -134,15 +188,7 @@ def main():
     p.add_argument("--finetune_lr", type=float, default=3e-4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
-    p.add_argument("--corpus_packages", default="",
-                   help="comma-separated installed packages whose docstrings join the corpus (e.g. "
-                        "torch,transformers,sympy,networkx,numpy, ~5.6M tokens: room for a larger model to train without "
-                        "repeating the text)")
-    p.add_argument("--corpus_cache", default=None, metavar="DIR",
-                   help="keep the tokenized corpus in DIR and reuse it (built once, e.g. on the CPU machine, and "
-                        "carried to the GPU: the package corpus takes minutes to build)")
-    p.add_argument("--corpus_only", action="store_true",
-                   help="build (or check) the --corpus_cache entry for these flags, then stop")
+    add_corpus_flags(p)
     p.add_argument("--include_lm_head", action="store_true",
                    help="quantize the LM head too (PTQ and QAT): int4 everywhere but the input embedding")
     p.add_argument("--repeat_from", type=int, default=0, metavar="K",
@@ -165,21 +211,13 @@ def main():
     t0 = time.time()
     config = QATConfig(a.scheme, a.group_size, include_lm_head=a.include_lm_head)
 
-    try:
-        tok, train_blocks, eval_blocks, corpus = corpus_blocks(
-            a.seq, a.vocab, seed=a.seed, max_docs=a.max_docs,
-            packages=tuple(x for x in a.corpus_packages.split(",") if x), cache_dir=a.corpus_cache)
-    except ValueError as e:  # a package that is not installed
-        raise SystemExit(f"--corpus_packages: {e}") from None
-    log(f"corpus: {corpus['documents']} documents, {train_blocks.numel()} training and {eval_blocks.numel()} "
-        f"held-out tokens")
+    tok, train_blocks, eval_blocks, corpus = load_corpus(a)
     if a.corpus_only:
         return
     if a.eval_blocks:  # a smaller held-out set (smoke runs)
         eval_blocks = eval_blocks[: a.eval_blocks]
     # pretraining and fine-tuning see disjoint halves of the training blocks
-    half = train_blocks.shape[0] // 2
-    pre_blocks, ft_blocks = train_blocks[:half], train_blocks[half:]
+    pre_blocks, ft_blocks = halves(train_blocks)
 
     model_config = llama_config(a, len(tok))
     epochs = {"pretrain": a.pretrain_steps * a.batch / pre_blocks.shape[0],
@@ -292,10 +330,7 @@ def summarize(repeats: list[dict], info: dict, json_path: str | None, markdown_p
 
 def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blocks, seed: int) -> dict:
     """Pretrain a base from ``seed``, fine-tune it plain and with QAT on the same batches, evaluate all."""
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_config(model_config).to(a.device)
-    pre_losses = train(base, pre_blocks, a, a.pretrain_steps, a.pretrain_lr, seed,
-                       torch.compile(base) if a.compile else None)
+    base, pre_losses = pretrain(a, model_config, pre_blocks, seed)
     log(f"seed {seed}: pre-trained {a.pretrain_steps} steps, last loss {pre_losses[-1]:.3f}")
     rows = {"base bf16": perplexity(base, eval_blocks, a), "base PTQ": perplexity(ptq(base, config), eval_blocks, a)}
     log(f"seed {seed}: base perplexity {rows['base bf16']:.3f}, its PTQ {rows['base PTQ']:.3f}")

@@ -120,6 +120,31 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                             "and said so)", "seconds", [
         B + "eval_qat.py --merge $OUT/qat_ptq_hurts_h200_seed0.json $OUT/qat_ptq_hurts_h200_seed1.json "
         "$OUT/qat_ptq_hurts_h200_seed2.json --json $OUT/qat_ptq_hurts_h200.json --markdown $OUT/qat_ptq_hurts_h200.md"]),
+    "ptq_sensitivity": ("issue 26: where int4 PTQ hurts, to pick qat_ptq_hurts' setting from data: pretrain base models "
+                        "as eval_qat.py does (no fine-tuning, no QAT; the package corpus of qat_ptq_hurts, the same "
+                        ".corpus_cache entry: CORPUS_CACHE) and PTQ each 14 ways (int4_weight_only groups 32-256, "
+                        "= hidden and per channel, with and without the LM head; int4_tinygemm 64-256; 8da4w g256 and "
+                        "per channel); per base the held-out loss, its train / held-out gap, tokens per parameter, "
+                        "the weights' outliers, and per variant the PTQ'd loss and its increase. CONFIGS, in order: "
+                        "s6x512_lr1e-2, s6x512_lr3e-3 (6 x 512, MLP 1536, 27M params, 1500 steps of 32 x 256: ~4.8 "
+                        "epochs, 0.45 tokens/param; ~76 s each, FLOP-scaled, a low bound), m12x1024_lr8e-3, "
+                        "m12x1024_lr4e-3 (qat_ptq_hurts' 143M model, 1500 steps of 8 x 256, ~1.2 epochs; ~120 s each: "
+                        "its 83 s of compile + pretraining measured at c73fbe2, 36 s of PTQ rows), m12x1024_lr2e-3 "
+                        "(the 0.08% setting, as a control: --deadline_s skips it unless the others ran faster). "
+                        "A variant or base that fails is an error record, the rest runs; files rewritten after each "
+                        "base (meta.partial until the last). Carry the corpus (built on the CPU: ptq_sensitivity.py "
+                        "--corpus_only --corpus_packages torch,transformers,sympy,networkx,numpy --corpus_cache "
+                        ".corpus_cache --vocab 8192 --seq 256, the entry qat_ptq_hurts uses): built on the device it "
+                        "would take minutes of the call. EXTRA: more flags, last "
+                        "(a CPU dry run: EXTRA='--device cpu --override layers=1,hidden=64,intermediate=128,heads=4,"
+                        "kv_heads=2,batch=4,steps=3 --max_docs 300 --vocab 512 --eval_blocks 8 --deadline_s 0'). "
+                        "Not yet run on the H200", "~7 min (estimate: python benchmarks/ptq_sensitivity.py --plan "
+                        "--deadline_s 500), cut at 500 s by --deadline_s", [
+        "timeout 540 " + B + "ptq_sensitivity.py --compile --configs "
+        "${CONFIGS:-s6x512_lr1e-2,s6x512_lr3e-3,m12x1024_lr8e-3,m12x1024_lr4e-3,m12x1024_lr2e-3} --corpus_packages "
+        "torch,transformers,sympy,networkx,numpy --corpus_cache ${CORPUS_CACHE:-.corpus_cache} --vocab 8192 --seq 256 "
+        "--eval_blocks 512 --deadline_s 500 ${EXTRA:-} --json $OUT/ptq_sensitivity_h200.json "
+        "--markdown $OUT/ptq_sensitivity_h200.md 2>&1 | tee $OUT/ptq_sensitivity_h200.log"]),
     "serve_probe": ("issue 26: which of torchao 0.18's int4 / FP8 serving configs quantize and run (eager and "
                     "compiled) on this image, one small linear each, with the one-line reason for the others",
                     "1-2 min (estimate)", [

@@ -296,13 +296,14 @@ EVAL_QAT_TINY = ["--device", "cpu", "--layers", "1", "--hidden", "64", "--interm
                  "--vocab", "300", "--group_size", "32", "--eval_blocks", "8", "--include_lm_head"]
 
 
-def _eval_qat_script(monkeypatch):
-    """benchmarks/eval_qat.py as a module, its corpus cut to pydoc's topic pages to stay fast."""
+def _eval_qat_script(monkeypatch, name="eval_qat"):
+    """benchmarks/eval_qat.py (or another script ``name`` of benchmarks/) as a module, the corpus cut to pydoc's
+    topic pages to stay fast."""
     import importlib.util
 
     import pydoc_data.topics
 
-    spec = importlib.util.spec_from_file_location("eval_qat", os.path.join(ROOT, "benchmarks", "eval_qat.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     from benchmarks import corpus
@@ -418,3 +419,168 @@ def test_eval_qat_merge_of_single_seed_runs_is_the_multi_seed_run(tmp_path, monk
     (tmp_path / "other.json").write_text(json.dumps(other))
     assert "differs" in refused(tmp_path / "s0.json", tmp_path / "other.json")
     assert refused(tmp_path / "gone.json") == f"--merge: none of {tmp_path / 'gone.json'} exists"
+
+
+# benchmarks/ptq_sensitivity.py on EVAL_QAT_TINY's shapes: two presets cut to them, the PTQ variants of each kind
+PTQ_SWEEP_TINY = ["--device", "cpu", "--configs", "s6x512_lr1e-2,m12x1024_lr8e-3", "--override",
+                  "layers=1,hidden=64,intermediate=128,heads=4,kv_heads=2,batch=4,steps=3,lr=2e-3", "--vocab", "300",
+                  "--seq", "32", "--eval_blocks", "8", "--eval_batch", "4", "--variants",
+                  "8da4w:32,int4_weight_only:64:nohead,int4_weight_only:128,int4_weight_only:hidden,int4_weight_only:ch,"
+                  "int4_weight_only:ch:nohead,int4_tinygemm:32"]
+
+
+def test_ptq_sensitivity_sweep_on_cpu(tmp_path, monkeypatch, capsys):
+    """benchmarks/ptq_sensitivity.py end to end on tiny shapes: the records' structure and arithmetic (increase =
+    (PTQ - base) / base, per channel = one group per row of each layer, what stayed in float), a partial JSON after
+    each base but the last, int4_tinygemm skipped off CUDA with one line, and its base is eval_qat.py's base."""
+    script = _eval_qat_script(monkeypatch, "ptq_sensitivity")
+    out, md = tmp_path / "ptq.json", tmp_path / "ptq.md"
+    written = []  # (partial?, bases) of each write: partial ones after every base but the last
+    write_results = script.write_results
+
+    def keep(data, *args):
+        written.append((data["meta"]["partial"], [b["name"] for b in data["bases"]]))
+        write_results(data, *args)
+
+    monkeypatch.setattr(script, "write_results", keep)
+    monkeypatch.setattr(sys, "argv", ["ptq_sensitivity.py", *PTQ_SWEEP_TINY, "--json", str(out), "--markdown", str(md)])
+    script.main()
+    printed = capsys.readouterr().out
+    assert printed.count("skipping the int4_tinygemm rows: converts on a CUDA GPU only") == 1
+    data = json.loads(out.read_text())
+    names = [b["name"] for b in data["bases"]]
+    assert len(names) == 2 and names[0].startswith("s6x512_lr1e-2 (layers=1,")
+    assert written == [(True, names[:1]), (False, names)]
+    meta = data["meta"]
+    assert not meta["partial"] and meta["skipped"] == {"int4_tinygemm rows": "converts on a CUDA GPU only"}
+    linears = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj"]
+    for b in data["bases"]:
+        assert b["config"] == {"layers": 1, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "batch": 4,
+                               "steps": 3, "lr": 2e-3}
+        assert b["tokens"] == 3 * 4 * 32 and b["epochs"] == pytest.approx(b["tokens"] / meta["corpus"]["pretrain_tokens"])
+        assert b["tokens_per_param"] == b["tokens"] / b["params"] and b["vocab"] == 300
+        assert b["params"] == sum(p.numel() for p in _tiny_llama(script).parameters())
+        held_out, train = b["loss"]["held_out"], b["loss"]["train"]
+        assert 1 < held_out < 10 and 1 < train < 10 and b["gap"] == held_out - train
+        rows = {r["name"]: r for r in b["variants"]}
+        assert list(rows) == ["8da4w g32 + LM head", "int4_weight_only g64, LM head float",
+                              "int4_weight_only g128 + LM head", "int4_weight_only group = hidden + LM head",
+                              "int4_weight_only per-channel + LM head", "int4_weight_only per-channel, LM head float"]
+        for r in rows.values():
+            assert r["ptq_loss_increase"] == (r["loss"] - held_out) / held_out and math.isfinite(r["loss"])
+            assert r["reaches_target"] == (r["ptq_loss_increase"] >= 0.02)
+        # which linears each quantized, in groups of what (torchao's block_size, read back from the weights)
+        assert rows["8da4w g32 + LM head"]["group_sizes"] == {"64": [32], "128": [32]}
+        assert rows["8da4w g32 + LM head"]["quantized"] == 8 and rows["8da4w g32 + LM head"]["unquantized"] == []
+        g64 = rows["int4_weight_only g64, LM head float"]
+        assert (g64["quantized"], g64["unquantized"], g64["group_sizes"]) == (7, ["lm_head"], {"64": [64], "128": [64]})
+        g128 = rows["int4_weight_only g128 + LM head"]  # only down_proj's 128 inputs hold a group of 128
+        assert g128["quantized"] == 1 and g128["group_sizes"] == {"128": [128]}
+        assert g128["unquantized"] == [f"model.layers.*.{n}" for n in linears if n != "mlp.down_proj"] + ["lm_head"]
+        hidden = rows["int4_weight_only group = hidden + LM head"]
+        assert hidden["group_size"] == 64 and hidden["eval_qat_flags"] == (
+            "--scheme int4_weight_only --group_size 64 --include_lm_head")
+        for name, n in (("int4_weight_only per-channel + LM head", 8), ("int4_weight_only per-channel, LM head float", 7)):
+            ch = rows[name]  # per channel: each layer's group is its in_features
+            assert ch["group_size"] == "per_channel" and ch["quantized"] == n
+            assert ch["group_sizes"] == {"64": [64], "128": [128]}
+            assert ch["unquantized"] == ([] if n == 8 else ["lm_head"]) and ch["eval_qat_flags"].startswith("(per channel")
+        assert b["eval_qat_flags"] == ("--layers 1 --hidden 64 --intermediate 128 --heads 4 --kv_heads 2 --vocab 300 "
+                                       "--seq 32 --seed 0 --batch 4 --pretrain_steps 3 --pretrain_lr 0.002")
+        assert b["loss"]["train_blocks"] == 8  # 3 steps x 4 blocks: the first 8 distinct ones the batches drew
+    # the "train" loss is on blocks pretraining drew: the first distinct ones of eval_qat.train's batches
+    draws = [i for idx in script.batch_order(1000, 3, 4, 0) for i in idx.tolist()]
+    seen = script.seen_blocks(1000, {"steps": 3, "batch": 4}, 0, 8).tolist()
+    assert seen == list(dict.fromkeys(draws))[:8] and len(set(seen)) == 8
+    # the presets differ only in their rate, which the override sets alike: the same base twice
+    assert data["bases"][0]["loss"] == data["bases"][1]["loss"]
+    text = md.read_text()
+    assert "int4_weight_only per-channel + LM head" in text and "Not run: int4_tinygemm rows" in text
+
+    # the base and its PTQ are eval_qat.py's "base bf16" / "base PTQ" for the flags the row names
+    eval_qat = _eval_qat_script(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["eval_qat.py", *EVAL_QAT_TINY, "--json", str(tmp_path / "qat.json")])
+    eval_qat.main()
+    ppl = json.loads((tmp_path / "qat.json").read_text())["perplexity"]
+    base = data["bases"][0]
+    assert EVAL_QAT_TINY[EVAL_QAT_TINY.index("--pretrain_steps") + 1] == "3" and "--scheme" not in EVAL_QAT_TINY
+    assert base["loss"]["held_out"] == pytest.approx(math.log(ppl["base bf16"]), rel=1e-12)
+    assert base["variants"][0]["loss"] == pytest.approx(math.log(ppl["base PTQ"]), rel=1e-12)  # 8da4w g32 + LM head
+
+
+def _tiny_llama(script):
+    import argparse
+
+    from transformers import AutoModelForCausalLM
+
+    a = argparse.Namespace(layers=1, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=300, seq=32)
+    return AutoModelForCausalLM.from_config(script.llama_config(a))
+
+
+def test_ptq_sensitivity_refuses_bad_specs_and_skips_past_the_deadline(tmp_path, monkeypatch, capsys):
+    """Variants the schemes cannot convert are refused before anything runs; a base that would end past
+    --deadline_s is skipped and said so, the files written all the same; --plan prints the estimates."""
+    script = _eval_qat_script(monkeypatch, "ptq_sensitivity")
+    for spec, why in (("int4_tinygemm:ch", "no 'ch'"), ("int4_tinygemm:hidden", "no 'hidden'"),
+                      ("int4_tinygemm:512", "groups of 32, 64, 128, 256"), ("fp8_rowwise:32", "not int4"),
+                      ("int4_weight_only:big", "GROUP must be"), ("int4_weight_only:32:head", "SCHEME:GROUP")):
+        with pytest.raises(SystemExit, match=why):
+            script.parse_variant(spec)
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        script.parse_override("depth=3")
+    with pytest.raises(SystemExit, match="unknown configuration"):
+        script.parse_config("huge", {})
+    assert script.parse_variant("8da4w:ch") == {"name": "8da4w per-channel + LM head", "scheme": "8da4w",
+                                                "group": "ch", "include_lm_head": True}
+
+    out = tmp_path / "ptq.json"
+    monkeypatch.setattr(sys, "argv", ["ptq_sensitivity.py", *PTQ_SWEEP_TINY, "--deadline_s", "1e-9", "--json", str(out)])
+    script.main()
+    data = json.loads(out.read_text())
+    assert data["bases"] == [] and not data["meta"]["partial"]
+    skipped = data["meta"]["skipped"]
+    assert [k for k in skipped if k != "int4_tinygemm rows"] == [
+        "s6x512_lr1e-2 (layers=1,hidden=64,intermediate=128,heads=4,kv_heads=2,batch=4,steps=3,lr=0.002)",
+        "m12x1024_lr8e-3 (layers=1,hidden=64,intermediate=128,heads=4,kv_heads=2,batch=4,steps=3,lr=0.002)"]
+    assert all("past --deadline_s 1e-09" in why for k, why in skipped.items() if k != "int4_tinygemm rows")
+
+    monkeypatch.setattr(sys, "argv", ["ptq_sensitivity.py", "--plan", "--deadline_s", "500"])
+    script.main()
+    plan = capsys.readouterr().out
+    for name in script.DEFAULT_CONFIGS.split(","):
+        assert f"  {name} " in plan
+    assert "total ~" in plan
+
+
+def test_ptq_sensitivity_records_a_failure_and_goes_on(tmp_path, monkeypatch):
+    """One device call runs the whole sweep: a variant that raises is an error row, a base that raises (out of
+    memory, say) an error record, and the rest still runs and is written."""
+    script = _eval_qat_script(monkeypatch, "ptq_sensitivity")
+    quantize, pretrain, calls = script.quantize, script.pretrain, []
+
+    def failing_quantize(base, variant, hidden):
+        if variant["group"] == "ch":
+            raise NotImplementedError("no per-channel kernel here\nsecond line")
+        return quantize(base, variant, hidden)
+
+    def failing_pretrain(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return pretrain(*args)
+
+    monkeypatch.setattr(script, "quantize", failing_quantize)
+    monkeypatch.setattr(script, "pretrain", failing_pretrain)
+    out, md = tmp_path / "ptq.json", tmp_path / "ptq.md"
+    monkeypatch.setattr(sys, "argv", ["ptq_sensitivity.py", *PTQ_SWEEP_TINY, "--json", str(out), "--markdown", str(md)])
+    script.main()
+    first, second = json.loads(out.read_text())["bases"]
+    assert first["error"] == "error: RuntimeError: CUDA out of memory (simulated)" and "variants" not in first
+    rows = {r["name"]: r for r in second["variants"]}
+    assert rows["int4_weight_only per-channel + LM head"]["error"] == (
+        "error: NotImplementedError: no per-channel kernel here")
+    assert "loss" not in rows["int4_weight_only per-channel + LM head"]
+    assert math.isfinite(rows["8da4w g32 + LM head"]["ptq_loss_increase"]) and len(rows) == 6
+    text = md.read_text()
+    assert "error: RuntimeError: CUDA out of memory (simulated)" in text and "no per-channel kernel here" in text

@@ -573,7 +573,8 @@ def test_every_stage_command_runs_its_script_with_flags_it_has():
     env = {"OUT": "/tmp/out", "BLOCKS": "layers_b1", "BATCH": "1", "GA": "8", "GPUS": "1", "RECIPES": "bf16,int8",
            "MODES": "compiled", "CHECKPOINTS": "qat_int4_tinygemm", "TAG": "int4", "FIRST": "1",
            "SCHEME": "int4_tinygemm", "GROUP": "256", "PRETRAIN_LR": "2e-3", "FINETUNE_LR": "3e-4",
-           "CORPUS_CACHE": ".corpus_cache", "WORKERS": "8", "SWEEP": "--sweep"}
+           "CORPUS_CACHE": ".corpus_cache", "WORKERS": "8", "SWEEP": "--sweep", "CONFIGS": "s6x512_lr1e-2",
+           "EXTRA": "--device cpu --override layers=1,steps=3 --deadline_s 0"}
     checked = 0
     for stage, (_, _, commands) in STAGES.items():
         for command in commands:
@@ -644,3 +645,31 @@ def test_qat_ptq_hurts_merge_joins_what_the_seed_calls_write():
     assert merge[merge.index("--merge") + 1:merge.index("--json")] == written
     assert len(set(written)) == 3 and merge[merge.index("--json") + 1] not in written
     assert "FIRST=1 and FIRST=2" in STAGES["qat_ptq_hurts"][0]
+
+
+def test_ptq_sensitivity_stage_runs_the_default_configs_and_extra_comes_last():
+    """benchmarks/run.py: ptq_sensitivity runs the script's default configurations in its order (each named in the
+    description), compiled, with a deadline before its timeout; EXTRA's flags come after the ones they override
+    (the CPU dry run the description gives)."""
+    import shlex
+
+    from benchmarks.run import STAGES
+
+    what, _, (command,) = STAGES["ptq_sensitivity"]
+    command = command.split(" 2>&1 |")[0]
+    extra = "--device cpu --deadline_s 0 --eval_blocks 8 --vocab 512"
+    echo = subprocess.run(["bash", "-c", f"echo {command}"], capture_output=True, text=True, check=True,
+                          env={"PATH": os.environ["PATH"], "OUT": "/o", "EXTRA": extra})
+    words = shlex.split(echo.stdout)
+    assert words[:4] == ["timeout", "540", "python3", "benchmarks/ptq_sensitivity.py"]
+    script = os.path.join(ROOT, "benchmarks", "ptq_sensitivity.py")
+    parsed, unknown = _parsed_flags(script, words[4:])
+    assert not unknown and parsed.compile and parsed.device == "cpu" and parsed.deadline_s == 0
+    assert (parsed.eval_blocks, parsed.vocab) == (8, 512)
+    default, _ = _parsed_flags(script, [])
+    assert parsed.configs == default.configs and parsed.variants == default.variants
+    assert all(name in what for name in parsed.configs.split(","))
+    stage_default, _ = _parsed_flags(script, shlex.split(subprocess.run(
+        ["bash", "-c", f"echo {command}"], capture_output=True, text=True, check=True,
+        env={"PATH": os.environ["PATH"], "OUT": "/o"}).stdout)[4:])
+    assert stage_default.deadline_s and stage_default.deadline_s < 540 and stage_default.json == "/o/ptq_sensitivity_h200.json"
