@@ -65,19 +65,51 @@ def log(msg: str) -> None:
     print(f"[{time.time() - _T0:6.0f} s] {msg}", flush=True)
 
 
-def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None) -> list[float]:
-    """AdamW with warm-up + cosine, bf16 autocast, random batches drawn from ``seed`` (same for every run)."""
+def dynamo_counts() -> tuple[int, int]:
+    """(frames Dynamo has compiled, graph breaks it has met) so far in this process: recompiles count as frames."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"], sum(counters["graph_break"].values())
+
+
+def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None, label: str = "train",
+          stats: dict | None = None) -> list[float]:
+    """AdamW with warm-up + cosine, bf16 autocast, random batches drawn from ``seed`` (same for every run).
+
+    Logs one line for the phase (``label``): the first step's seconds (compile and autotuning included), the median
+    of the others, the frames Dynamo compiled in the first step and after it (recompiles), its graph breaks; the
+    same numbers go into ``stats`` if given. Each step ends with ``.item()`` on its loss, which waits for the device.
+    """
     fwd = model if fwd is None else fwd  # a compiled module has no truth value (no len)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     warm = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / steps))))
     order = torch.Generator().manual_seed(seed)
-    losses = []
+    losses, seconds = [], []
+    start, after_first = dynamo_counts(), None
     model.train()
     for _ in range(steps):
+        t = time.perf_counter()
         ids = blocks[torch.randint(0, blocks.shape[0], (a.batch,), generator=order)].to(a.device)
         losses.append(train_step(model, [ids], opt, fwd=fwd, autocast=True, clip=1.0, sched=sched)[0].item())
+        seconds.append(time.perf_counter() - t)
+        after_first = after_first or dynamo_counts()
+    end = dynamo_counts()
+    after_first = after_first or end
+    rest = sorted(seconds[1:])
+    out = {"first_step_s": seconds[0] if seconds else None, "step_s": rest[len(rest) // 2] if rest else None,
+           "frames_first_step": after_first[0] - start[0], "recompiles": end[0] - after_first[0],
+           "graph_breaks": end[1] - start[1]}
+    if stats is not None:
+        stats.update(out)
+    if steps:
+        from torch._inductor import config as inductor_config
+
+        tuning = ", Inductor coordinate-descent autotuning on" if inductor_config.coordinate_descent_tuning else ""
+        log(f"{label}: step 1 {out['first_step_s']:.1f} s, {out['frames_first_step']} frame(s) compiled; then "
+            + (f"{out['step_s'] * 1e3:.1f} ms/step (median of {len(rest)}); " if rest else "")
+            + f"{out['recompiles']} recompiles, {out['graph_breaks']} graph breaks{tuning}")
     return losses
 
 
@@ -295,7 +327,7 @@ def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blo
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_config(model_config).to(a.device)
     pre_losses = train(base, pre_blocks, a, a.pretrain_steps, a.pretrain_lr, seed,
-                       torch.compile(base) if a.compile else None)
+                       torch.compile(base) if a.compile else None, label=f"seed {seed}: pre-training")
     log(f"seed {seed}: pre-trained {a.pretrain_steps} steps, last loss {pre_losses[-1]:.3f}")
     rows = {"base bf16": perplexity(base, eval_blocks, a), "base PTQ": perplexity(ptq(base, config), eval_blocks, a)}
     log(f"seed {seed}: base perplexity {rows['base bf16']:.3f}, its PTQ {rows['base PTQ']:.3f}")
@@ -306,7 +338,7 @@ def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blo
             report = prepare_qat(model, config, include_lm_head=config.include_lm_head)
             print(report.summary(), flush=True)
         runs[kind] = train(model, ft_blocks, a, a.finetune_steps, a.finetune_lr, seed + 1,
-                           torch.compile(model) if a.compile else None)
+                           torch.compile(model) if a.compile else None, label=f"seed {seed}: fine-tuning ({kind})")
         log(f"seed {seed}: fine-tuned ({kind}) {a.finetune_steps} steps, last loss {runs[kind][-1]:.3f}")
         if kind == "bf16":
             rows["fine-tuned bf16"] = perplexity(model, eval_blocks, a)
