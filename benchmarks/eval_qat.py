@@ -73,18 +73,50 @@ def batch_order(n_blocks: int, steps: int, batch: int, seed: int):
         yield torch.randint(0, n_blocks, (batch,), generator=order)
 
 
-def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None) -> list[float]:
-    """AdamW with warm-up + cosine, bf16 autocast, random batches drawn from ``seed`` (same for every run)."""
+def dynamo_counts() -> tuple[int, int]:
+    """(frames Dynamo has compiled, graph breaks it has met) so far in this process: recompiles count as frames."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"], sum(counters["graph_break"].values())
+
+
+def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None, label: str = "train",
+          stats: dict | None = None) -> list[float]:
+    """AdamW with warm-up + cosine, bf16 autocast, random batches drawn from ``seed`` (same for every run).
+
+    Logs one line for the phase (``label``): the first step's seconds (compile and autotuning included), the median
+    of the others, the frames Dynamo compiled in the first step and after it (recompiles), its graph breaks; the
+    same numbers go into ``stats`` if given. Each step ends with ``.item()`` on its loss, which waits for the device.
+    """
     fwd = model if fwd is None else fwd  # a compiled module has no truth value (no len)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     warm = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / steps))))
-    losses = []
+    losses, seconds = [], []
+    start, after_first = dynamo_counts(), None
     model.train()
     for idx in batch_order(blocks.shape[0], steps, a.batch, seed):
+        t = time.perf_counter()
         ids = blocks[idx].to(a.device)
         losses.append(train_step(model, [ids], opt, fwd=fwd, autocast=True, clip=1.0, sched=sched)[0].item())
+        seconds.append(time.perf_counter() - t)
+        after_first = after_first or dynamo_counts()
+    end = dynamo_counts()
+    after_first = after_first or end
+    rest = sorted(seconds[1:])
+    out = {"first_step_s": seconds[0] if seconds else None, "step_s": rest[len(rest) // 2] if rest else None,
+           "frames_first_step": after_first[0] - start[0], "recompiles": end[0] - after_first[0],
+           "graph_breaks": end[1] - start[1]}
+    if stats is not None:
+        stats.update(out)
+    if steps:
+        from torch._inductor import config as inductor_config
+
+        tuning = ", Inductor coordinate-descent autotuning on" if inductor_config.coordinate_descent_tuning else ""
+        log(f"{label}: step 1 {out['first_step_s']:.1f} s, {out['frames_first_step']} frame(s) compiled; then "
+            + (f"{out['step_s'] * 1e3:.1f} ms/step (median of {len(rest)}); " if rest else "")
+            + f"{out['recompiles']} recompiles, {out['graph_breaks']} graph breaks{tuning}")
     return losses
 
 
@@ -169,12 +201,13 @@ def halves(train_blocks):
     return train_blocks[:half], train_blocks[half:]
 
 
-def pretrain(a, model_config, blocks, seed: int):
+def pretrain(a, model_config, blocks, seed: int, label: str = "pre-training", stats: dict | None = None):
     """A model of ``model_config`` seeded by ``seed``, pre-trained ``a.pretrain_steps`` steps at ``a.pretrain_lr``
     on ``blocks`` (batches drawn from ``seed``; compiled with ``a.compile``): ``(model, its per-step losses)``."""
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_config(model_config).to(a.device)
-    losses = train(base, blocks, a, a.pretrain_steps, a.pretrain_lr, seed, torch.compile(base) if a.compile else None)
+    losses = train(base, blocks, a, a.pretrain_steps, a.pretrain_lr, seed, torch.compile(base) if a.compile else None,
+                   label=label, stats=stats)
     return base, losses
 
 
@@ -330,7 +363,7 @@ def summarize(repeats: list[dict], info: dict, json_path: str | None, markdown_p
 
 def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blocks, seed: int) -> dict:
     """Pretrain a base from ``seed``, fine-tune it plain and with QAT on the same batches, evaluate all."""
-    base, pre_losses = pretrain(a, model_config, pre_blocks, seed)
+    base, pre_losses = pretrain(a, model_config, pre_blocks, seed, label=f"seed {seed}: pre-training")
     log(f"seed {seed}: pre-trained {a.pretrain_steps} steps, last loss {pre_losses[-1]:.3f}")
     rows = {"base bf16": perplexity(base, eval_blocks, a), "base PTQ": perplexity(ptq(base, config), eval_blocks, a)}
     log(f"seed {seed}: base perplexity {rows['base bf16']:.3f}, its PTQ {rows['base PTQ']:.3f}")
@@ -341,7 +374,7 @@ def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blo
             report = prepare_qat(model, config, include_lm_head=config.include_lm_head)
             print(report.summary(), flush=True)
         runs[kind] = train(model, ft_blocks, a, a.finetune_steps, a.finetune_lr, seed + 1,
-                           torch.compile(model) if a.compile else None)
+                           torch.compile(model) if a.compile else None, label=f"seed {seed}: fine-tuning ({kind})")
         log(f"seed {seed}: fine-tuned ({kind}) {a.finetune_steps} steps, last loss {runs[kind][-1]:.3f}")
         if kind == "bf16":
             rows["fine-tuned bf16"] = perplexity(model, eval_blocks, a)

@@ -354,6 +354,29 @@ def test_eval_qat_smoke(tmp_path, monkeypatch, capsys):
     assert data["meta"]["config"]["include_lm_head"]
 
 
+@pytest.mark.parametrize("scheme", ["int4_tinygemm", "8da4w"])
+def test_eval_qat_compiled_qat_fine_tune_compiles_once(scheme, monkeypatch, capsys):
+    """Issue 26: eval_qat.py's --compile fine-tune of a QAT Llama with the LM head quantized too (the whole model
+    compiled, each QAT linear in its selective checkpoint): one frame compiled in the first step, no recompile over
+    the later ones (LR schedule, optimizer state, step counters), no graph break, and the phase's log line says so.
+    Dynamo's counters, not timings; aot_eager keeps it short (Dynamo's guards and breaks are the backend's input)."""
+    import argparse
+
+    script = _eval_qat_script(monkeypatch)
+    model = tiny_model()
+    report = prepare_qat(model, QATConfig(scheme, 32), include_lm_head=True)
+    assert "lm_head" in report.summary()
+    blocks = torch.randint(0, model.config.vocab_size, (16, 16), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    stats = {}
+    losses = script.train(model, blocks, argparse.Namespace(batch=2, device="cpu"), 5, 1e-3, 0,
+                          torch.compile(model, backend="aot_eager"), label="qat", stats=stats)
+    assert len(losses) == 5 and all(math.isfinite(v) for v in losses)
+    assert (stats["frames_first_step"], stats["recompiles"], stats["graph_breaks"]) == (1, 0, 0)
+    assert "qat: step 1 " in capsys.readouterr().out
+    torch._dynamo.reset()
+
+
 def test_eval_qat_merge_of_single_seed_runs_is_the_multi_seed_run(tmp_path, monkeypatch, capsys):
     """Seeds run in separate calls (--repeats 1 --repeat_from K) and joined by --merge give what one --repeats 2 run
     writes, bit for bit (the CPU runs are deterministic): files in any order, a missing one left out, a partial one

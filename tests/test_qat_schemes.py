@@ -7,6 +7,7 @@ hardware gate lifted at convert only: the fresh process that loads and generates
 ``_scaled_mm``). The convert -> export -> load -> generate path of both schemes on a GPU: the ``cuda`` tests.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -227,6 +228,34 @@ def test_gpu_scheme_convert_without_a_gpu_is_one_line_and_leaves_the_model(monke
             convert_qat(model, QATConfig(scheme, 32))
         assert "\n" not in str(e.value)
         assert isinstance(model.model.layers[0].mlp.up_proj, QATLinear)  # nothing was converted
+
+
+_AUTOTUNE_SETTINGS = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions",
+                      "force_fuse_int_mm_with_mul")
+
+
+@pytest.mark.parametrize("scheme", ["int4_tinygemm", "fp8_rowwise"])
+def test_gpu_scheme_convert_leaves_inductor_settings_alone(scheme, monkeypatch):
+    """Issue 26: torchao's int4 and FP8 transforms turn on coordinate-descent autotuning of every Triton kernel the
+    process compiles afterwards (``set_inductor_config=True``, their default); eval_qat.py's PTQ baseline then made
+    the QAT fine-tune's compile autotune every kernel (365 s for 300 steps on the H200, bf16 8 s). convert_qat turns
+    it off. On the CPU: the GPU gates lifted, tinygemm's CUDA packing replaced by the identity."""
+    import torch._inductor.config as inductor_config
+    import torchao.quantization.quant_api as quant_api
+
+    import hf_lowbit.qat.linear as qat
+
+    monkeypatch.setattr(qat, "cuda_capability_problem", lambda scheme, device=None: None)
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    monkeypatch.setitem(qat.QAT_SCHEMES, "int4_tinygemm",
+                        dataclasses.replace(qat.QAT_SCHEMES["int4_tinygemm"], convert_on_cuda=False))
+    monkeypatch.setattr(quant_api, "_int4_weight_only_quantize_tensor", lambda weight, config: weight)
+    model = tiny_model()
+    prepare_qat(model, QATConfig(scheme, 32))
+    with inductor_config.patch({k: False for k in _AUTOTUNE_SETTINGS}):  # restored on exit whatever happens
+        convert_qat(model, QATConfig(scheme, 32))
+        assert {k: getattr(inductor_config, k) for k in _AUTOTUNE_SETTINGS} == {k: False for k in _AUTOTUNE_SETTINGS}
+    assert not isinstance(model.model.layers[0].mlp.up_proj, QATLinear)  # it did convert
 
 
 def _args(tmp_path, **kw):

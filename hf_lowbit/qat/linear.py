@@ -30,7 +30,7 @@ also recognized by :func:`set_fake_quant_enabled` and :func:`convert_qat`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from functools import partial
 from typing import Callable
 
@@ -398,6 +398,22 @@ def cuda_capability_problem(scheme: str, device: torch.device | str | None = Non
     return None
 
 
+def _without_inductor_settings(base):
+    """torchao's PTQ config ``base`` with ``set_inductor_config`` off, where it has that field.
+
+    torchao's int4 (``Int4WeightOnlyConfig``) and FP8 transforms otherwise call
+    ``recommended_inductor_config_setter()`` on every layer they quantize, which turns on, for the whole process
+    and for good, Inductor's coordinate-descent autotuning of every Triton kernel compiled afterwards
+    (``coordinate_descent_tuning``, ``coordinate_descent_check_all_directions``; also
+    ``force_fuse_int_mm_with_mul``). A training graph compiled after a convert in the same process (a PTQ
+    baseline before a QAT fine-tune, as ``benchmarks/eval_qat.py`` does) then spends minutes autotuning
+    each of its kernels in its first step (issue 26).
+    """
+    if is_dataclass(base) and any(f.name == "set_inductor_config" for f in fields(base)):
+        return replace(base, set_inductor_config=False)
+    return base
+
+
 def convert_qat(model: nn.Module, config: QATConfig) -> list[str]:
     """Replace every fake-quantized linear of ``model`` by an ``nn.Linear`` with a torchao quantized weight.
 
@@ -407,7 +423,9 @@ def convert_qat(model: nn.Module, config: QATConfig) -> list[str]:
     only). GPU schemes convert only in a process with a GPU that runs them (torchao's FP8 convert checks the
     current GPU; tinygemm's packing is a CUDA op): a layer held elsewhere is packed on the current CUDA device
     and moved back, so a CPU copy (the distributed export's) converts too. Without such a GPU this raises
-    before touching the model.
+    before touching the model. Converting leaves the process's Inductor settings as they were (torchao's
+    ``set_inductor_config`` is turned off, see :func:`_without_inductor_settings`): for torchao's recommended
+    serving settings call ``torchao.quantization.utils.recommended_inductor_config_setter()`` yourself.
     """
     from torchao.quantization import quantize_
 
@@ -418,7 +436,7 @@ def convert_qat(model: nn.Module, config: QATConfig) -> list[str]:
                            f"export on the GPU that will serve it ({spec.runtime.split(':')[0]})")
     fq_types = _torchao_fake_quantized_types()
     names = [n for n, m in model.named_modules() if isinstance(m, (QATLinear, *fq_types))]
-    base = config.base_config()
+    base = _without_inductor_settings(config.base_config())
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
