@@ -31,11 +31,26 @@ FP8_MAX = 448.0
 MAX_GEMV_M = 16  # rows the decode kernel takes (triton_fp8_gemv.MAX_M)
 
 
+def _round_to(v: Tensor, dtype: torch.dtype) -> Tensor:
+    """float32 ``v`` rounded to ``dtype`` (nearest, ties to even), as float32: what eager bf16/fp16 arithmetic does
+    (computed in float32, rounded). bf16 by its bits: Inductor computes bf16 arithmetic in float32 and folds an
+    explicit ``.to(bfloat16).float()`` away (``emulate_precision_casts`` is off by default), so compiled, torchao's
+    own scale is not its eager one; the bits keep this one the eager value, compiled or not, on every device, the
+    value the Triton kernels compute. (fp16 by the cast: compiled, it may be folded the same way.)"""
+    if dtype == torch.bfloat16:
+        bits = v.view(torch.int32)  # v >= 0 here: the sign bit is 0
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -0x10000
+        return bits.view(torch.float32)
+    if dtype == torch.float32:
+        return v
+    return v.to(dtype).float()
+
+
 def quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """torchao's row-wise activation quantization of ``x`` [..., K]: ``(codes e4m3, scale float32 [...])``; an
     all-zero row gets scale 1 (codes 0) instead of torchao's NaN. Plain torch: Inductor fuses it."""
     amax = x.abs().amax(-1)
-    scale = (amax / FP8_MAX).float()  # divided in x's dtype, as _choose_scale_float8
+    scale = _round_to(amax.float() / FP8_MAX, x.dtype)  # divided in x's dtype, as _choose_scale_float8
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = (x.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale

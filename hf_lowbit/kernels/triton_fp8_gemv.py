@@ -56,6 +56,23 @@ TARGET_PROGRAMS = 264  # two per SM on the H200 (132 SMs)
 
 
 @triton.jit
+def _round_bf16(v):
+    """float32 ``v`` rounded to the nearest bf16 (ties to even), as float32: by its bits, exact on a GPU and in the
+    interpreter, whose float32 -> bf16 casts truncate (Triton 3.6)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_out(v, out_ptr, SOFT: tl.constexpr):
+    """float32 ``v`` cast to the output's dtype, nearest (bf16 rounded by its bits first under ``SOFT``)."""
+    if SOFT and out_ptr.dtype.element_ty == tl.bfloat16:
+        v = _round_bf16(v)
+    return v.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _row_scale(x_ptr, stride_xm, stride_xk, offs_m, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """float32 scales of rows ``offs_m`` of x: amax(|x|)/448 rounded to x's dtype (torchao), 0 -> 1."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -67,11 +84,9 @@ def _row_scale(x_ptr, stride_xm, stride_xk, offs_m, M, K, BLOCK_M: tl.constexpr,
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
     scale = tl.math.div_rn(amax, FP8_MAX)
     # torchao divides in x's dtype: the float32 quotient rounded to it (nearest, ties to even). bf16 by its bits
-    # (the interpreter's float32 -> bf16 cast rounds ties up and drops the carry, Triton 3.6); fp16 by the cast
+    # (the interpreter's float32 -> bf16 casts do not round to nearest, Triton 3.6); fp16 by the cast
     if x_ptr.dtype.element_ty == tl.bfloat16:
-        bits = scale.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        scale = bits.to(tl.float32, bitcast=True)
+        scale = _round_bf16(scale)
     elif x_ptr.dtype.element_ty == tl.float16:
         scale = scale.to(tl.float16).to(tl.float32)
     return tl.where(scale == 0.0, 1.0, scale)
@@ -93,7 +108,8 @@ def _encode(x, scale, SOFT: tl.constexpr):
         inv = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
         r = y * inv  # exact (a power of two), |r| < 16
         r = (r + 12582912.0) - 12582912.0  # to an integer, ties to even (1.5 * 2^23)
-        return r * step
+        v = r * step
+        return tl.where(v == 0.0, y * 0.0, v)  # keep the sign of a value that rounds to zero (-0 has its code)
     return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
@@ -160,14 +176,14 @@ def _fp8_gemv_kernel(
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on,
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+                 _to_out(out, out_ptr, SOFT), mask=mask)
     else:  # the split's float32 partial: ws [SPLIT_K, M, N]
         tl.store(ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], out, mask=mask)
 
 
 @triton.jit
 def _split_k_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_on,
-                           HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SOFT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat index m * N + n
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -176,7 +192,7 @@ def _split_k_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_on
     m, n = offs // N, offs % N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + m * stride_om + n * stride_on, _to_out(acc, out_ptr, SOFT), mask=mask)
 
 
 def _tiles():
@@ -249,5 +265,5 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     if split > 1:
         block = 1024 if not _INTERPRET else 64
         wrap_triton(_split_k_reduce_kernel)[(triton.cdiv(M * N, block),)](
-            ws, bias_, out, M, N, out.stride(0), out.stride(1), HAS_BIAS=has_bias, SPLIT_K=split, BLOCK=block)
+            ws, bias_, out, M, N, out.stride(0), out.stride(1), HAS_BIAS=has_bias, SPLIT_K=split, SOFT=_soft(soft), BLOCK=block)
     return out
