@@ -149,3 +149,23 @@ def test_op_cuda_paths_match_reference(M):
     compiled = torch.compile(fp8_rowwise_linear, fullgraph=True)(x, w, s, b).float()
     assert ((compiled - ref).norm() / ref.norm()).item() < 4e-3
     torch._dynamo.reset()
+
+
+def test_benchmark_fp8_gemv_on_cpu(tmp_path):
+    """benchmarks/benchmark_fp8_gemv.py --device cpu on tiny shapes: the JSON's structure (no timings asserted)."""
+    import json
+
+    from benchmarks.benchmark_fp8_gemv import CPU_SHAPES, main
+
+    main(["--device", "cpu", "--rows", "1,3", "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")])
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert {"commit", "gpu", "torch"} <= set(data["meta"])
+    rows = data["rows"]
+    assert len(rows) == len(CPU_SHAPES) * 2 * 4  # shapes x M x (gemv, gemv_alt_amax, scaled_mm, bf16)
+    assert {r["method"] for r in rows} == {"gemv", "gemv_alt_amax", "scaled_mm", "bf16"}
+    for r in rows:
+        assert set(r) == {"shape", "m", "method", "us", "gb_s", "weight_bytes", "timing", "rel_err_gemv_vs_scaled_mm"}
+        assert r["weight_bytes"] == r["shape"][0] * r["shape"][1] * (2 if r["method"] == "bf16" else 1)
+        assert r["us"] > 0 and r["rel_err_gemv_vs_scaled_mm"] < 1e-2
+    md = (tmp_path / "r.md").read_text()
+    assert "gemv µs (GB/s)" in md and "| 48 x 64 | 3 |" in md
