@@ -18,7 +18,8 @@ captured, said in the row's ``timing``) of:
 * ``bf16``: ``F.linear`` on the bf16 weight.
 
 GB/s counts the weight's bytes only (1 a weight for FP8, 2 for bf16): the traffic that bounds a decode step (H200:
-~4.8 TB/s). Each row records the GEMV's error against ``scaled_mm`` (relative Frobenius norm). ``--device cpu``
+~4.8 TB/s). ``--sweep`` adds the GEMV at other tiles (``SWEEP``; ``gemv_{BLOCK_N}x{BLOCK_K}_w{warps}_s{stages}``).
+Each row records the GEMV's error against ``scaled_mm`` (relative Frobenius norm). ``--device cpu``
 smoke-tests the script on tiny shapes (the op's CPU reference in place of the kernel; wall-clock times mean nothing).
 """
 
@@ -47,7 +48,11 @@ def _torchao_weight(w):
     return lin.weight
 
 
-def bench(shapes, rows_m, device: str) -> list[dict]:
+# --sweep: (BLOCK_N, BLOCK_K, num_warps, num_stages) beside the H200 default (64, 256, 4, 4)
+SWEEP = ((32, 256, 4, 4), (64, 128, 4, 4), (64, 512, 4, 3), (128, 256, 8, 3), (32, 512, 4, 4), (16, 512, 2, 4))
+
+
+def bench(shapes, rows_m, device: str, sweep: bool = False) -> list[dict]:
     import torch
     import torch.nn.functional as F
     from torch._library.triton import set_wrap_triton_enabled
@@ -110,12 +115,21 @@ def bench(shapes, rows_m, device: str) -> list[dict]:
                      "bf16": (lambda: F.linear(x, w), 2 * n * k)}
             if wt is not None:
                 cases["torchao"] = (lambda: F.linear(x, wt), n * k)
+            if sweep and device == "cuda":  # each tile config with the split-K heuristic for its BLOCK_N
+                for bn, bk, nw, ns in SWEEP:
+                    cases[f"gemv_{bn}x{bk}_w{nw}_s{ns}"] = (
+                        lambda bn=bn, bk=bk, nw=nw, ns=ns: fp8_gemv_triton(
+                            x, q_w, s_w, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns), n * k)
             ref = scaled_mm(x, q_w, s_w).float()
             got = fp8_gemv_triton(x, q_w, s_w).float()
             err = ((got - ref).norm() / ref.norm().clamp(min=1e-30)).item()
             for name, (fn, nbytes) in cases.items():
-                with set_wrap_triton_enabled(False):  # launch the kernels directly, as Inductor's code does
-                    us, how = timed(fn)
+                try:
+                    with set_wrap_triton_enabled(False):  # launch the kernels directly, as Inductor's code does
+                        us, how = timed(fn)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile or fit: said, not fatal
+                    print(f"  {name} {n}x{k} M={m}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
                 rows.append({"shape": [n, k], "m": m, "method": name, "us": us, "gb_s": nbytes / us / 1e3,
                              "weight_bytes": nbytes, "timing": how, "rel_err_gemv_vs_scaled_mm": err})
                 print(rows[-1], flush=True)
@@ -139,6 +153,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the script)")
     p.add_argument("--rows", default=",".join(map(str, ROWS)), help="activation rows M, comma-separated (<= 16)")
+    p.add_argument("--sweep", action="store_true", help="also time the GEMV at the SWEEP tile configs")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)
@@ -151,7 +166,7 @@ def main(argv=None):
     rows_m = [int(m) for m in a.rows.split(",")]
     if any(not 1 <= m <= 16 for m in rows_m):
         raise SystemExit("--rows: the decode kernel takes 1..16 rows")
-    rows = bench(SHAPES if a.device == "cuda" else CPU_SHAPES, rows_m, a.device)
+    rows = bench(SHAPES if a.device == "cuda" else CPU_SHAPES, rows_m, a.device, a.sweep)
     info = meta(a.device)
     write_results({"meta": info, "rows": rows}, table(rows),
                   f"FP8 row-wise decode linear, {info['gpu']}, torch {info['torch']}", a.json, a.markdown)
