@@ -679,7 +679,16 @@ MODES = {
     "int4": lambda: ("checked", check_int4("cpu"), "int4 dequantizations and matmuls"),
     "stochastic_saturates": lambda: ("checked", check_quantize_t_stochastic_saturates("cpu"),
                                      "saturating stochastic quantizations"),
+    "fp8_gemv": lambda: _fp8_gemv_mode(),
 }
+
+
+def _fp8_gemv_mode():
+    """The FP8 decode GEMV's checks (tests/_fp8_gemv_checks.py; imported here: it needs torchao)."""
+    from _fp8_gemv_checks import check_fp8_act_quant, check_fp8_gemv
+
+    return "checked", check_fp8_act_quant("cpu"), "FP8 activation quantizations and", check_fp8_gemv("cpu"), \
+        "FP8 GEMVs"
 END = "@@ end of mode:"  # serve(): the line after each mode's output, then ok or failed
 
 

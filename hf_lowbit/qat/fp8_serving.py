@@ -1,0 +1,111 @@
+"""Serving an ``fp8_rowwise`` export with our own decode kernel: :func:`use_fp8_kernels`.
+
+    model = AutoModelForCausalLM.from_pretrained(export_dir, device_map="cuda")
+    use_fp8_kernels(model)  # every row-wise Float8Tensor linear -> Fp8ServingLinear
+    model.generate(ids, cache_implementation="static", compile_config=serving_compile_config(), ...)
+
+:class:`Fp8ServingLinear` holds the weight torchao loaded (``Float8Tensor``: e4m3 codes ``qdata`` [N, K] and float32
+row scales ``scale`` [N, 1]) as plain buffers, the same bytes, and calls ``hf_lowbit::fp8_rowwise_linear``
+(:mod:`hf_lowbit.kernels.fp8_gemv`): the Triton GEMV at decode (M ≤ 16 rows: activation quantized inside the
+kernel, the fp8 weight streamed once), ``torch._scaled_mm`` at prefill as the export runs it. Same arithmetic as
+torchao's linear (the activation codes bit for bit, float32 sums), except that an all-zero activation row gives the
+bias where torchao's gives NaN. Plain buffers also take the tensor-subclass flattening out of every compiled call
+(what :func:`hf_lowbit.qat.serving.unwrap_quantized_weights` does for the weights this does not swap).
+
+Not measured on a GPU yet (docs/qat.md § Serving, "Our FP8 decode kernel").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.fp8_gemv import fp8_rowwise_linear
+
+__all__ = ["Fp8ServingLinear", "fp8_serving_problem", "use_fp8_kernels"]
+
+
+class Fp8ServingLinear(nn.Module):
+    """``y = fp8_rowwise_linear(x, codes, scale, bias)`` over the last dim of ``x``; codes ``[N, K]`` e4m3 (K
+    contiguous), scales ``[N]`` float32, bias ``[N]`` or None, all buffers (saved in a state dict, moved by
+    ``.to(device)``, never trained)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if codes.dim() != 2 or codes.dtype != torch.float8_e4m3fn or scale.numel() != codes.shape[0]:
+            raise ValueError(f"Fp8ServingLinear: codes [N, K] float8_e4m3fn and N scales, got {codes.dtype} "
+                             f"{tuple(codes.shape)} and {scale.numel()} scales")
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("weight_codes", codes.contiguous())
+        self.register_buffer("weight_scale", scale.detach().reshape(-1).float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8ServingLinear:
+        """From an ``nn.Linear`` whose weight is a row-wise torchao ``Float8Tensor`` (:func:`fp8_serving_problem`
+        says why not otherwise): its ``qdata`` and ``scale`` as they are, no copy where already contiguous."""
+        problem = fp8_serving_problem(linear)
+        if problem:
+            raise ValueError(f"Fp8ServingLinear.from_linear: {problem}")
+        w = linear.weight
+        return cls(w.qdata, w.scale, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = fp8_rowwise_linear(x.reshape(-1, self.in_features), self.weight_codes, self.weight_scale, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def fp8_serving_problem(module: nn.Module) -> str:
+    """Why ``module`` cannot become an :class:`Fp8ServingLinear` (one line), or "" when it can: an ``nn.Linear``
+    whose weight is torchao's ``Float8Tensor`` with e4m3 codes, one scale per weight row, and row-wise e4m3
+    activation quantization without bounds (``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``)."""
+    if not isinstance(module, nn.Linear):
+        return f"not an nn.Linear ({type(module).__name__})"
+    w = module.weight
+    kind = type(w).__name__
+    if kind != "Float8Tensor":
+        return f"weight is {kind}, not a torchao Float8Tensor"
+    N, K = w.shape
+    if w.qdata.dtype != torch.float8_e4m3fn or w.qdata.dim() != 2:
+        return f"Float8Tensor codes are {w.qdata.dtype} {w.qdata.dim()}-D, not 2-D float8_e4m3fn"
+    if w.scale.numel() == 1:
+        return "tensor-wise scales (one for the whole weight), not row-wise"
+    if list(w.block_size or []) != [1, K] or w.scale.numel() != N:
+        return f"scales per block {w.block_size}, not per row [1, {K}]"
+    act = w.act_quant_kwargs
+    if act is None:
+        return "weight-only FP8 (no activation quantization)"
+    if type(act.granularity).__name__ != "PerRow" or act.float8_dtype != torch.float8_e4m3fn:
+        return f"activation quantized {type(act.granularity).__name__} {act.float8_dtype}, not per-row e4m3"
+    if act.hp_value_lb is not None or act.hp_value_ub is not None:
+        return f"activation scale bounds ({act.hp_value_lb}, {act.hp_value_ub}) not implemented"
+    return ""
+
+
+def use_fp8_kernels(model: nn.Module, verbose: bool = True) -> dict[str, str]:
+    """Swap every ``nn.Linear`` of ``model`` whose weight is a row-wise torchao ``Float8Tensor`` for an
+    :class:`Fp8ServingLinear` (in place). Returns ``{name: ""}`` for each linear swapped and ``{name: reason}``
+    for each one left as it is (plain weights, tensor-wise scales, other torchao types); ``verbose`` prints a
+    summary and one line per linear skipped. Call after loading and before compiling."""
+    report = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        problem = fp8_serving_problem(module) or ("" if name else "the model itself (swap it by hand)")
+        report[name] = problem
+        if problem:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Fp8ServingLinear.from_linear(module))
+    if verbose:
+        swapped = [n for n, p in report.items() if not p]
+        print(f"use_fp8_kernels: {len(swapped)} linear(s) now run hf_lowbit::fp8_rowwise_linear, "
+              f"{len(report) - len(swapped)} left as they are")
+        for name, problem in report.items():
+            if problem:
+                print(f"  skipped {name}: {problem}")
+    return report

@@ -1,0 +1,144 @@
+"""Checks of the FP8 decode GEMV (:mod:`hf_lowbit.kernels.triton_fp8_gemv`) against torchao's quantization and the
+float32 reference, for the device they run on: interpreted on a CPU (``_triton_checks.py``'s ``fp8_gemv`` mode,
+TRITON_INTERPRET=1), compiled on CUDA (the tests call these functions directly)."""
+
+import torch
+from _triton_checks import PoisonedAllocations, _poison_works
+from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
+
+from hf_lowbit.kernels.fp8_gemv import fp8_rowwise_linear_reference, quantize_fp8_rows
+from hf_lowbit.kernels.triton_fp8_gemv import act_quant_triton, fp8_gemv_triton
+
+FP8 = torch.float8_e4m3fn
+U32 = 2.0 ** -24  # float32's unit roundoff
+
+
+def torchao_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao 0.18's own row-wise activation quantization (what ``Float8Tensor.from_hp`` runs off sm_90+mslk):
+    ``(codes [M, K], scale [M])``."""
+    scale = _choose_scale_float8(x, block_size=[1, x.shape[1]], float8_dtype=FP8)
+    return _quantize_affine_float8(x, scale, FP8), scale.reshape(-1)
+
+
+def _activations(M: int, K: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Rows of mixed magnitudes: an outlier row (its small entries flush to subnormal codes or 0), a tiny row,
+    an all-zero row (when M > 2), the rest Gaussian at random scales."""
+    x = torch.randn(M, K, device=device) * torch.rand(M, 1, device=device) * 4
+    if M > 1:
+        x[1, : K // 3] *= 1e3 if dtype != torch.float16 else 30
+    if M > 2:
+        x[2] = 0
+    if M > 3:
+        x[3] *= 1e-3
+    return x.to(dtype)
+
+
+def _codes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def check_fp8_act_quant(device: str) -> int:
+    """The kernels' activation quantization (scales and codes written by ``act_quant_triton``, the jit functions
+    the GEMV quantizes with) bit for bit against torchao's primitives and :func:`quantize_fp8_rows`, every input
+    dtype, both roundings on CUDA (the hardware cast and the soft one the interpreter runs); an all-zero row:
+    ours scale 1 and codes 0, torchao's NaN. Returns the number of checks."""
+    n = 0
+    softs = (None, True) if device == "cuda" else (None,)
+    for M, K in ((5, 100), (16, 64), (1, 300)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = _activations(M, K, dtype, device)
+            ref_q, ref_s = quantize_fp8_rows(x)
+            ao_q, ao_s = torchao_codes(x)
+            live = ao_s != 0  # rows torchao quantizes (its all-zero rows are 0/0 = NaN)
+            assert torch.equal(ref_s[live], ao_s[live]) and _codes_equal(ref_q[live], ao_q[live]), (M, K, dtype)
+            if M > 2:
+                assert not live[2] and torch.isnan(ao_q[2].float()).all() and ref_s[2] == 1 and (ref_q[2] == 0).all()
+            for soft in softs:
+                with PoisonedAllocations() as poison:  # codes start as NaN, scales as NaN
+                    q, s = act_quant_triton(x, soft=soft)
+                assert ((M, K), FP8) in poison.shapes and ((M,), torch.float32) in poison.shapes
+                assert torch.equal(s, ref_s), f"{(M, K)} {dtype} soft={soft}: scales differ"
+                bad = (q.view(torch.uint8) != ref_q.view(torch.uint8)).sum().item()
+                assert bad == 0, f"{(M, K)} {dtype} soft={soft}: {bad} codes differ from torchao's"
+                n += 1
+    return n
+
+
+def gemv_cases(device: str) -> list[tuple]:
+    """``(M, N, K, bias, split_k, pre_scale, x_transposed)``: M in (1, 3, 16); K of several tiles and not a
+    multiple of one; N not a multiple of the tile; split K (a given count and the heuristic's) and not; the
+    activation's absmax in the GEMV's programs and from the scale kernel."""
+    cases = [(M, N, K, bias, split, pre, False)
+             for M in (1, 3, 16) for N, K in ((37, 100), (16, 160))
+             for bias in (False, True) for split, pre in ((None, None), (1, False), (3, True))]
+    cases += [(3, 37, 100, True, 2, False, True)]  # x a transposed view
+    if device == "cuda":  # Llama-8B layer shapes (the H200 tiles and the split-K heuristic)
+        cases += [(M, N, K, False, None, None, False) for M in (1, 8, 16)
+                  for N, K in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336))]
+        cases += [(1, 128256, 4096, False, None, None, False), (5, 1000, 4096, True, None, None, False)]
+    return cases
+
+
+def check_fp8_gemv(device: str, soft: bool | None = None) -> int:
+    """The GEMV against the exact product of torchao's codes and the scales (float64): with x float32 within
+    float32 accumulation (``K · 2^-24`` of the products' magnitudes), with x bf16 also within one rounding to
+    bf16; and against the float32 reference (:func:`fp8_rowwise_linear_reference`) within one bf16 step. Its
+    output allocated as poison (all of it written); an all-zero activation row gives the bias exactly. Returns
+    the number of checks."""
+    _poison_works(device)
+    n = 0
+    for M, N, K, has_bias, split, pre, x_t in gemv_cases(device):
+        w = (torch.randn(N, K, device=device) * 2).to(FP8)
+        w[0] = 0  # an all-zero weight row
+        w_scale = torch.rand(N, device=device) / 100 + 1e-4
+        bias = torch.randn(N, device=device) if has_bias else None
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _activations(M, K, dtype, device)
+            if x_t:
+                x = x.T.contiguous().T
+            b = bias.to(dtype) if has_bias else None
+            with PoisonedAllocations() as poison:
+                out = fp8_gemv_triton(x, w, w_scale, b, split_k=split, pre_scale=pre, soft=soft)
+            assert ((M, N), dtype) in poison.shapes and out.shape == (M, N) and out.dtype == dtype
+            assert torch.isfinite(out).all(), f"unwritten or non-finite output at {(M, N, K)}"
+            q, sx = quantize_fp8_rows(x)
+            prod = q.double() @ w.double().T
+            exact = prod * sx.double()[:, None] * w_scale.double()[None, :]
+            mag = (q.double().abs() @ w.double().abs().T) * sx.double()[:, None] * w_scale.double()[None, :]
+            if has_bias:
+                exact = exact + b.double()
+            tol = (K + 8) * U32 * mag + 4 * U32 * exact.abs()  # + the splits, scales, bias, output rounding
+            if dtype == torch.bfloat16:
+                tol = tol + 2.0 ** -8 * exact.abs()
+            err = (out.double() - exact).abs()
+            case = (M, N, K, has_bias, split, pre, x_t, dtype)
+            assert (err <= tol).all(), f"{case}: error {(err - tol).max().item():.3g} over the bound"
+            if M > 2:  # the all-zero row: the bias (or 0), exactly
+                assert torch.equal(out[2], b if has_bias else torch.zeros_like(out[2])), case
+            ref = fp8_rowwise_linear_reference(x, w, w_scale, b)
+            step = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -7
+            assert ((out.double() - ref.double()).abs() <= step * ref.double().abs() + tol).all(), case
+            n += 1
+    return n
+
+
+def check_fp8_gemv_vs_scaled_mm(device: str = "cuda") -> int:
+    """CUDA: the GEMV against what the export runs, torchao's ``torch._scaled_mm`` (fast accumulation) on the same
+    codes, Llama-8B layer shapes at M = 1, 8, 16, bf16: the same values within the looser of the two accumulations
+    (cuBLAS's fast FP8 accumulation is not a full float32 one). Returns the number of checks."""
+    n = 0
+    for M in (1, 8, 16):
+        for N, K in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)):
+            w = (torch.randn(N, K, device=device) * 2).to(FP8)
+            w_scale = torch.rand(N, device=device) / 100 + 1e-4
+            x = _activations(M, K, torch.bfloat16, device)
+            x[2 % M] += 1  # no all-zero row here: torchao's would be NaN
+            q, sx = quantize_fp8_rows(x)
+            ref = torch._scaled_mm(q, w.T, scale_a=sx.reshape(-1, 1), scale_b=w_scale.reshape(1, -1),
+                                   out_dtype=torch.bfloat16, use_fast_accum=True)
+            out = fp8_gemv_triton(x, w, w_scale)
+            exact = (q.double() @ w.double().T) * sx.double()[:, None] * w_scale.double()[None, :]
+            rel = lambda y: ((y.double() - exact).norm() / exact.norm()).item()  # noqa: E731
+            assert rel(out) < 4e-3 and rel(out) <= rel(ref) + 1e-3, (M, N, K, rel(out), rel(ref))
+            n += 1
+    return n

@@ -1,0 +1,171 @@
+"""hf_lowbit::fp8_rowwise_linear: the FP8 decode GEMV (Triton, interpreted on the CPU, compiled on CUDA) against
+torchao's quantization and the float32 reference; the op against torchao's own Float8Tensor linear; the op under
+torch.compile without graph breaks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+pytest.importorskip("torchao")
+
+from test_triton_int8 import run_interpreted  # noqa: E402
+
+from hf_lowbit.kernels.fp8_gemv import fp8_rowwise_linear, fp8_rowwise_linear_reference, quantize_fp8_rows  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_fp8_gemv_interpreted():
+    """The kernels under TRITON_INTERPRET=1 (tests/_fp8_gemv_checks.py): activation codes and scales bit for bit
+    torchao's, and the GEMV for M in (1, 3, 16), K of several tiles, N not a multiple of the tile, with and without
+    bias, split K or not, the absmax in the GEMV or from the scale kernel, an all-zero row, within float32
+    accumulation of the exact product."""
+    assert "checked 9 FP8 activation quantizations and 74 FP8 GEMVs" in run_interpreted("fp8_gemv")
+
+
+def _torchao_weight(w, monkeypatch):
+    """torchao's own FP8 row-wise convert of a bf16 weight (its sm_89 gate lifted: quantizing needs no GPU)."""
+    import torchao.quantization.quant_api as quant_api
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    return quant_api._float8_dynamic_activation_float8_weight_quantize_tensor(w, config)
+
+
+def test_reference_codes_are_torchaos(monkeypatch):
+    """quantize_fp8_rows is the quantization torchao's Float8Tensor applies to the activation in F.linear, bit for
+    bit, except an all-zero row (torchao: NaN; ours: scale 1, codes 0)."""
+    from torchao.quantization.quantize_.common import _choose_quant_func_and_quantize_tensor
+
+    wt = _torchao_weight(torch.randn(32, 96).to(torch.bfloat16), monkeypatch)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(6, 96) * torch.rand(6, 1) * 5).to(dtype)
+        x[1, :30] *= 1e3
+        x[4] = 0
+        xt = _choose_quant_func_and_quantize_tensor(x, wt.act_quant_kwargs)
+        q, s = quantize_fp8_rows(x)
+        live = torch.arange(6) != 4
+        assert torch.equal(q[live].view(torch.uint8), xt.qdata[live].view(torch.uint8))
+        assert torch.equal(s[live], xt.scale.reshape(-1)[live])
+        assert torch.isnan(xt.scale[4]).all() or (xt.scale[4] == 0).all()
+        assert s[4] == 1 and (q[4].float() == 0).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_op_matches_torchaos_float8_linear_on_cpu(bias, monkeypatch):
+    """The op's CPU path (the float32 reference) against F.linear with torchao's Float8Tensor weight (torch's
+    CPU _scaled_mm on the same codes): within float32 accumulation and one bf16 rounding."""
+    w = (torch.randn(48, 160) * 0.1).to(torch.bfloat16)
+    wt = _torchao_weight(w, monkeypatch)
+    b = torch.randn(48, dtype=torch.bfloat16) if bias else None
+    x = (torch.randn(2, 3, 160) * 2).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = F.linear(x, wt, b).float().reshape(6, 48)
+    out = fp8_rowwise_linear(x.reshape(6, 160), wt.qdata, wt.scale.reshape(-1), b).float()
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert ((out - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-6).all()
+
+
+def test_op_compiles_without_graph_breaks():
+    """The triton_op under torch.compile (CPU, Inductor): one graph, no break, the eager result."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 64).to(FP8)
+    s = torch.rand(32) / 100
+    b = torch.randn(32, dtype=torch.bfloat16)
+    x = torch.randn(3, 2, 64, dtype=torch.bfloat16)
+
+    def f(x, w, s, b):
+        return fp8_rowwise_linear(x.reshape(-1, 64), w, s, b).reshape(3, 2, 32)
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(f)(x, w, s, b)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True)(x, w, s, b)
+    assert torch.equal(out, f(x, w, s, b))
+    # the same codes compiled: the scale's bf16 rounding survives Inductor (which folds .to(bf16).float() away)
+    assert torch.equal(torch.compile(quantize_fp8_rows, fullgraph=True)(x)[0].view(torch.uint8),
+                       quantize_fp8_rows(x)[0].view(torch.uint8))
+    torch._dynamo.reset()
+
+
+def test_op_rejects_bad_arguments():
+    x, w, s = torch.randn(2, 64), torch.randn(8, 64).to(FP8), torch.rand(8)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        fp8_rowwise_linear(x, w.float(), s)
+    with pytest.raises(RuntimeError, match="reduction dims"):
+        fp8_rowwise_linear(torch.randn(2, 32), w, s)
+    with pytest.raises(RuntimeError, match="w_scale"):
+        fp8_rowwise_linear(x, w, torch.rand(7))
+    with pytest.raises(RuntimeError, match="bias"):
+        fp8_rowwise_linear(x, w, s, torch.randn(3))
+    assert torch.equal(fp8_rowwise_linear(x, w, s.reshape(8, 1)), fp8_rowwise_linear_reference(x, w, s))
+
+
+@pytest.mark.cuda
+def test_fp8_act_quant_cuda():
+    """Hardware e4m3 cast and the soft rounding, both bit for bit torchao's codes."""
+    from _fp8_gemv_checks import check_fp8_act_quant
+
+    assert check_fp8_act_quant("cuda") == 18
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("soft", [None, True])
+def test_fp8_gemv_cuda(soft):
+    """The compiled kernel (H200 tiles, the split-K heuristic) on the CPU cases and Llama-8B layer shapes."""
+    from _fp8_gemv_checks import check_fp8_gemv, gemv_cases
+
+    assert check_fp8_gemv("cuda", soft=soft) == 2 * len(gemv_cases("cuda"))
+
+
+@pytest.mark.cuda
+def test_fp8_gemv_vs_scaled_mm_cuda():
+    """Against what the export runs: torchao's torch._scaled_mm on the same codes, Llama-8B shapes."""
+    from _fp8_gemv_checks import check_fp8_gemv_vs_scaled_mm
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89+")
+    assert check_fp8_gemv_vs_scaled_mm("cuda") == 12
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 16, 17, 64])
+def test_op_cuda_paths_match_reference(M):
+    """The op on CUDA: the GEMV up to 16 rows, _scaled_mm above, both near the float32 reference."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89+")
+    torch.manual_seed(0)
+    w = torch.randn(1024, 4096, device="cuda").to(FP8)
+    s = torch.rand(1024, device="cuda") / 100
+    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
+    out = fp8_rowwise_linear(x, w, s, b).float()
+    ref = fp8_rowwise_linear_reference(x, w, s, b).float()
+    assert ((out - ref).norm() / ref.norm()).item() < 4e-3
+    torch._dynamo.reset()
+    compiled = torch.compile(fp8_rowwise_linear, fullgraph=True)(x, w, s, b).float()
+    assert ((compiled - ref).norm() / ref.norm()).item() < 4e-3
+    torch._dynamo.reset()
+
+
+def test_benchmark_fp8_gemv_on_cpu(tmp_path):
+    """benchmarks/benchmark_fp8_gemv.py --device cpu on tiny shapes: the JSON's structure (no timings asserted)."""
+    import json
+
+    from benchmarks.benchmark_fp8_gemv import CPU_SHAPES, main
+
+    main(["--device", "cpu", "--rows", "1,3", "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")])
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert {"commit", "gpu", "torch"} <= set(data["meta"])
+    rows = data["rows"]
+    assert len(rows) == len(CPU_SHAPES) * 2 * 4  # shapes x M x (gemv, gemv_alt_amax, scaled_mm, bf16)
+    assert {r["method"] for r in rows} == {"gemv", "gemv_alt_amax", "scaled_mm", "bf16"}
+    for r in rows:
+        assert set(r) == {"shape", "m", "method", "us", "gb_s", "weight_bytes", "timing", "rel_err_gemv_vs_scaled_mm"}
+        assert r["weight_bytes"] == r["shape"][0] * r["shape"][1] * (2 if r["method"] == "bf16" else 1)
+        assert r["us"] > 0 and r["rel_err_gemv_vs_scaled_mm"] < 1e-2
+    md = (tmp_path / "r.md").read_text()
+    assert "gemv µs (GB/s)" in md and "| 48 x 64 | 3 |" in md

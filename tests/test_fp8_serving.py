@@ -1,0 +1,118 @@
+"""hf_lowbit.qat.fp8_serving: use_fp8_kernels swaps torchao's row-wise Float8Tensor linears for Fp8ServingLinear
+(plain buffers, hf_lowbit::fp8_rowwise_linear); the swapped model computes what the torchao model computes."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from torch import nn
+
+pytest.importorskip("torchao")
+
+from hf_lowbit.qat.fp8_serving import Fp8ServingLinear, fp8_serving_problem, use_fp8_kernels  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def _quantize(model, granularity="row", monkeypatch=None):
+    """torchao's own convert (quantize_ with Float8DynamicActivationFloat8WeightConfig); on the CPU its sm_89 gate
+    lifted (the quantization is device independent; the CPU matmul is torch's _scaled_mm)."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+    from torchao.quantization import quant_api
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    g = PerRow() if granularity == "row" else PerTensor()
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=g))
+    return model
+
+
+def test_use_fp8_kernels_swaps_row_wise_linears_and_keeps_the_logits(monkeypatch, capsys):
+    model = _quantize(tiny_model().to(BF16).eval(), monkeypatch=monkeypatch)
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+    up = model.model.layers[0].mlp.up_proj.weight
+    report = use_fp8_kernels(model)
+    swapped = [n for n, p in report.items() if not p]
+    assert len(swapped) == 2 * 7 + 1  # the lm_head too (quantize_ converts it: 96 x 64, multiples of 16)
+    layer = model.model.layers[0].mlp.up_proj
+    assert isinstance(layer, Fp8ServingLinear) and (layer.out_features, layer.in_features) == (128, 64)
+    assert layer.weight_codes.data_ptr() == up.qdata.data_ptr()  # the loaded bytes, not a copy
+    assert torch.equal(layer.weight_scale, up.scale.reshape(-1))
+    assert not any(type(t) not in (torch.Tensor, nn.Parameter) for t in model.state_dict().values())
+    assert "15 linear(s) now run hf_lowbit::fp8_rowwise_linear, 0 left" in capsys.readouterr().out
+    with torch.no_grad():
+        out = model(ids).logits.float()
+    # the same codes; per linear the float32 sums of one order or another, rounded to bf16, through 2 layers
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    assert use_fp8_kernels(model, verbose=False) == {}  # nothing left to swap
+
+
+def test_skips_say_why(monkeypatch, capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32, bias=True, dtype=BF16), nn.Linear(32, 48, bias=False, dtype=BF16),
+                          nn.Linear(48, 16, dtype=BF16))
+    _quantize(model[0], "row", monkeypatch)
+    _quantize(model[1], "tensor", monkeypatch)
+    report = use_fp8_kernels(model)
+    assert report["0"] == "" and isinstance(model[0], Fp8ServingLinear) and model[0].bias is not None
+    assert report["1"].startswith("tensor-wise scales") and type(model[1]) is nn.Linear
+    assert report["2"] == "weight is Parameter, not a torchao Float8Tensor"
+    out = capsys.readouterr().out
+    assert "1 linear(s) now run" in out and "skipped 1: tensor-wise scales" in out and "skipped 2: weight is" in out
+    assert fp8_serving_problem(nn.ReLU()).startswith("not an nn.Linear")
+    with pytest.raises(ValueError, match="tensor-wise"):
+        Fp8ServingLinear.from_linear(model[1])
+    x = torch.randn(3, 64, dtype=BF16)
+    assert model(x).shape == (3, 16)
+
+
+def test_swapped_model_compiles_to_one_graph(monkeypatch):
+    model = _quantize(tiny_model().to(BF16).eval(), monkeypatch=monkeypatch)
+    use_fp8_kernels(model, verbose=False)
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(ids)
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits, ref)
+    torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+def test_use_fp8_kernels_on_a_llama_8b_layer_cuda():
+    """One Llama-8B-shaped layer and LM head quantized by torchao on the GPU: swapped, the decode step (M = 1, our
+    GEMV) and the prefill (_scaled_mm) give torchao's logits within bf16 accumulation differences, and transformers'
+    compiled generate (static cache) runs the swapped model without graph breaks."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89+")
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=BF16).cuda().eval()
+    _quantize(model)
+    ids = torch.randint(0, 128256, (1, 12), device="cuda")
+    with torch.no_grad():
+        ref_prefill = model(ids).logits.float()
+        ref_decode = model(ids[:, :1]).logits.float()
+    report = use_fp8_kernels(model)
+    assert sum(not p for p in report.values()) == 7 + 1
+    with torch.no_grad():
+        prefill = model(ids).logits.float()
+        decode = model(ids[:, :1]).logits.float()
+    for got, ref in ((prefill, ref_prefill), (decode, ref_decode)):
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+    kw = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0,
+          "cache_implementation": "static"}
+    with torch.no_grad():
+        eager = model.generate(ids, disable_compile=True, **kw)
+        torch._dynamo.reset()
+        compiled = model.generate(ids, **kw)
+    assert compiled.shape == eager.shape
+    torch._dynamo.reset()
