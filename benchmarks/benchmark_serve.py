@@ -43,9 +43,11 @@ token was AOTAutograd's wrapper around the subclass weights (removed by unwrappi
 ``compiled_int4k``: ``compiled_lean`` after ``hf_lowbit.qat.int4_serving.use_int4_kernels(model)``, which swaps
 every linear with an ``Int4TilePackedTo4dTensor`` weight (tinygemm) for hf_lowbit's int4 kernels (a split-K GEMV
 for decode, dequantize + cuBLAS for prefill; issue 26); it imports hf_lowbit (the phase says so), so run it last.
+``compiled_fp8k``: the same with ``hf_lowbit.qat.fp8_serving.use_fp8_kernels`` (row-wise ``Float8Tensor`` linears:
+a decode GEMV with the activation quantized inside, ``_scaled_mm`` for prefill).
 On a CPU it skips int4_tinygemm checkpoints (the repack runs tinygemm); others swap nothing and run as
 ``compiled_lean``. Modes run in the order given, on one loaded model; a mode after one that changes the model
-(``compiled_unwrapped``, ``compiled_lean``, ``compiled_int4k``) loads it again.
+(``compiled_unwrapped``, ``compiled_lean``, ``compiled_int4k``, ``compiled_fp8k``) loads it again.
 A build or measurement that fails (a kernel missing on the image, an unsupported op, a time-out) becomes an
 error row with a one-line reason; the other rows are unaffected. ``--device cpu`` with tiny shapes checks the
 plumbing (``--compile_backend eager``: dynamo without Inductor); its timings mean nothing.
@@ -68,10 +70,13 @@ import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k")
+MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_fp8k")
 # a mode after one of these loads the model again
-CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", "compiled_int4k")
+CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_fp8k")
 TINYGEMM_WEIGHT = "Int4TilePackedTo4dTensor"
+# compiled_lean after one of hf_lowbit's kernel swaps: mode -> (module, function)
+KERNEL_MODES = {"compiled_int4k": ("hf_lowbit.qat.int4_serving", "use_int4_kernels"),
+                "compiled_fp8k": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels")}
 SERVING_HELPERS = os.path.join(ROOT, "hf_lowbit", "qat", "serving.py")
 DEFAULT_CHECKPOINTS = ("bf16,qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,"
                        "qat_int4_weight_only")
@@ -360,14 +365,16 @@ def measure(a, emit) -> dict:
 
                     model.requires_grad_(False)  # the int8/uint8 inner tensors cannot be parameters that need grad
                     unwrap_tensor_subclass(model)
-                if mode == "compiled_int4k":  # hf_lowbit's int4 kernels, then what compiled_lean does
-                    from hf_lowbit.qat.int4_serving import use_int4_kernels
+                if mode in KERNEL_MODES:  # hf_lowbit's int4 / FP8 kernels, then what compiled_lean does
+                    import importlib
 
+                    module, fn = KERNEL_MODES[mode]
                     phase["imports_hf_lowbit"] = True
-                    report = use_int4_kernels(model)
-                    phase["int4_kernels"] = {"swapped": len(report.swapped), "skipped": dict(
-                        collections.Counter(e.reason for e in report.skipped))}
-                if mode in ("compiled_lean", "compiled_int4k"):
+                    report = getattr(importlib.import_module(module), fn)(model)
+                    phase[f"{mode.removeprefix('compiled_').removesuffix('k')}_kernels"] = {
+                        "swapped": len(report.swapped),
+                        "skipped": dict(collections.Counter(e.reason for e in report.skipped))}
+                if mode in ("compiled_lean", *KERNEL_MODES):
                     serving = _serving_helpers()
                     compile_config = serving.serving_compile_config(a.compile_backend,
                                                                     cudagraphs=a.compile_backend == "inductor")

@@ -188,6 +188,13 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                     "~5-6 min (estimate: serve_profile's 4.8 min for 3 checkpoints x 1 mode; here 2 x 2)", [
         "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes compiled_lean,compiled_int4k --profile "
         "--checkpoints qat_int4_tinygemm --json $OUT/serve_int4k_h200.json --markdown $OUT/serve_int4k_h200.md"]),
+    "serve_fp8k": ("issue 26: the fp8_rowwise export served with hf_lowbit's FP8 kernels (compiled_fp8k: "
+                   "use_fp8_kernels + prepare_for_serving: a decode GEMV with the activation quantized inside, "
+                   "_scaled_mm for prefill) beside compiled_lean (torchao's Float8Tensor), bf16 in the same call, under "
+                   "the profiler. Run fp8_gemv first: if the kernel is slower than _scaled_mm there, this call will say "
+                   "the same", "~5-6 min (estimate, as serve_int4k)", [
+        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes compiled_lean,compiled_fp8k --profile "
+        "--checkpoints qat_fp8_rowwise --json $OUT/serve_fp8k_h200.json --markdown $OUT/serve_fp8k_h200.md"]),
     "serve_merge": ("issue 26: the serve calls' JSON (and the probe's) joined, ratios kept per call (a call's file "
                     "that is missing is left out, and said so); the PNG needs matplotlib (merge on any machine that "
                     "has it)", "seconds", [
