@@ -45,7 +45,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-FP8_MAX = 448.0
+FP8_MAX = 448.0  # the jit functions write 448.0 literally: compiled Triton reads no non-constexpr global
 BLOCK_M = 16  # rows of x a program holds (M <= 16; the dot's smallest tile)
 MAX_M = 16  # the decode kernel's rows; more rows (prefill) go to torch._scaled_mm
 FUSE_AMAX_MAX_M = 4  # up to this many rows each program finds the absmax itself; more: a scale kernel first
@@ -82,7 +82,7 @@ def _row_scale(x_ptr, stride_xm, stride_xk, offs_m, M, K, BLOCK_M: tl.constexpr,
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
                     mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    scale = tl.math.div_rn(amax, FP8_MAX)
+    scale = tl.math.div_rn(amax, 448.0)  # FP8_MAX
     # torchao divides in x's dtype: the float32 quotient rounded to it (nearest, ties to even). bf16 by its bits
     # (the interpreter's float32 -> bf16 casts do not round to nearest, Triton 3.6); fp16 by the cast
     if x_ptr.dtype.element_ty == tl.bfloat16:
@@ -99,7 +99,7 @@ def _encode(x, scale, SOFT: tl.constexpr):
     same rounding in float32 arithmetic, the code's value as float32 (exact): the interpreter's float32 -> fp8 cast
     rounds ties up and drops the carry into the exponent (Triton 3.6's ``_convert_float``)."""
     y = tl.math.div_rn(x, scale[:, None])
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)  # ±FP8_MAX
     if SOFT:
         # the e4m3 step at y: 2^(e - 3) for y's exponent e, e >= -6 (below: the subnormals' fixed step 2^-9)
         e = ((y.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
@@ -110,7 +110,8 @@ def _encode(x, scale, SOFT: tl.constexpr):
         r = (r + 12582912.0) - 12582912.0  # to an integer, ties to even (1.5 * 2^23)
         v = r * step
         return tl.where(v == 0.0, y * 0.0, v)  # keep the sign of a value that rounds to zero (-0 has its code)
-    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:  # not after the if: compiled Triton then sees both returns and refuses their different types
+        return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
 @triton.jit
