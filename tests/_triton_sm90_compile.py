@@ -1,0 +1,99 @@
+"""Compile the serving kernels for the H200 (sm_90) on a machine without a GPU: ``python tests/_triton_sm90_compile.py``.
+
+Triton's interpreter (what the CPU tests run) is Python: it accepts what compiled Triton refuses (non-constexpr
+globals in a jit function, two returns of different types around a constexpr ``if``, ``tl.dot`` shapes and
+dtypes) and lowers nothing. Here the kernels go through Triton's real pipeline (``triton.compile`` for
+``GPUTarget("cuda", 90, 32)``: TTIR, TTGIR, LLVM, PTX and ptxas' cubin), no device needed, with the argument types
+and constexprs the launchers pass on a GPU; each config's shared memory is checked against the H200's limit per
+block. Run with ``TRITON_INTERPRET`` unset (``triton.jit`` would otherwise make interpreter functions). Prints one
+line a config (``ok`` / ``FAIL``) and ``compiled N of M kernel configs for sm_90``.
+"""
+
+import os
+import sys
+
+H200_SMEM = 232448  # bytes of shared memory a block may opt into on sm_90
+
+
+def _configs():
+    """``(name, jit function, signature {arg: type}, constexprs, num_warps, num_stages)`` of the launches on CUDA."""
+    from hf_lowbit.kernels import triton_fp8_gemv as F
+    from hf_lowbit.kernels import triton_int4 as I
+
+    out = []
+    # int4: the decode kernel (M = 1: sums; 2..16: tl.dot) at the H200 tiles, every group size int4_linear takes
+    # (BLOCK_K is capped at the group), split K or not; the split sum; the dequantize kernel
+    for m, (bn, bk, warps) in I.DECODE_TILES.items():
+        for gs in (32, 64, 128, 256):
+            for split in (1, 4):
+                sig = dict(x_ptr="*bf16", p_ptr="*u8", s_ptr="*bf16", z_ptr="*bf16",
+                           out_ptr="*bf16" if split == 1 else "*fp32", M="i32", N="i32", K="i32", stride_xm="i32",
+                           stride_pn="i32", stride_sn="i32", stride_om="i32", stride_split="i32")
+                consts = dict(GROUP=gs, SPLIT_K=split, USE_DOT=m > 1, DOT_IEEE=False, SOFT=False,
+                              BLOCK_M=1 if m == 1 else 16, BLOCK_N=bn, BLOCK_K=min(bk, gs))
+                out.append((f"int4_decode M={m} gs={gs} split={split}", I._int4_decode_kernel, sig, consts, warps, 3))
+    out.append(("int4_split_sum", I._split_sum_kernel, dict(part_ptr="*fp32", out_ptr="*bf16", MN="i32"),
+                dict(SPLIT_K=8, SOFT=False, BLOCK=1024), 4, 3))
+    bn, bk, warps = I.DEQUANT_TILES
+    for gs in (32, 128, 256):
+        out.append((f"int4_dequant gs={gs}", I._int4_dequant_kernel,
+                    dict(p_ptr="*u8", s_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", N="i32", K="i32", stride_pn="i32",
+                         stride_sn="i32", stride_wn="i32"),
+                    dict(GROUP=gs, SOFT=False, BLOCK_N=bn, BLOCK_K=min(bk, gs)), warps, 3))
+    # fp8: the GEMV (x bf16 / fp16 / fp32; absmax in the GEMV or from the scale kernel; split K or not; bias; the
+    # soft rounding the CUDA tests also run), the scale / codes kernel, the split-K reduction
+    bn, bk, warps, stages = F.H200_TILES
+    for xt in ("*bf16", "*fp16", "*fp32"):
+        for pre, split, bias, soft in ((False, 1, True, False), (True, 4, False, False), (False, 4, True, False),
+                                       (True, 1, False, False), (False, 1, True, True), (True, 4, True, True)):
+            sig = dict(x_ptr=xt, w_ptr="*fp8e4nv", x_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                       bias_ptr=xt if bias else "*fp32", out_ptr=xt, ws_ptr="*fp32", M="i32", N="i32", K="i32",
+                       K_PER_SPLIT="i32", stride_xm="i32", stride_xk="i32", stride_wn="i32", stride_om="i32",
+                       stride_on="i32")
+            consts = dict(PRE_SCALE=pre, HAS_BIAS=bias, SPLIT_K=split, SOFT=soft, BLOCK_M=F.BLOCK_M, BLOCK_N=bn,
+                          BLOCK_K=bk)
+            out.append((f"fp8_gemv x={xt} pre={pre} split={split} bias={bias} soft={soft}", F._fp8_gemv_kernel,
+                        sig, consts, warps, stages))
+        for codes in (True, False):
+            for soft in (False, True):
+                out.append((f"fp8_act_quant x={xt} codes={codes} soft={soft}", F._act_quant_kernel,
+                            dict(x_ptr=xt, scale_ptr="*fp32", q_ptr="*fp8e4nv" if codes else "*fp32", M="i32",
+                                 K="i32", stride_xm="i32", stride_xk="i32"),
+                            dict(WRITE_CODES=codes, SOFT=soft, BLOCK_M=F.BLOCK_M, BLOCK_K=bk), 4, 3))
+        out.append((f"fp8_split_k_reduce x={xt}", F._split_k_reduce_kernel,
+                    dict(ws_ptr="*fp32", bias_ptr=xt, out_ptr=xt, M="i32", N="i32", stride_om="i32", stride_on="i32"),
+                    dict(HAS_BIAS=True, SPLIT_K=4, SOFT=False, BLOCK=1024), 4, 3))
+    return out
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("run with TRITON_INTERPRET unset: this compiles for the GPU")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    configs = _configs()
+    ok = 0
+    for name, fn, sig, consts, warps, stages in configs:
+        full = {a: sig.get(a, "constexpr") for a in fn.arg_names}
+        try:
+            k = triton.compile(ASTSource(fn, full, consts), target=target,
+                               options=dict(num_warps=warps, num_stages=stages))
+            if k.metadata.shared > H200_SMEM:
+                raise RuntimeError(f"{k.metadata.shared} bytes of shared memory, over the H200's {H200_SMEM}")
+            print(f"ok   {name} (shared {k.metadata.shared} B)", flush=True)
+            ok += 1
+        except Exception as e:  # noqa: BLE001 - every config is tried; each failure printed with its cause
+            causes, c = [], e
+            while c is not None and len(causes) < 4:
+                causes.append(f"{type(c).__name__}: {str(c)[-600:]}")
+                c = c.__cause__ or c.__context__
+            print(f"FAIL {name}\n  " + "\n  ".join(causes[::-1][:2]), flush=True)
+    print(f"compiled {ok} of {len(configs)} kernel configs for sm_90")
+    return 0 if ok == len(configs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
