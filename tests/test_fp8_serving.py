@@ -97,7 +97,7 @@ def test_use_fp8_kernels_on_a_llama_8b_layer_cuda():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=BF16).cuda().eval()
     _quantize(model)
-    ids = torch.randint(0, 128256, (1, 12), device="cuda")
+    ids = torch.randint(0, 128256, (1, 24), device="cuda")  # 24 rows > 16: the prefill runs _scaled_mm, not the GEMV
     with torch.no_grad():
         ref_prefill = model(ids).logits.float()
         ref_decode = model(ids[:, :1]).logits.float()
