@@ -95,6 +95,8 @@ def test_op_checks_and_reference_path():
         int4_linear(x.float(), p, s, z, 32)
     with pytest.raises(RuntimeError, match="group_size"):
         int4_linear(x, p, s, z, 48)
+    with pytest.raises(RuntimeError, match="group_size 16 must be a power of 2 >= 32"):  # tl.dot's K >= 16 on a GPU
+        int4_linear(x, p, s[:, :8].repeat(1, 2), z[:, :8].repeat(1, 2), 16)
 
 
 def test_module_forward_equals_reference():

@@ -63,8 +63,9 @@ def _check(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor, group_size:
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise RuntimeError(f"int4_linear: packed must be 2-D uint8, got {packed.dtype} {tuple(packed.shape)}")
     K = 2 * half
-    if group_size < 16 or group_size & (group_size - 1) or K % group_size:
-        raise RuntimeError(f"int4_linear: group_size {group_size} must be a power of 2 >= 16 dividing K = {K}")
+    # >= 32: the decode kernel's step is at most a group, and its tl.dot (M > 1) needs 16 of each parity of K a step
+    if group_size < 32 or group_size & (group_size - 1) or K % group_size:
+        raise RuntimeError(f"int4_linear: group_size {group_size} must be a power of 2 >= 32 dividing K = {K}")
     G = K // group_size
     for name, t in (("scales", scales), ("zeros", zeros)):
         if t.dtype != torch.bfloat16 or tuple(t.shape) != (N, G):

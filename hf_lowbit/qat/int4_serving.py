@@ -78,8 +78,8 @@ def _why_not(module: nn.Module) -> str | None:
     gs = int(weight.block_size[-1])
     if module.in_features % gs:
         return f"in_features {module.in_features} is not a multiple of group_size {gs}"
-    if gs < 16 or gs & (gs - 1):
-        return f"group_size {gs} is not a power of 2 >= 16"
+    if gs < 32 or gs & (gs - 1):
+        return f"group_size {gs} is not a power of 2 >= 32"
     return None
 
 
