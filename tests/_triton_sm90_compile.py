@@ -4,7 +4,8 @@ Triton's interpreter (what the CPU tests run) is Python: it accepts what compile
 globals in a jit function, two returns of different types around a constexpr ``if``, ``tl.dot`` shapes and
 dtypes) and lowers nothing. Here the kernels go through Triton's real pipeline (``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)``: TTIR, TTGIR, LLVM, PTX and ptxas' cubin), no device needed, with the argument types
-and constexprs the launchers pass on a GPU; each config's shared memory is checked against the H200's limit per
+and constexprs the launchers pass on a GPU, with and without the alignment marks a launch on aligned operands
+gets (``tt.divisibility``: vectorized loads and cp.async pipelining); each config's shared memory is checked against the H200's limit per
 block. Run with ``TRITON_INTERPRET`` unset (``triton.jit`` would otherwise make interpreter functions). Prints one
 line a config (``ok`` / ``FAIL``) and ``compiled N of M kernel configs for sm_90``.
 """
@@ -66,6 +67,22 @@ def _configs():
     return out
 
 
+# the int arguments a launch on Llama shapes passes as multiples of 16 (Triton then marks them, as it marks 16-byte
+# aligned pointers, ``tt.divisibility = 16``: vectorized loads and cp.async pipelining, other code than without)
+_ALIGNED_INTS = {"N", "K", "K_PER_SPLIT", "MN", "stride_xm", "stride_pn", "stride_wn", "stride_om", "stride_split"}
+
+
+def _with_hints(configs):
+    """Each config twice: as a launch on aligned operands (pointers and the ``_ALIGNED_INTS`` marked divisible by
+    16) and without those marks (unaligned strides, e.g. rows of a wider tensor)."""
+    out = []
+    for name, fn, sig, consts, warps, stages in configs:
+        hints = [a for a, t in sig.items() if t.startswith("*") or a in _ALIGNED_INTS]
+        out.append((name + " aligned", fn, sig, consts, warps, stages, hints))
+        out.append((name, fn, sig, consts, warps, stages, []))
+    return out
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run with TRITON_INTERPRET unset: this compiles for the GPU")
@@ -74,12 +91,13 @@ def main() -> int:
     from triton.compiler.compiler import ASTSource
 
     target = GPUTarget("cuda", 90, 32)
-    configs = _configs()
+    configs = _with_hints(_configs())
     ok = 0
-    for name, fn, sig, consts, warps, stages in configs:
+    for name, fn, sig, consts, warps, stages, hints in configs:
         full = {a: sig.get(a, "constexpr") for a in fn.arg_names}
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in hints}
         try:
-            k = triton.compile(ASTSource(fn, full, consts), target=target,
+            k = triton.compile(ASTSource(fn, full, consts, attrs), target=target,
                                options=dict(num_warps=warps, num_stages=stages))
             if k.metadata.shared > H200_SMEM:
                 raise RuntimeError(f"{k.metadata.shared} bytes of shared memory, over the H200's {H200_SMEM}")
