@@ -5,8 +5,8 @@ globals in a jit function, two returns of different types around a constexpr ``i
 dtypes) and lowers nothing. Here the kernels go through Triton's real pipeline (``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)``: TTIR, TTGIR, LLVM, PTX and ptxas' cubin), no device needed, with the argument types
 and constexprs the launchers pass on a GPU, with and without the alignment marks a launch on aligned operands
-gets (``tt.divisibility``: vectorized loads and cp.async pipelining); each config's shared memory is checked against the H200's limit per
-block. Run with ``TRITON_INTERPRET`` unset (``triton.jit`` would otherwise make interpreter functions). Prints one
+gets (``tt.divisibility``: vectorized loads and cp.async pipelining); each config's shared memory is checked
+against the H200's limit per block. Run with ``TRITON_INTERPRET`` unset (``triton.jit`` would otherwise make interpreter functions). Prints one
 line a config (``ok`` / ``FAIL``) and ``compiled N of M kernel configs for sm_90``.
 """
 
