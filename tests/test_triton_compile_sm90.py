@@ -30,7 +30,7 @@ def test_serving_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_triton_sm90_compile.py")], env=env,
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=900, check=False)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "FAIL" not in out, out[-8000:]
     assert "compiled" in out and "kernel configs for sm_90" in out, out[-8000:]
