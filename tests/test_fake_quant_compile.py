@@ -86,6 +86,25 @@ def _fake_quants(w, x):
             "per_group_sym g32": fake_quant_per_group_sym(w, 32), "int4_tinygemm g64": fake_quant_int4_tinygemm(w, 64)}
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_float32_emulation_run_eagerly_is_the_native_arithmetic(dtype, monkeypatch):
+    """The emulation compiled code runs (float32, each rounding on the bits), run eagerly, equals the native bf16 /
+    fp16 arithmetic eager runs, on more inputs and group sizes than a compile could afford."""
+    from hf_lowbit.kernels import fake_quant
+
+    for seed in range(6):
+        w32, x32 = _operands(dtype, seed)
+        w, x = w32.to(dtype), x32.to(dtype)
+        fns = {"per_token_asym": lambda: fake_quant_per_token_asym(x), "fp8_rowwise": lambda: fake_quant_fp8_rowwise(x),
+               **{f"per_group_sym g{g}": lambda g=g: fake_quant_per_group_sym(w, g) for g in (32, 64, 128, 256)},
+               **{f"int4_tinygemm g{g}": lambda g=g: fake_quant_int4_tinygemm(w, g) for g in (32, 64, 128, 256)}}
+        native = {k: f() for k, f in fns.items()}
+        with monkeypatch.context() as m:
+            m.setattr(fake_quant, "_emulating", lambda: True)
+            for k, f in fns.items():
+                _assert_same(f(), native[k], f"{k} seed {seed}")
+
+
 def _given_and_cast_in_graph(w, x, w32, x32, dtype):
     """Each fake quant on operands given in ``dtype`` and on operands cast to it in the graph (the QAT linear under
     autocast casts float32 weights and inputs to bf16 just before its fake quant)."""

@@ -14,16 +14,16 @@ step and in the same dtype, so a fake-quantized weight equals what torchao's con
 * :func:`fake_quant_fp8_rowwise`: float8 e4m3 per row (last dim), absmax/448, as
   ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` quantizes weights and activations.
 
-"In the same dtype" is emulated: a bf16 (or fp16) input is computed in float32 and every value that eager
-rounds to bf16 is rounded explicitly by :func:`round_to_bf16` (:func:`round_to_fp16`), integer ops on the
-float32 bits; the inputs and the result too, where that is a no-op in eager. Why: Inductor computes a fused
-low-precision pointwise chain in float32 and drops the roundings between its ops, and folds a cast pair such as
-float32 -> bf16 -> float32 (the caller's cast to bf16, e.g. under autocast, then the upcast here), so
-``torch.compile`` of the plain bf16 arithmetic differed from eager, and from torchao's convert, on 10-70% of the
-values (issue 26); integer ops it cannot elide. Eager results are unchanged: a bf16 op is a float32 op rounded
-once to bf16. ``torch._inductor.config.emulate_precision_casts`` also fixes it, but process-wide, for the whole
-model. Cost: on the CPU Inductor scalarizes the bitcasts (the compiled fake quant runs 3-5x slower); in Triton
-they are free.
+Under ``torch.compile`` "in the same dtype" is emulated: a bf16 (or fp16) input is computed in float32 and every
+value that eager rounds to bf16 is rounded explicitly by :func:`round_to_bf16` (:func:`round_to_fp16`), integer ops
+on the float32 bits; the inputs and the result too (no-ops in eager). Why: Inductor computes a fused low-precision
+pointwise chain in float32 and drops the roundings between its ops, and folds cast pairs such as
+float32 -> bf16 -> float32 (the caller's cast to bf16, e.g. under autocast, then the upcast here), so the compiled
+plain bf16 arithmetic differed from eager, and from torchao's convert, on 10-70% of the values (issue 26); integer
+ops it cannot elide. The result is eager's bit for bit (a bf16 op is a float32 op rounded once to bf16). Eagerly
+the arithmetic runs in the dtype itself, as before: the emulation's extra full-size ops cost 2-12x there (CPU).
+``torch._inductor.config.emulate_precision_casts`` also fixes it, but process-wide, for the whole model. Cost
+compiled: on the CPU Inductor scalarizes the bitcasts (the fake quant runs 2-7x slower); in Triton they are free.
 
 No autograd here (callers apply a straight-through estimator) and no data-dependent Python control
 flow, so ``torch.compile`` fuses each into one or two kernels inside the QAT linear's
@@ -78,12 +78,16 @@ def _same(x: Tensor) -> Tensor:
     return x
 
 
+def _emulating() -> bool:
+    """Whether bf16/fp16 arithmetic is emulated in float32 (under ``torch.compile``; see the module doc)."""
+    return torch.compiler.is_compiling()
+
+
 def _arithmetic(dtype: torch.dtype) -> tuple[torch.dtype, Callable[[Tensor], Tensor]]:
-    """The dtype to compute ``dtype``'s arithmetic in and the rounding to apply after each op (see the module doc)."""
-    if dtype == torch.bfloat16:
-        return torch.float32, round_to_bf16
-    if dtype == torch.float16:
-        return torch.float32, round_to_fp16
+    """The dtype to compute ``dtype``'s arithmetic in and the rounding to apply after each op: ``dtype`` and none
+    eagerly, float32 and :func:`round_to_bf16` / :func:`round_to_fp16` when emulating."""
+    if _emulating() and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32, round_to_bf16 if dtype == torch.bfloat16 else round_to_fp16
     return dtype, _same
 
 
@@ -133,21 +137,22 @@ def fake_quant_int4_tinygemm(w: Tensor, group_size: int) -> Tensor:
     ``(q − 8)·scale + zero`` rounded once (``fma.rn.bf16x2``); here the product (12 significant bits) and
     the sum are formed in float32 and rounded to bf16 once. torchao's reference
     ``_dequantize_affine_tinygemm`` in bf16 rounds twice (after the product and after the sum) and is *not*
-    what the kernel computes. The bf16 steps are float32 ops each rounded by :func:`round_to_bf16`.
+    what the kernel computes.
     """
     if w.dim() != 2 or w.shape[1] % group_size:
         raise ValueError(f"fake_quant_int4_tinygemm: weight of shape {tuple(w.shape)} is not 2-D with a last "
                          f"dim divisible by group_size={group_size}")
     if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        w = w.to(torch.bfloat16)  # e.g. float64: one rounding, as w.to(bf16)
-    r, (_, r_in) = round_to_bf16, _arithmetic(w.dtype)
-    g = r(r_in(w.float())).reshape(w.shape[0], -1, group_size)  # w.to(bf16), w's own rounding kept (fp16)
+        w = w.to(torch.bfloat16)  # e.g. float64: rounded once, as by w.to(bf16)
+    (work, r), (_, r_in) = _arithmetic(torch.bfloat16), _arithmetic(w.dtype)
+    r_in = _same if w.dtype == torch.bfloat16 else r_in  # r_in: an fp16 w's own rounding first (emulating)
+    g = r(r_in(w.to(work)).to(work)).reshape(w.shape[0], -1, group_size)  # w.to(bf16)
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
     scale = torch.clamp(r(r(hi - lo) / 15.0), min=torch.finfo(torch.bfloat16).smallest_normal)
     scale8 = r(scale * 8.0)
     zero = r(lo + scale8)
     q = torch.clamp(torch.round(r(r(g - r(zero - scale8)) / scale)), 0, 15)
-    return r((q - 8.0) * scale + zero).to(torch.bfloat16).reshape(w.shape)
+    return r((q.float() - 8.0) * scale.float() + zero.float()).to(torch.bfloat16).reshape(w.shape)
 
 
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
