@@ -36,8 +36,9 @@ TARGETS = {
     "hf_lowbit/kernels/__init__.py": LINEAR,
     "hf_lowbit/mixed_precision/linear.py": LINEAR,
     "hf_lowbit/kernels/triton_quant.py": "tests/test_triton_int8.py",
-    "hf_lowbit/kernels/fake_quant.py": f"{NUMERICS} tests/test_qat.py tests/test_qat_schemes.py -k 'qat_linear_on or "
-                                       "fake_quant or straight or computes_what or within_rounding'",
+    "hf_lowbit/kernels/fake_quant.py": f"{NUMERICS} tests/test_qat.py tests/test_qat_schemes.py "
+                                       "tests/test_fake_quant_compile.py -k '(qat_linear_on or fake_quant or straight "
+                                       "or computes_what or within_rounding) and not eager_bit_for_bit'",
     "hf_lowbit/kernels/nf4.py": f"{NUMERICS} tests/test_qlora.py -k 'qlora_base or nf4 and not peak_memory'",
     "hf_lowbit/qlora/base.py": f"{NUMERICS} tests/test_qlora.py -k 'qlora_base or quantized_linear or int8_compute "
                                    "or lora_grads or quantize_on_load or fused'",
