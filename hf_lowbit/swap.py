@@ -93,6 +93,11 @@ class LinearFilter:
     exclude_output_embeddings: bool = True
 
 
+# every nn.Linear, the LM head included: the serving swaps (hf_lowbit.qat.int4_serving / fp8_serving) decide by the
+# loaded weight's type (their ``check``), not by name or size
+SERVING_FILTER = LinearFilter(exclude=(), exclude_output_embeddings=False)
+
+
 def name_matches(name: str, patterns: Iterable[str]) -> str | None:
     """The first pattern that matches module ``name``, or None."""
     for p in patterns:
@@ -108,12 +113,14 @@ def _parent_and_attr(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], *, recipe: str,
                  target: str, filter: LinearFilter = LinearFilter(),
-                 already: tuple[type, ...] | Callable[[nn.Module], bool] = ()) -> SwapReport:
+                 already: tuple[type, ...] | Callable[[nn.Module], bool] = (),
+                 check: Callable[[nn.Linear], str | None] | None = None) -> SwapReport:
     """Replace each eligible ``nn.Linear`` of ``model`` by ``make(name, linear)``, in place.
 
     ``target`` describes what a swapped module becomes (for the report); modules that are already
     instances of ``already`` (or for which ``already(module)`` is true) are reported as such and left
-    alone, so preparing twice is harmless.
+    alone, so preparing twice is harmless. ``check``: the recipe's own condition on a linear that passed
+    the filter (e.g. the type of its loaded weight), the reason it is skipped or None.
     """
     report = SwapReport(recipe=recipe)
     output_embeddings = None
@@ -150,6 +157,8 @@ def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], 
         elif shape[1] % filter.in_features_multiple_of:
             why = (f"shape not supported: in_features {shape[1]} is not a multiple of "
                    f"{filter.in_features_multiple_of} (the quantization group/block size)")
+        elif check is not None and (why := check(module)):
+            pass
         else:
             todo.append((name, module))
             report.entries.append(SwapEntry(name, mtype, shape, SWAPPED, target))

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..kernels.fp8_gemv import fp8_rowwise_linear
-from ..swap import SKIPPED, SWAPPED, SwapEntry, SwapReport
+from ..swap import SERVING_FILTER, SwapReport, swap_linears
 
 __all__ = ["Fp8ServingLinear", "fp8_serving_problem", "use_fp8_kernels"]
 
@@ -90,25 +90,7 @@ def use_fp8_kernels(model: nn.Module) -> SwapReport:
     """Replace every ``nn.Linear`` of ``model`` whose weight is a row-wise torchao ``Float8Tensor`` (the LM head too)
     by an :class:`Fp8ServingLinear`, in place, as :func:`hf_lowbit.qat.int4_serving.use_int4_kernels` does for int4;
     the report lists what was swapped and, for the other linears (plain weights, tensor-wise scales, other torchao
-    types, parametrized weights: call this before :func:`hf_lowbit.qat.prepare_for_serving`), why not. Call after
-    loading and before compiling; ``print(report)`` gives the summary."""
-    report = SwapReport(recipe="fp8_kernels")
-    todo = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        shape = (module.out_features, module.in_features)
-        if torch.nn.utils.parametrize.is_parametrized(module, "weight"):
-            why = "weight is parametrized (call use_fp8_kernels before unwrap_quantized_weights)"
-        else:
-            why = fp8_serving_problem(module) or ("" if name else "the model itself (swap it by hand)")
-        if why:
-            report.entries.append(SwapEntry(name, type(module).__name__, shape, SKIPPED, why))
-        else:
-            todo.append((name, module))
-            report.entries.append(SwapEntry(name, type(module).__name__, shape, SWAPPED, "Fp8ServingLinear"))
-    for name, module in todo:  # swap after the walk: never mutate a tree while iterating it
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, Fp8ServingLinear.from_linear(module))
-    return report
+    types; a parametrized one is a subclass: call this before :func:`hf_lowbit.qat.prepare_for_serving`), why not.
+    Call after loading and before compiling; ``print(report)`` gives the summary."""
+    return swap_linears(model, lambda name, linear: Fp8ServingLinear.from_linear(linear), recipe="fp8_kernels",
+                        target="Fp8ServingLinear", filter=SERVING_FILTER, check=lambda m: fp8_serving_problem(m) or None)

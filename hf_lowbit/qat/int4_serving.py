@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..kernels.int4 import int4_linear, repack_tinygemm_weight
-from ..swap import SKIPPED, SWAPPED, SwapEntry, SwapReport
+from ..swap import SERVING_FILTER, SwapReport, swap_linears
 
 __all__ = ["Int4ServingLinear", "use_int4_kernels"]
 
@@ -85,26 +85,8 @@ def _why_not(module: nn.Module) -> str | None:
 
 def use_int4_kernels(model: nn.Module) -> SwapReport:
     """Replace every ``nn.Linear`` of ``model`` whose weight is an ``Int4TilePackedTo4dTensor`` (the LM head too) by
-    an :class:`Int4ServingLinear`, in place; the report lists what was swapped and, for other linears and
-    parametrized ones (call this before :func:`hf_lowbit.qat.prepare_for_serving`, whose unwrap then finds no
-    subclass weights left), why not. Each old weight is freed as its replacement is built."""
-    report = SwapReport(recipe="int4_kernels")
-    todo = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        shape = (module.out_features, module.in_features)
-        if torch.nn.utils.parametrize.is_parametrized(module, "weight"):
-            why = "weight is parametrized (call use_int4_kernels before unwrap_quantized_weights)"
-        else:
-            why = _why_not(module)
-        if why is None:
-            todo.append((name, module))
-            report.entries.append(SwapEntry(name, type(module).__name__, shape, SWAPPED, "Int4ServingLinear"))
-        else:
-            report.entries.append(SwapEntry(name, type(module).__name__, shape, SKIPPED, why))
-    for name, module in todo:  # swap after the walk: never mutate a tree while iterating it
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, Int4ServingLinear.from_linear(module))
-    return report
+    an :class:`Int4ServingLinear`, in place; the report lists what was swapped and, for the other linears, why not
+    (a parametrized one is a subclass: call this before :func:`hf_lowbit.qat.prepare_for_serving`, whose unwrap
+    then finds no subclass weights left). Each old weight is freed as its replacement is built."""
+    return swap_linears(model, lambda name, linear: Int4ServingLinear.from_linear(linear), recipe="int4_kernels",
+                        target="Int4ServingLinear", filter=SERVING_FILTER, check=_why_not)
