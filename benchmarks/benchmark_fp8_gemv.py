@@ -60,19 +60,13 @@ def bench(shapes, rows_m, device: str, sweep: bool = False) -> list[dict]:
     from hf_lowbit.kernels.fp8_gemv import fp8_rowwise_linear, quantize_fp8_rows
     from hf_lowbit.kernels.triton_fp8_gemv import FUSE_AMAX_MAX_M
 
+    from benchmarks.driver import kernel_us
+
+    def timed(fn):
+        return kernel_us(fn, device)
+
     if device == "cuda":
-        from triton.testing import do_bench
-
-        from benchmarks.driver import graph_ms
         from hf_lowbit.kernels.triton_fp8_gemv import fp8_gemv_triton
-
-        def timed(fn):
-            try:
-                return graph_ms(fn) * 1000, "cuda graph"
-            except Exception as e:  # noqa: BLE001 - record why and measure the eager way
-                print(f"  not capturable ({type(e).__name__}: {str(e)[:80]}); timing eagerly", flush=True)
-                torch.cuda.synchronize()
-                return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000, "eager (do_bench)"
 
         def scaled_mm_fn(x, q_w, s_w):
             q, s = quantize_fp8_rows(x)
@@ -82,14 +76,6 @@ def bench(shapes, rows_m, device: str, sweep: bool = False) -> list[dict]:
         torch._dynamo.config.recompile_limit = 64  # 12 (shape, M) pairs; after the first recompile shapes go dynamic
         scaled_mm = torch.compile(scaled_mm_fn)
     else:
-        import time
-
-        def timed(fn):
-            fn()
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e6, "wall (CPU smoke)"
-
         def fp8_gemv_triton(x, w, s, pre_scale=None):  # the op's CPU path: the float32 reference
             return fp8_rowwise_linear(x, w, s)
 

@@ -34,29 +34,11 @@ def bench(shapes, device: str) -> list[dict]:
     from hf_lowbit.kernels.nf4 import (dequantize_nf4, nf4_int8_multipliers, nf4_lut, nf4_to_int8, nf4_to_int8_op,
                                    quantize_nf4)
 
-    if device == "cuda":
-        from triton.testing import do_bench
+    from benchmarks.driver import kernel_us
 
-        from benchmarks.driver import graph_ms
+    def timed(fn):  # GPU time alone, in a CUDA graph (driver.kernel_us)
+        return kernel_us(fn, device)
 
-        def timed(fn):
-            # GPU time alone: ten calls captured in a CUDA graph, replayed. Timed eagerly (do_bench) a ~50 µs
-            # kernel read the host's launch time on the H200 run of 53dd5e7 (bitsandbytes' dequantize 2-4x slower
-            # than the run before). A call that cannot be captured falls back to do_bench, marked in "timing".
-            try:
-                return graph_ms(fn) * 1000, "cuda graph"
-            except Exception as e:  # noqa: BLE001 - record why and measure the eager way
-                print(f"  not capturable ({type(e).__name__}: {str(e)[:80]}); timing eagerly", flush=True)
-                torch.cuda.synchronize()
-                return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000, "eager (do_bench)"
-    else:
-        import time
-
-        def timed(fn):
-            fn()
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e6, "wall (CPU smoke)"
     try:
         import bitsandbytes.functional as bnbf
     except ImportError:
