@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .qat import QAT_SCHEMES
+from .qat import PER_CHANNEL, QAT_SCHEMES
 
 # mixed-precision recipe field -> its number format (a record in hf_lowbit.kernels.formats), in the order applied
 MIXED_PRECISION_RECIPES = {"int8_mixed_precision": "int8", "fp8_mixed_precision": "fp8"}
@@ -90,7 +90,8 @@ class LowBitArgumentsMixin:
         "ExecuTorch/CPU, int4_tinygemm (sm_80+) / fp8_rowwise (sm_89+) for NVIDIA GPUs (docs/qat.md). Default: off.")})
     qat_group_size: int = field(default=256, metadata={"help": (
         "QAT weight group size along in_features (int4_tinygemm: 32-256); linears whose in_features is not a "
-        "multiple of it are skipped and reported.")})
+        "multiple of it are skipped and reported. -1: per channel, one scale per weight row, every linear "
+        "(8da4w, int4_weight_only; torchao's PerAxis(0)). fp8_rowwise is per row and ignores it.")})
     qat_fake_quant_after_n_steps: int = field(default=0, metadata={"help": (
         "QAT: train the first N optimizer steps without fake quantization, then with it (follows "
         "global_step, so resuming from a checkpoint is correct). 0: from the first step.")})
@@ -180,15 +181,17 @@ class LowBitArgumentsMixin:
         if self.qat_scheme is not None and self.qat_scheme not in QAT_SCHEMES:
             raise ValueError(f"{cls}.qat_scheme={self.qat_scheme!r} is not a QAT scheme; "
                              f"valid schemes: {', '.join(QAT_SCHEMES)} (or None for no QAT)")
-        for name, low in (("qat_group_size", 2), ("qat_fake_quant_after_n_steps", 0)):
+        for name, low, also in (("qat_group_size", 2, PER_CHANNEL), ("qat_fake_quant_after_n_steps", 0, None)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{cls}.{name} must be an integer >= {low}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or (value < low and value != also):
+                raise ValueError(f"{cls}.{name} must be an integer >= {low}"
+                                 f"{'' if also is None else f', or {also} for per channel'}, got {value!r}")
         if self.qat_scheme is not None:
             problem = QAT_SCHEMES[self.qat_scheme].group_size_problem(self.qat_group_size)
             if problem:
-                raise ValueError(f"{cls}.qat_group_size={self.qat_group_size} with qat_scheme={self.qat_scheme!r}: "
-                                 f"{problem}; choose one of them")
+                per_channel = " (per channel)" if self.qat_group_size == PER_CHANNEL else ""
+                raise ValueError(f"{cls}.qat_group_size={self.qat_group_size}{per_channel} with "
+                                 f"qat_scheme={self.qat_scheme!r}: {problem}")
         if not isinstance(self.qat_include_lm_head, bool):
             raise TypeError(f"{cls}.qat_include_lm_head must be True or False, "
                             f"got {self.qat_include_lm_head!r}")

@@ -82,10 +82,12 @@ def apply_recipes(model: nn.Module, args: LowBitArgumentsMixin, peft_config=None
         report = convert(model, config, linear_filter)
         if isinstance(config, QATConfig) and not report.swapped and not any(
                 e.reason.startswith("already") for e in report.entries):
-            rule = ("lower qat_group_size (it must divide in_features)" if config.spec.grouped else
-                    f"its kernel needs in and out features that are multiples of {config.spec.alignment}")
+            rule = ("lower qat_group_size (it must divide in_features; -1: per channel, any in_features), or "
+                    if not config.per_channel else
+                    f"its kernel needs in and out features that are multiples of {config.spec.alignment}, or "
+                    if config.spec.alignment > 1 else "")
             raise ValueError(f"qat_scheme={args.qat_scheme!r}: no linear can be fake-quantized:\n{report.summary()}\n"
-                             f"{rule}, or check lowbit_exclude_modules")
+                             f"{rule}check lowbit_exclude_modules")
         reports.append(report)
     if peft_config is not None:  # after the swap: LoRA wraps the low-bit base layers
         from peft import get_peft_model

@@ -4,8 +4,9 @@ Fake-quantize during fine-tuning, convert with torchao, save a checkpoint ``from
 (docs/qat.md).
 
 * config: :class:`QATConfig`: a scheme of :data:`QAT_SCHEMES` (``"8da4w"``, ``"int4_weight_only"`` for ExecuTorch /
-  CPU; ``"int4_tinygemm"``, ``"fp8_rowwise"`` for NVIDIA GPUs) and the weight group size; ``filter(base)`` requires
-  the group to divide ``in_features`` (row-wise FP8: features multiples of 16) and drops the size floor;
+  CPU; ``"int4_tinygemm"``, ``"fp8_rowwise"`` for NVIDIA GPUs) and the weight group size (:data:`PER_CHANNEL`, -1: one
+  scale per weight row); ``filter(base)`` requires the group to divide ``in_features`` (per channel: no rule; row-wise
+  FP8: features multiples of 16) and drops the size floor;
   :func:`cuda_capability_problem` says why a GPU cannot run a scheme's converted kernels.
 * convert: :func:`convert_to_qat` ``(model, config, filter) -> SwapReport``, in place (:func:`prepare_qat`: the
   same from an exclude list); :class:`FakeQuantScheduleCallback` delays fake quant N steps; after training
@@ -22,13 +23,13 @@ Fake-quantize during fine-tuning, convert with torchao, save a checkpoint ``from
 Imports: :mod:`hf_lowbit.kernels` and the core.
 """
 
-from .linear import (QAT_SCHEMES, FakeQuantScheduleCallback, QATConfig, QATLinear, QATScheme, convert_qat,
+from .linear import (PER_CHANNEL, QAT_SCHEMES, FakeQuantScheduleCallback, QATConfig, QATLinear, QATScheme, convert_qat,
                      convert_to_qat, cuda_capability_problem, fake_quant_enabled_at, get_scheme, prepare_qat,
                      qat_linear, set_fake_quant_enabled)
 from .export import merge_lora, push_quantized_to_hub, save_quantized
 from .serving import prepare_for_serving, serving_compile_config, unwrap_quantized_weights
 
-__all__ = ["QAT_SCHEMES", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
+__all__ = ["QAT_SCHEMES", "PER_CHANNEL", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
            "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled", "fake_quant_enabled_at",
            "FakeQuantScheduleCallback", "get_scheme",
            "save_quantized", "push_quantized_to_hub", "merge_lora",

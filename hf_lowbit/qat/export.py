@@ -92,8 +92,9 @@ def save_quantized(model: nn.Module, path: str, config: QATConfig, tokenizer=Non
         spec = config.spec
         dtype = str(getattr(model, "dtype", "")).replace("torch.", "")
         with open(os.path.join(tmp, "README.md"), "w") as f:
-            granularity = f"weight group size {config.group_size}" if spec.grouped else "one scale per weight row"
-            f.write(MODEL_CARD.format(name=name, scheme=spec.name, description=spec.description,
+            granularity = ("per channel: one scale per weight row" if config.per_channel else
+                           f"weight group size {config.group_size}")
+            f.write(MODEL_CARD.format(name=name, scheme=spec.name, description=config.description,
                                       granularity=granularity, runtime=spec.runtime, tensor_type=spec.tensor_type,
                                       base_config=type(config.base_config()).__name__,
                                       n_converted=len(converted), dtype=dtype,

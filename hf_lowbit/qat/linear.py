@@ -3,13 +3,14 @@
 * :data:`QAT_SCHEMES`: scheme name -> how to fake-quantize, the torchao PTQ config that convert applies, and
   where the export is meant to run. For ExecuTorch / CPU (torchao's unpacked int4-in-int8 layout): ``"8da4w"``
   (int8 per-token asymmetric dynamic activations + int4 per-group symmetric weights =
-  ``Int8DynamicActivationIntxWeightConfig``) and ``"int4_weight_only"`` (``IntxWeightOnlyConfig``). For NVIDIA
+  ``Int8DynamicActivationIntxWeightConfig``) and ``"int4_weight_only"`` (``IntxWeightOnlyConfig``); both also per
+  channel (``group_size=PER_CHANNEL``, i.e. -1: one scale per weight row, torchao's ``PerAxis(0)``). For NVIDIA
   GPUs: ``"int4_tinygemm"`` (``Int4WeightOnlyConfig`` in the ``tile_packed_to_4d`` packing, torch's tinygemm
   kernel, sm_80+) and ``"fp8_rowwise"`` (``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``,
   ``torch._scaled_mm``, sm_89+).
 * :class:`QATConfig` and :func:`convert_to_qat` (the recipe's shape, as for the other recipes): swap
   eligible ``nn.Linear`` for :class:`QATLinear` through ``swap_linears``; layers whose ``in_features``
-  is not a multiple of the group size are skipped and reported. Layer size does not matter here
+  is not a multiple of the group size are skipped and reported (per channel: no such rule). Layer size does not matter here
   (``QATConfig.filter`` sets ``min_features=1``): every linear the export quantizes must have trained
   with fake quant. :func:`prepare_qat` is the same with the filter built from an ``exclude`` list.
 * :class:`QATLinear`: one ``autograd.Function`` that fake-quantizes the activation and the weight
@@ -46,16 +47,32 @@ from ..kernels.fake_quant import (fake_quant_fp8_rowwise, fake_quant_int4_tinyge
 from ..swap import LinearFilter, SwapReport, name_matches, swap_linears
 
 
+PER_CHANNEL = -1
+"""``QATConfig(group_size=PER_CHANNEL)`` (``qat_group_size=-1``, ``eval_qat.py --group_size -1``): one int4 scale per
+weight row, i.e. one group of ``in_features`` per output channel, whatever each layer's ``in_features``; torchao's
+``PerAxis(0)`` granularity (its block size ``(1, in_features)``, the same arithmetic as a group of that size). -1 as
+transformers' ``GPTQConfig`` / ``AwqConfig`` spell per-column quantization, and an integer, so the command line
+takes it. The IntxUnpacked schemes (8da4w, int4_weight_only) only; ``fp8_rowwise`` is per row anyway."""
+
+
+def group_label(group_size: int) -> str:
+    """``"per channel"`` for :data:`PER_CHANNEL`, else ``"group N"`` (reports, model cards, benchmark tables)."""
+    return "per channel" if group_size == PER_CHANNEL else f"group {group_size}"
+
+
 @dataclass(frozen=True)
 class QATScheme:
     """One QAT scheme: how it fake-quantizes, what convert makes of it, and where the result is meant to run.
 
     ``fake_quant_weight(w, group_size)`` and ``fake_quant_act(x)`` (None: activations unquantized) are
-    torchao's arithmetic for ``base_config(group_size)``'s convert (:mod:`hf_lowbit.kernels.fake_quant`).
+    torchao's arithmetic for ``base_config(group_size)``'s convert (:mod:`hf_lowbit.kernels.fake_quant`);
+    ``fake_quant_weight`` gets the group size in elements (per channel: ``in_features``), ``base_config`` the
+    configured one (per channel: :data:`PER_CHANNEL`).
     ``weight_dtype``: the converted tensor's dtype where torchao fixes it (the weight is cast to it before the
     fake quant and before convert); ``act_dtype``: the dtype the converted kernel takes activations in (its
     output is cast back). ``grouped``: weights in groups of ``group_size`` along ``in_features`` (else per
-    output row, the group size unused); ``group_sizes``: the only group sizes the converted kernel takes.
+    output row, the group size unused); ``group_sizes``: the only group sizes the converted kernel takes (then
+    not per channel either).
     ``alignment``: in and out features must be multiples of it (else torchao's convert leaves the layer
     unquantized, so the swap skips it too). ``min_capability``: the CUDA compute capability the converted
     kernels need (None: any device). ``convert_on_cuda``: torchao's convert packs the weight with a CUDA op.
@@ -78,23 +95,37 @@ class QATScheme:
     convert_on_cuda: bool = False
 
     def group_size_problem(self, group_size: int) -> str | None:
-        """Why ``group_size`` does not suit this scheme's converted kernel (None: it does)."""
+        """Why ``group_size`` (:data:`PER_CHANNEL` included) does not suit this scheme's converted kernel (None: it
+        does); the reason ends with what to choose instead."""
         if self.group_sizes is not None and group_size not in self.group_sizes:
-            return (f"the {self.tensor_type} kernel takes groups of {', '.join(map(str, self.group_sizes))} "
-                    "elements only")
+            sizes = ", ".join(map(str, self.group_sizes))
+            if group_size == PER_CHANNEL:
+                others = " or ".join(n for n, s in QAT_SCHEMES.items() if s.grouped and s.group_sizes is None)
+                return (f"the {self.tensor_type} kernel has no per-channel int4, it takes groups of {sizes} elements "
+                        f"only; choose one of them, or scheme {others} for per-channel int4 weights")
+            return f"the {self.tensor_type} kernel takes groups of {sizes} elements only; choose one of them"
         return None
 
 
-def _8da4w(group_size: int):
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup
+def _intx_granularity(group_size: int):
+    """torchao's granularity for an IntxUnpacked weight: ``PerAxis(0)`` per channel (one scale per output row), else
+    ``PerGroup(group_size)``."""
+    from torchao.quantization import PerAxis, PerGroup
 
-    return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
+    return PerAxis(0) if group_size == PER_CHANNEL else PerGroup(group_size)
+
+
+def _8da4w(group_size: int):
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
+
+    return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
+                                                 weight_granularity=_intx_granularity(group_size))
 
 
 def _int4_weight_only(group_size: int):
-    from torchao.quantization import IntxWeightOnlyConfig, PerGroup
+    from torchao.quantization import IntxWeightOnlyConfig
 
-    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
+    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=_intx_granularity(group_size))
 
 
 def _int4_tinygemm(group_size: int):
@@ -150,7 +181,8 @@ def get_scheme(name: str) -> QATScheme:
 class QATConfig:
     """A scheme name from :data:`QAT_SCHEMES` and the weight group size (along ``in_features``).
 
-    ``include_lm_head``: also fake-quantize the output embedding. ``fake_quant_enabled``: whether the
+    ``group_size``: an integer >= 2, or :data:`PER_CHANNEL` (-1) for one scale per weight row (8da4w,
+    int4_weight_only; every linear qualifies, there is no divisibility rule). ``include_lm_head``: also fake-quantize the output embedding. ``fake_quant_enabled``: whether the
     swapped layers start with fake quantization on (off while ``qat_fake_quant_after_n_steps`` runs).
     Only ``scheme`` and ``group_size`` matter to :func:`convert_qat` / the export.
     """
@@ -164,22 +196,42 @@ class QATConfig:
 
     def __post_init__(self):
         spec = get_scheme(self.scheme)
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
-            raise ValueError(f"QATConfig.group_size must be an integer >= 2, got {self.group_size!r}")
-        problem = spec.group_size_problem(self.group_size)
+        g = self.group_size
+        if isinstance(g, bool) or not isinstance(g, int) or (g < 2 and g != PER_CHANNEL):
+            raise ValueError(f"QATConfig.group_size must be an integer >= 2, or {PER_CHANNEL} for per channel (one "
+                             f"scale per weight row), got {g!r}")
+        problem = spec.group_size_problem(g)
         if problem:
-            raise ValueError(f"QATConfig.group_size={self.group_size} with scheme {self.scheme!r}: {problem}")
+            raise ValueError(f"QATConfig.group_size={g}{' (per channel)' if self.per_channel else ''} with scheme "
+                             f"{self.scheme!r}: {problem}")
 
     @property
     def spec(self) -> QATScheme:
         return QAT_SCHEMES[self.scheme]
+
+    @property
+    def per_channel(self) -> bool:
+        """One scale per weight row: ``group_size`` is :data:`PER_CHANNEL`, or the scheme is row-wise anyway."""
+        return self.group_size == PER_CHANNEL or not self.spec.grouped
+
+    @property
+    def granularity(self) -> str:
+        """``"per channel"`` or ``"group N"``, for reports and model cards."""
+        return "per channel" if self.per_channel else group_label(self.group_size)
+
+    @property
+    def description(self) -> str:
+        """The scheme's description with this config's weight granularity (per-group or per-channel)."""
+        d = self.spec.description
+        return d.replace("per-group", "per-channel") if self.group_size == PER_CHANNEL else d
 
     def base_config(self):
         """The torchao PTQ config that :func:`convert_qat` applies (and ``TorchAoConfig`` records)."""
         return self.spec.base_config(self.group_size)
 
     def filter(self, base: LinearFilter) -> LinearFilter:
-        """``base`` with QAT's shape rule (``in_features`` a multiple of the group size) and no size floor.
+        """``base`` with QAT's shape rule (``in_features`` a multiple of the group size; none per channel) and no
+        size floor.
 
         ``min_features`` is 1 whatever ``base`` says: ``lowbit_min_features`` keeps matmuls too small for
         low-bit *kernels* to pay in high precision, but QAT runs no low-bit kernel while training, and the
@@ -191,7 +243,7 @@ class QATConfig:
         """
         spec = self.spec
         return replace(base, min_features=1, multiple_of=max(base.multiple_of, spec.alignment),
-                       in_features_multiple_of=self.group_size if spec.grouped else 1,
+                       in_features_multiple_of=1 if self.per_channel else self.group_size,
                        exclude_output_embeddings=base.exclude_output_embeddings and not self.include_lm_head)
 
 
@@ -228,8 +280,11 @@ class _QATLinearFn(torch.autograd.Function):
 
 
 def _fake_operands(x: Tensor, weight: Tensor, scheme: str, group_size: int) -> tuple[Tensor, Tensor]:
-    """The fake-quantized input and weight, both in the dtype the matmul runs in."""
+    """The fake-quantized input and weight, both in the dtype the matmul runs in (per channel: one group of
+    ``in_features`` per weight row, which is what torchao's ``PerAxis(0)`` computes)."""
     s = QAT_SCHEMES[scheme]
+    if group_size == PER_CHANNEL:
+        group_size = weight.shape[-1]
     if s.act_dtype is not None:
         x = x.to(s.act_dtype)
     xq = x if s.fake_quant_act is None else s.fake_quant_act(x)
@@ -267,7 +322,7 @@ class QATLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  config: QATConfig = QATConfig()):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        if config.spec.grouped and in_features % config.group_size:
+        if not config.per_channel and in_features % config.group_size:
             raise ValueError(f"QATLinear: in_features={in_features} is not a multiple of group_size={config.group_size}")
         self.qat_config = config
         self.fake_quant_enabled = True
@@ -296,7 +351,8 @@ class QATLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         c = self.qat_config
-        return f"{super().extra_repr()}, qat={c.scheme}, group_size={c.group_size}, fake_quant={self.fake_quant_enabled}"
+        group = "per channel" if c.group_size == PER_CHANNEL else f"group_size={c.group_size}"
+        return f"{super().extra_repr()}, qat={c.scheme}, {group}, fake_quant={self.fake_quant_enabled}"
 
 
 def _torchao_fake_quantized_types() -> tuple[type, ...]:
@@ -324,7 +380,7 @@ def convert_to_qat(model: nn.Module, config: QATConfig, filter: LinearFilter = L
         return layer
 
     return swap_linears(model, make, recipe=config.recipe,
-                        target=f"QAT {config.scheme} fake quant (group {config.group_size})",
+                        target=f"QAT {config.scheme} fake quant ({config.granularity})",
                         filter=linear_filter, already=(QATLinear, *_torchao_fake_quantized_types()))
 
 
@@ -451,6 +507,6 @@ def convert_qat(model: nn.Module, config: QATConfig) -> list[str]:
     return names
 
 
-__all__ = ["QAT_SCHEMES", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
+__all__ = ["QAT_SCHEMES", "PER_CHANNEL", "group_label", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
            "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled", "fake_quant_enabled_at",
            "FakeQuantScheduleCallback", "get_scheme"]
