@@ -15,8 +15,9 @@ recovered = (ppl[ft PTQ] - ppl[QAT converted]) / (ppl[ft PTQ] - ppl[ft bf16]), a
 their mean, min, max and standard deviation.
 
 Where PTQ hurts: `--include_lm_head` quantizes the LM head too (PTQ and QAT alike), `--group_size` as large as
-`--hidden` makes most weights one group per row, and `--scheme` picks the format (`int4_tinygemm` converts on a
-CUDA GPU only). Measured settings are in docs/qat.md.
+`--hidden` makes most weights one group per row, `--group_size -1` quantizes every weight per channel (one scale per
+row, whatever the layer's `in_features`; `8da4w` and `int4_weight_only`), and `--scheme` picks the format
+(`int4_tinygemm` converts on a CUDA GPU only). Measured settings are in docs/qat.md.
 
 The corpus is small (~400k tokens), so the defaults train for few epochs (a model that memorizes the
 training half tells nothing about held-out text); `--repeats N` repeats steps 1-3 from N seeds (same
@@ -54,7 +55,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from benchmarks.corpus import corpus_blocks  # noqa: E402
 from benchmarks.driver import add_int_flags, llama_config, meta, save_json, train_step, write_results  # noqa: E402
-from hf_lowbit.qat import QAT_SCHEMES, QATConfig, convert_qat, prepare_qat  # noqa: E402
+from hf_lowbit.qat import PER_CHANNEL, QAT_SCHEMES, QATConfig, convert_qat, prepare_qat  # noqa: E402
+from hf_lowbit.qat.linear import group_label  # noqa: E402
 
 
 _T0 = time.time()
@@ -159,8 +161,8 @@ def ptq(model, config: QATConfig, exclude: tuple[str, ...] = ("lm_head",), in_pl
     """A converted copy of ``model`` (no training): torchao's quantization of its weights as they are.
 
     ``exclude``: module names or globs left as they are (the LM head is quantized anyway with
-    ``config.include_lm_head``); ``in_place``: convert ``model`` itself (several passes, e.g. one group size per
-    ``in_features``: ``benchmarks/ptq_sensitivity.py``'s per-channel rows)."""
+    ``config.include_lm_head``); ``in_place``: convert ``model`` itself (a copy the caller made:
+    ``benchmarks/ptq_sensitivity.py``)."""
     q = model if in_place else copy.deepcopy(model)
     prepare_qat(q, config, exclude=exclude, include_lm_head=config.include_lm_head)
     convert_qat(q, config)
@@ -215,8 +217,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # defaults sized to the corpus (~200k tokens per half): ~3 pre-training epochs, ~1 fine-tuning epoch
     add_int_flags(p, layers=4, hidden=512, intermediate=1536, heads=8, kv_heads=4, seq=256, batch=8, pretrain_steps=300,
-                  finetune_steps=100, vocab=4096, group_size=256, seed=0, repeats=1, max_docs=0, eval_blocks=0)
+                  finetune_steps=100, vocab=4096, seed=0, repeats=1, max_docs=0, eval_blocks=0)
     p.add_argument("--scheme", default="8da4w", choices=list(QAT_SCHEMES))
+    p.add_argument("--group_size", type=int, default=256, metavar="N",
+                   help=f"weight group size along in_features (int4_tinygemm: 32-256; layers it does not divide stay "
+                        f"in float), or {PER_CHANNEL} for per channel: one scale per weight row, every layer (8da4w, "
+                        "int4_weight_only)")
     p.add_argument("--pretrain_lr", type=float, default=2e-3)
     p.add_argument("--finetune_lr", type=float, default=3e-4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -242,7 +248,10 @@ def main():
     if a.repeats < 1 or a.repeat_from < 0:
         raise SystemExit(f"--repeats {a.repeats} --repeat_from {a.repeat_from}: need REPEATS >= 1 and K >= 0")
     t0 = time.time()
-    config = QATConfig(a.scheme, a.group_size, include_lm_head=a.include_lm_head)
+    try:
+        config = QATConfig(a.scheme, a.group_size, include_lm_head=a.include_lm_head)
+    except ValueError as e:
+        raise SystemExit(f"--group_size {a.group_size} --scheme {a.scheme}: {e}") from None
 
     tok, train_blocks, eval_blocks, corpus = load_corpus(a)
     if a.corpus_only:
@@ -262,7 +271,8 @@ def main():
     info = {"corpus": {**{k: corpus[k] for k in ("documents", "packages", "built_on", "cache") if k in corpus},
                        "pretrain_tokens": pre_blocks.numel(), "finetune_tokens": ft_blocks.numel(),
                        "eval_tokens": eval_blocks.numel()},
-            "epochs": epochs, "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "merge")}}
+            "epochs": epochs, "weights": f"{a.scheme}, {config.granularity}",
+            "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "merge")}}
     repeats = []
     for i in range(a.repeats):
         seed = a.seed + a.repeat_from + i
@@ -334,7 +344,7 @@ def summarize(repeats: list[dict], info: dict, json_path: str | None, markdown_p
     loss = {k: spread([r["loss"][k] for r in repeats]) for k in repeats[0]["loss"]}
     result = {"meta": info, "perplexity": rows, "ptq_loss": lost, "recovered": recovered, "loss": loss,
               "repeats": repeats}
-    head = (f"| model ({c['scheme']}, group {c['group_size']}{', LM head too' if c['include_lm_head'] else ''}) | "
+    head = (f"| model ({c['scheme']}, {group_label(c['group_size'])}{', LM head too' if c['include_lm_head'] else ''}) | "
             "held-out perplexity" + (f", mean of {n} seeds | per seed |" if n > 1 else " |"))
     table = [head, "|---|---|" + ("---|" if n > 1 else "")]
     for k, v in rows.items():

@@ -27,8 +27,9 @@ converted on any device; `int4_tinygemm`: asymmetric, bf16 activations, groups 3
 CUDA GPU only, so its rows are skipped elsewhere with one line saying why); GROUP a group size along
 `in_features`, `hidden` (the model's hidden size, as `eval_qat.py --group_size HIDDEN` would quantize: layers
 whose `in_features` is not a multiple of it stay unquantized, each row says which) or `ch` (per channel: one
-group per output row, group = `in_features` of each layer, one torchao pass per distinct `in_features`; not a
-single `--group_size` of `eval_qat.py`); `:nohead` leaves the LM head in float (else it is quantized too). The
+scale per output row, whatever each layer's `in_features`: `QATConfig(group_size=PER_CHANNEL)`, torchao's
+`PerAxis(0)`; `eval_qat.py --group_size -1`, which QAT-trains it too); `:nohead` leaves the LM head in float (else
+it is quantized too). The
 input embedding is never quantized (as in `eval_qat.py`). The QAT schemes are int4 only: there are no
 lower-bit reference rows.
 
@@ -60,7 +61,7 @@ from torch import nn  # noqa: E402
 from benchmarks.driver import llama_config, meta, write_results  # noqa: E402
 from benchmarks.eval_qat import (add_corpus_flags, batch_order, halves, load_corpus, log, perplexity,  # noqa: E402
                                  pretrain, ptq)
-from hf_lowbit.qat import QAT_SCHEMES, QATConfig, cuda_capability_problem  # noqa: E402
+from hf_lowbit.qat import PER_CHANNEL, QAT_SCHEMES, QATConfig, cuda_capability_problem  # noqa: E402
 
 # the base models (pretraining only): shape, batch (of --seq tokens), steps, peak rate. Estimates: plan().
 PRESETS = {
@@ -135,8 +136,11 @@ def parse_variant(spec: str) -> dict:
             group = int(group)
         except ValueError:
             raise SystemExit(f"--variants: {spec!r}: GROUP must be an integer, 'hidden' or 'ch'") from None
+        if group == PER_CHANNEL:
+            group = "ch"  # the same variant as 'ch' (eval_qat.py's spelling)
+    if isinstance(group, int) or group == "ch":
         try:
-            QATConfig(scheme, group)
+            QATConfig(scheme, PER_CHANNEL if group == "ch" else group)
         except ValueError as e:
             raise SystemExit(f"--variants: {spec!r}: {e}") from None
     elif QAT_SCHEMES[scheme].group_sizes is not None:
@@ -217,20 +221,19 @@ def collapse(names: list[str]) -> list[str]:
     return [f"{k} (x{v})" if v > 1 else k for k, v in counts.items()]
 
 
+def variant_group_size(variant: dict, hidden: int) -> int:
+    """The ``QATConfig.group_size`` (``eval_qat.py --group_size``) of ``variant``: per channel is
+    :data:`~hf_lowbit.qat.PER_CHANNEL`, ``hidden`` the model's hidden size."""
+    group = variant["group"]
+    return PER_CHANNEL if group == "ch" else hidden if group == "hidden" else group
+
+
 def quantize(base, variant: dict, hidden: int):
-    """A PTQ'd copy of ``base`` for ``variant`` (:func:`parse_variant`) through ``eval_qat.ptq``; per channel, one
-    in-place pass per distinct ``in_features`` (that group size, the other layers excluded by name)."""
+    """A PTQ'd copy of ``base`` for ``variant`` (:func:`parse_variant`) through ``eval_qat.ptq``, as ``eval_qat.py``
+    with the row's flags PTQs (per channel: ``PerAxis(0)``, one scale per row of every layer)."""
     q = copy.deepcopy(base)
-    scheme, group, head = variant["scheme"], variant["group"], variant["include_lm_head"]
-    if group != "ch":
-        ptq(q, QATConfig(scheme, hidden if group == "hidden" else group, include_lm_head=head), in_place=True)
-        return q
-    lm_head = q.get_output_embeddings()
-    linears = [(n, m) for n, m in q.named_modules() if type(m) is nn.Linear and (head or m is not lm_head)]
-    for f in sorted({m.in_features for _, m in linears}):
-        others = tuple(n for n, m in linears if m.in_features != f)
-        config = QATConfig(scheme, f, include_lm_head=head and lm_head.in_features == f)
-        ptq(q, config, exclude=("lm_head", *others), in_place=True)
+    config = QATConfig(variant["scheme"], variant_group_size(variant, hidden), include_lm_head=variant["include_lm_head"])
+    ptq(q, config, in_place=True)
     return q
 
 
@@ -303,9 +306,7 @@ def eval_qat_flags(cfg: dict, a, variant: dict | None = None) -> str:
              f"--batch {cfg['batch']} --pretrain_steps {cfg['steps']} --pretrain_lr {cfg['lr']:g}")
     if variant is None:
         return flags
-    if variant["group"] == "ch":
-        return "(per channel: no single --group_size of eval_qat.py / QATConfig gives it)"
-    group = cfg["hidden"] if variant["group"] == "hidden" else variant["group"]
+    group = variant_group_size(variant, cfg["hidden"])
     return f"--scheme {variant['scheme']} --group_size {group}" + (" --include_lm_head" if variant["include_lm_head"]
                                                                    else "")
 
