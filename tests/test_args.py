@@ -46,6 +46,21 @@ def test_cli_flags():
         assert flag in help_text
 
 
+def test_qat_per_channel_from_the_command_line():
+    """--qat_group_size -1 (per channel) parses as the integer -1 (argparse takes a negative number as a value) and
+    --help says what it means; -2 and int4_tinygemm per channel are refused naming the field."""
+    parser = HfArgumentParser(LowBitTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(args=["--output_dir", "o", "--report_to", "none", "--qat_scheme",
+                                                       "8da4w", "--qat_group_size", "-1"])
+    assert args.qat_group_size == -1
+    assert "-1: per channel" in " ".join(parser.format_help().split())
+    for argv, match in ((["--qat_scheme", "8da4w", "--qat_group_size", "-2"], "qat_group_size must be an integer"),
+                        (["--qat_scheme", "int4_tinygemm", "--qat_group_size", "-1"],
+                         "qat_group_size=-1 .per channel. with qat_scheme='int4_tinygemm'")):
+        with pytest.raises(ValueError, match=match):
+            parser.parse_args_into_dataclasses(args=["--output_dir", "o", "--report_to", "none", *argv])
+
+
 @pytest.mark.parametrize("field", ["dual_grad_quant", "save_x_codes"])
 def test_backward_quantization_flags_reach_the_layers(field):
     """--lowbit_dual_grad_quant, --lowbit_save_x_codes: CLI flags (in --help), off when unset (also with stochastic

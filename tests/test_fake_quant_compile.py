@@ -82,8 +82,10 @@ def _operands(dtype, seed=0):
 
 
 def _fake_quants(w, x):
+    wide = torch.cat([w, w[:, :744]], 1)  # in_features 1000: per channel (one group per row) at an odd width
     return {"per_token_asym": fake_quant_per_token_asym(x), "fp8_rowwise": fake_quant_fp8_rowwise(x),
-            "per_group_sym g32": fake_quant_per_group_sym(w, 32), "int4_tinygemm g64": fake_quant_int4_tinygemm(w, 64)}
+            "per_group_sym g32": fake_quant_per_group_sym(w, 32), "int4_tinygemm g64": fake_quant_int4_tinygemm(w, 64),
+            "per_group_sym per channel K=1000": fake_quant_per_group_sym(wide, wide.shape[1])}
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
@@ -139,17 +141,18 @@ def _layer_inputs(model, ids):
     return inputs
 
 
-@pytest.mark.parametrize("scheme,dtype,autocast", [
-    ("8da4w", BF16, False), ("int4_weight_only", BF16, False), ("int4_tinygemm", BF16, False),
-    ("fp8_rowwise", BF16, False), ("8da4w", torch.float32, True), ("fp8_rowwise", torch.float32, False)])
-def test_compiled_qat_layers_forward_and_backward_are_eager_bit_for_bit(scheme, dtype, autocast):
+@pytest.mark.parametrize("scheme,dtype,autocast,group_size", [
+    ("8da4w", BF16, False, 32), ("int4_weight_only", BF16, False, 32), ("int4_tinygemm", BF16, False, 32),
+    ("fp8_rowwise", BF16, False, 32), ("8da4w", torch.float32, True, 32), ("fp8_rowwise", torch.float32, False, 32),
+    ("8da4w", BF16, False, -1), ("int4_weight_only", torch.float32, True, -1)])
+def test_compiled_qat_layers_forward_and_backward_are_eager_bit_for_bit(scheme, dtype, autocast, group_size):
     """In a tiny Llama prepared for QAT, every QAT linear compiled (Inductor, forward and backward) gives the eager
     layer's output and gradients bit for bit, on the activations the model feeds it. Per layer: the rest of a
     compiled bf16 model drops bf16 roundings of its own (norms, attention), which is not the fake quant's business.
     Also the converted model (CPU-convertible schemes) computes what the fake-quantized one did: logits equal, and
-    each converted layer's output equals the compiled QAT layer's."""
+    each converted layer's output equals the compiled QAT layer's. ``group_size`` -1: per channel."""
     model = tiny_model(intermediate_size=64, num_key_value_heads=4).to(dtype)  # every linear 64 -> 64: one compile
-    config = QATConfig(scheme, 32)
+    config = QATConfig(scheme, group_size)
     prepare_qat(model, config)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     inputs = _layer_inputs(model, ids)

@@ -17,7 +17,8 @@ from transformers import TrainerCallback
 
 from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
 from hf_lowbit.kernels.fake_quant import fake_quant_per_group_sym, fake_quant_per_token_asym
-from hf_lowbit.qat import QATConfig, QATLinear, convert_qat, prepare_qat, qat_linear, set_fake_quant_enabled
+from hf_lowbit.qat import (PER_CHANNEL, QATConfig, QATLinear, convert_qat, prepare_qat, qat_linear,
+                           set_fake_quant_enabled)
 
 TOKENIZER = ARITH_TOKENIZER
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +52,36 @@ def test_fake_quant_equals_torchao_convert(dtype):
         ours = qat_linear(x, w, None, QATConfig("8da4w", 32))
         assert torch.equal(ours, layer(x))
     assert snr_db(F.linear(x, w), ours) > 15  # and it is a quantization of the plain product
+
+
+@pytest.mark.parametrize("scheme", ["8da4w", "int4_weight_only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [2816, 1000])
+def test_per_channel_fake_quant_equals_torchao_convert(scheme, dtype, in_features):
+    """Per channel (group_size=-1): convert_qat stores torchao's PerAxis(0) tensor (one scale per row, block
+    (1, in_features)), and the fake-quantized weight (one group of in_features per row) is it dequantized, bit for
+    bit; the QAT linear computes what the converted one does. Odd in_features that no usual group divides."""
+    from torchao.quantization import PerAxis
+
+    gen = torch.Generator().manual_seed(in_features)
+    w = (torch.randn(48, in_features, generator=gen) * torch.rand(48, 1, generator=gen) * 3).to(dtype)
+    w[0] = 0  # an all-zero row: the smallest-normal scale clamp
+    w[1, :7] = 50.0  # an outlier row
+    x = (torch.randn(3, 5, in_features, generator=gen) * 2 + 0.3).to(dtype)
+    config = QATConfig(scheme, PER_CHANNEL)
+    granularity = config.base_config().weight_granularity if scheme == "8da4w" else config.base_config().granularity
+    assert granularity == PerAxis(0) and config.per_channel and config.granularity == "per channel"
+    layer = nn.Sequential(QATLinear.from_linear(nn.Linear(in_features, 48, bias=True, dtype=dtype), config))
+    layer[0].weight.data.copy_(w)
+    with torch.no_grad():
+        fake = layer(x)
+        assert torch.equal(fake, qat_linear(x, w, layer[0].bias, config))
+        assert convert_qat(layer, config) == ["0"]
+        t = layer[0].weight
+        assert type(t).__name__ == "IntxUnpackedToInt8Tensor" and tuple(t.block_size) == (1, in_features)
+        assert t.scale.shape == (48, 1) and t.scale.dtype == dtype
+        assert torch.equal(fake_quant_per_group_sym(w, in_features), t.dequantize())
+        assert torch.equal(layer(x), fake)
 
 
 def test_fake_quant_equals_torchao_fake_quantizers_in_fp32():
@@ -126,11 +157,28 @@ def test_non_divisible_layers_are_skipped_and_reported():
         LowBitTrainer(_model(), _args("/tmp/unused", qat_group_size=48))
 
 
+def test_per_channel_swaps_layers_no_group_divides():
+    """Per channel has no divisibility rule: a down_proj of in_features 97 (prime) swaps too, the LM head with
+    include_lm_head, and the report says per channel."""
+    model = _model(intermediate_size=97)
+    report = prepare_qat(model, QATConfig("int4_weight_only", PER_CHANNEL), include_lm_head=True)
+    assert len(report.swapped) == 15 and {e.name for e in report.skipped} == {"model.embed_tokens"}
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, QATLinear) and down.in_features == 97 and "per channel" in repr(down)
+    assert "QAT int4_weight_only fake quant (per channel)" in report.summary()
+    assert "group" not in report.summary()
+
+
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="qat_scheme='nf4'.*valid schemes: 8da4w, int4_weight_only"):
         LowBitTrainingArguments(output_dir="x", qat_scheme="nf4")
     with pytest.raises(ValueError, match="qat_group_size"):
         LowBitTrainingArguments(output_dir="x", qat_scheme="8da4w", qat_group_size=1)
+    with pytest.raises(ValueError, match=r"qat_group_size must be an integer >= 2, or -1 for per channel, got -2"):
+        LowBitTrainingArguments(output_dir="x", qat_scheme="8da4w", qat_group_size=-2)
+    with pytest.raises(ValueError, match=r"group_size must be an integer >= 2, or -1 for per channel"):
+        QATConfig("8da4w", 0)
+    assert LowBitTrainingArguments(output_dir="x", qat_scheme="int4_weight_only", qat_group_size=-1).qat_group_size == -1
     with pytest.raises(ValueError, match="qat_fake_quant_after_n_steps"):
         LowBitTrainingArguments(output_dir="x", qat_scheme="8da4w", qat_fake_quant_after_n_steps=-1)
     with pytest.raises(ValueError, match="int8_mixed_precision"):
@@ -185,12 +233,15 @@ path, ids = sys.argv[1], torch.load(sys.argv[2])
 model = AutoModelForCausalLM.from_pretrained(path)
 assert "hf_lowbit" not in sys.modules
 w = model.model.layers[0].mlp.up_proj.weight
+down = model.model.layers[0].mlp.down_proj.weight
 with torch.no_grad():
     logits = model(ids).logits
 out = model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
 tok = AutoTokenizer.from_pretrained(path)
 torch.save({"logits": logits, "weight_type": type(w).__name__, "generated": out.shape[1], "vocab": len(tok),
-            "head_type": type(model.lm_head.weight.data).__name__}, sys.argv[3])
+            "head_type": type(model.lm_head.weight.data).__name__,
+            "down_block": list(getattr(down, "block_size", [])), "head_block": list(getattr(model.lm_head.weight, "block_size", []))},
+           sys.argv[3])
 """
 
 
@@ -237,6 +288,44 @@ def test_train_convert_export_load_in_fresh_process(tmp_path, lora):
     assert got["weight_type"] == "IntxUnpackedToInt8Tensor" and got["head_type"] == "Tensor"
     assert torch.equal(got["logits"], ref)
     assert got["generated"] == 9 and got["vocab"] == len(TOKENIZER)
+
+
+def test_per_channel_train_export_load_in_fresh_process(tmp_path):
+    """qat_group_size=-1: every linear, the LM head and a down_proj of in_features 97 included, trains per channel,
+    exports torchao's PerAxis(0) tensors (config.json, model card say so) that plain from_pretrained loads in a process
+    without hf_lowbit, computing what the converted model does."""
+    trainer = LowBitTrainer(_model(intermediate_size=97),
+                            _args(tmp_path / "run", max_steps=2, qat_scheme="int4_weight_only", qat_group_size=-1,
+                                  qat_include_lm_head=True),
+                            train_dataset=_data(), processing_class=TOKENIZER)
+    assert isinstance(trainer.model.model.layers[0].mlp.down_proj, QATLinear)
+    trainer.train()
+    trainer.save_quantized(str(tmp_path / "q"))
+    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    quant = config["quant_type"]["default"]
+    assert quant["_type"] == "IntxWeightOnlyConfig"
+    assert quant["_data"]["granularity"] == {"_type": "PerAxis", "_version": 1, "_data": {"axis": 0}}
+    assert config["modules_to_not_convert"] in (None, [])
+    card = (tmp_path / "q" / "README.md").read_text()
+    assert "int4 per-channel symmetric weights" in card and "per channel: one scale per weight row" in card
+    assert "per-group" not in card
+    ids = torch.randint(0, len(TOKENIZER), (2, 12))
+    with torch.no_grad():
+        ref = trainer.model(ids).logits
+    got = _load_in_fresh_process(tmp_path / "q", ids, tmp_path)
+    assert got["weight_type"] == "IntxUnpackedToInt8Tensor" and got["head_type"] == "IntxUnpackedToInt8Tensor"
+    assert got["down_block"] == [1, 97] and got["head_block"] == [1, 64]
+    assert torch.equal(got["logits"], ref)
+
+
+def test_per_channel_configs_survive_config_json():
+    from transformers import TorchAoConfig
+
+    for scheme in ("8da4w", "int4_weight_only"):
+        config = QATConfig(scheme, PER_CHANNEL).base_config()
+        text = json.dumps(TorchAoConfig(quant_type=config, modules_to_not_convert=["lm_head"]).to_dict())
+        back = TorchAoConfig.from_dict(json.loads(text)).quant_type
+        assert type(back) is type(config) and back == config
 
 
 def test_push_to_hub_uploads_exactly_the_saved_files(tmp_path, monkeypatch):
@@ -377,6 +466,25 @@ def test_eval_qat_compiled_qat_fine_tune_compiles_once(scheme, monkeypatch, caps
     torch._dynamo.reset()
 
 
+def test_eval_qat_per_channel(tmp_path, monkeypatch):
+    """eval_qat.py --group_size -1: PTQ and QAT per channel (every layer, the LM head too), the JSON and the table say
+    so; a scheme without per channel is refused in one line before anything runs."""
+    script = _eval_qat_script(monkeypatch)
+    flags = [*EVAL_QAT_TINY, "--scheme", "int4_weight_only"]
+    flags[flags.index("--group_size") + 1] = "-1"
+    monkeypatch.setattr(sys, "argv", ["eval_qat.py", *flags, "--json", str(tmp_path / "q.json"),
+                                      "--markdown", str(tmp_path / "q.md")])
+    script.main()
+    data = json.loads((tmp_path / "q.json").read_text())
+    assert data["meta"]["config"]["group_size"] == -1 and data["meta"]["weights"] == "int4_weight_only, per channel"
+    assert all(math.isfinite(v) for v in data["perplexity"].values())
+    assert "| model (int4_weight_only, per channel, LM head too) |" in (tmp_path / "q.md").read_text()
+    monkeypatch.setattr(sys, "argv", ["eval_qat.py", *flags, "--scheme", "int4_tinygemm"])
+    with pytest.raises(SystemExit, match="--group_size -1 --scheme int4_tinygemm: .*no per-channel") as e:
+        script.main()
+    assert "\n" not in str(e.value)
+
+
 def test_eval_qat_merge_of_single_seed_runs_is_the_multi_seed_run(tmp_path, monkeypatch, capsys):
     """Seeds run in separate calls (--repeats 1 --repeat_from K) and joined by --merge give what one --repeats 2 run
     writes, bit for bit (the CPU runs are deterministic): files in any order, a missing one left out, a partial one
@@ -508,7 +616,9 @@ def test_ptq_sensitivity_sweep_on_cpu(tmp_path, monkeypatch, capsys):
             ch = rows[name]  # per channel: each layer's group is its in_features
             assert ch["group_size"] == "per_channel" and ch["quantized"] == n
             assert ch["group_sizes"] == {"64": [64], "128": [128]}
-            assert ch["unquantized"] == ([] if n == 8 else ["lm_head"]) and ch["eval_qat_flags"].startswith("(per channel")
+            assert ch["unquantized"] == ([] if n == 8 else ["lm_head"])
+            assert ch["eval_qat_flags"] == "--scheme int4_weight_only --group_size -1" + (" --include_lm_head" if n == 8
+                                                                                          else "")
         assert b["eval_qat_flags"] == ("--layers 1 --hidden 64 --intermediate 128 --heads 4 --kv_heads 2 --vocab 300 "
                                        "--seq 32 --seed 0 --batch 4 --pretrain_steps 3 --pretrain_lr 0.002")
         assert b["loss"]["train_blocks"] == 8  # 3 steps x 4 blocks: the first 8 distinct ones the batches drew
@@ -545,7 +655,8 @@ def test_ptq_sensitivity_refuses_bad_specs_and_skips_past_the_deadline(tmp_path,
     """Variants the schemes cannot convert are refused before anything runs; a base that would end past
     --deadline_s is skipped and said so, the files written all the same; --plan prints the estimates."""
     script = _eval_qat_script(monkeypatch, "ptq_sensitivity")
-    for spec, why in (("int4_tinygemm:ch", "no 'ch'"), ("int4_tinygemm:hidden", "no 'hidden'"),
+    for spec, why in (("int4_tinygemm:ch", "no per-channel int4.*scheme 8da4w or int4_weight_only"),
+                      ("int4_tinygemm:-1", "no per-channel"), ("int4_tinygemm:hidden", "no 'hidden'"),
                       ("int4_tinygemm:512", "groups of 32, 64, 128, 256"), ("fp8_rowwise:32", "not int4"),
                       ("int4_weight_only:big", "GROUP must be"), ("int4_weight_only:32:head", "SCHEME:GROUP")):
         with pytest.raises(SystemExit, match=why):
@@ -556,6 +667,7 @@ def test_ptq_sensitivity_refuses_bad_specs_and_skips_past_the_deadline(tmp_path,
         script.parse_config("huge", {})
     assert script.parse_variant("8da4w:ch") == {"name": "8da4w per-channel + LM head", "scheme": "8da4w",
                                                 "group": "ch", "include_lm_head": True}
+    assert script.parse_variant("8da4w:-1") == script.parse_variant("8da4w:ch")
 
     out = tmp_path / "ptq.json"
     monkeypatch.setattr(sys, "argv", ["ptq_sensitivity.py", *PTQ_SWEEP_TINY, "--deadline_s", "1e-9", "--json", str(out)])

@@ -193,6 +193,16 @@ def test_gpu_scheme_shape_and_group_rules():
         QATConfig("int4_tinygemm", 48)
     with pytest.raises(ValueError, match=r"qat_group_size=512 with qat_scheme='int4_tinygemm'.*choose one"):
         LowBitTrainingArguments(output_dir="x", qat_scheme="int4_tinygemm", qat_group_size=512)
+    # per channel (-1): the IntxUnpacked schemes only; tinygemm refuses it in one line naming the argument and the
+    # alternatives; fp8_rowwise is per row anyway and takes it
+    for make, name in ((lambda: QATConfig("int4_tinygemm", -1), "QATConfig.group_size=-1 .per channel. with scheme "),
+                       (lambda: LowBitTrainingArguments(output_dir="x", qat_scheme="int4_tinygemm", qat_group_size=-1),
+                        "LowBitTrainingArguments.qat_group_size=-1 .per channel. with qat_scheme=")):
+        with pytest.raises(ValueError, match=f"{name}'int4_tinygemm': .*no per-channel int4.*32, 64, 128, 256.*"
+                                             "choose one of them, or scheme 8da4w or int4_weight_only") as e:
+            make()
+        assert "\n" not in str(e.value)
+    assert QATConfig("fp8_rowwise", -1).per_channel and QATConfig("fp8_rowwise", 256).granularity == "per channel"
     # FP8 row-wise: no groups, so any group size; features must be multiples of 16 (torchao's convert silently
     # leaves other layers in bf16, so the swap leaves them too, and says so)
     model = tiny_model(intermediate_size=120)
