@@ -97,7 +97,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         B + "eval_qat.py --group_size 256 --json $OUT/qat_h200.json --markdown $OUT/qat_h200.md"]),
     "qat_ptq_hurts": ("issue 26: QAT where int4 PTQ hurts: the 143M Llama of quality_parity pretrained from scratch on "
                       "~5.6M tokens (about one epoch), int4 everywhere but the input embedding (SCHEME int4_tinygemm, "
-                      "GROUP 256: the largest tinygemm group dividing 1024 and 2816), one model seed per call: FIRST "
+                      "GROUP 256: the largest tinygemm group dividing 1024 and 2816; GROUP=-1 is per channel, with "
+                      "SCHEME int4_weight_only or 8da4w), one model seed per call: FIRST "
                       "(0, 1, 2; the corpus is the same in each). First FIRST=0 alone to see whether PTQ costs >= 2% "
                       "held-out loss (on the CPU its damage grew with the pre-training rate: raise PRETRAIN_LR if not, "
                       "in every call), then FIRST=1 and FIRST=2, then qat_ptq_hurts_merge. A one-seed try cut at "
