@@ -10,8 +10,8 @@
   ``torch._scaled_mm``, sm_89+).
 * :class:`QATConfig` and :func:`convert_to_qat` (the recipe's shape, as for the other recipes): swap
   eligible ``nn.Linear`` for :class:`QATLinear` through ``swap_linears``; layers whose ``in_features``
-  is not a multiple of the group size are skipped and reported (per channel: no such rule). Layer size does not matter here
-  (``QATConfig.filter`` sets ``min_features=1``): every linear the export quantizes must have trained
+  is not a multiple of the group size are skipped and reported (per channel: no such rule). Layer size does not
+  matter here (``QATConfig.filter`` sets ``min_features=1``): every linear the export quantizes must have trained
   with fake quant. :func:`prepare_qat` is the same with the filter built from an ``exclude`` list.
 * :class:`QATLinear`: one ``autograd.Function`` that fake-quantizes the activation and the weight
   (``hf_lowbit.kernels.fake_quant``, the same arithmetic as torchao's convert) and multiplies; backward is the
@@ -182,9 +182,10 @@ class QATConfig:
     """A scheme name from :data:`QAT_SCHEMES` and the weight group size (along ``in_features``).
 
     ``group_size``: an integer >= 2, or :data:`PER_CHANNEL` (-1) for one scale per weight row (8da4w,
-    int4_weight_only; every linear qualifies, there is no divisibility rule). ``include_lm_head``: also fake-quantize the output embedding. ``fake_quant_enabled``: whether the
-    swapped layers start with fake quantization on (off while ``qat_fake_quant_after_n_steps`` runs).
-    Only ``scheme`` and ``group_size`` matter to :func:`convert_qat` / the export.
+    int4_weight_only; every linear qualifies, there is no divisibility rule). ``include_lm_head``: also
+    fake-quantize the output embedding. ``fake_quant_enabled``: whether the swapped layers start with fake
+    quantization on (off while ``qat_fake_quant_after_n_steps`` runs). Only ``scheme`` and ``group_size`` matter to
+    :func:`convert_qat` / the export.
     """
 
     scheme: str = "8da4w"
