@@ -158,17 +158,24 @@ def fake_quant_int4_tinygemm(w: Tensor, group_size: int) -> Tensor:
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
-def fake_quant_fp8_rowwise(x: Tensor) -> Tensor:
-    """Float8 e4m3 fake quantization of each row (last dim) of ``x``, in ``x.dtype``.
+def quantize_fp8_rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
+    """torchao's row-wise e4m3 quantization of ``x`` (last dim): ``(codes float8_e4m3fn, scale float32 [..., 1])``.
 
-    torchao's ``_choose_scale_float8`` / ``_quantize_affine_float8`` / ``_dequantize_affine_float8``: the
-    scale is ``amax(|x|)/448`` computed in ``x.dtype`` (emulated: rounded to it) and then held in float32, codes
-    ``e4m3(clamp(x/scale, ±448))`` in float32, value ``code·scale`` rounded to ``x.dtype``. One departure:
-    an all-zero row gets scale 1 (zeros back) where torchao's 0/0 gives NaN, which would end training.
-    """
+    ``_choose_scale_float8`` / ``_quantize_affine_float8``: the scale is ``amax(|x|)/448`` computed in ``x.dtype``
+    (emulated: rounded to it) and then held in float32, codes ``e4m3(clamp(x/scale, ±448))`` in float32. One
+    departure: a row whose scale is 0 (all zeros) gets scale 1 (codes 0) where torchao's 0/0 gives NaN, which
+    would end training. The activation side of the FP8 serving op too (:mod:`hf_lowbit.kernels.fp8_gemv`)."""
     work, r = _arithmetic(x.dtype)
     amax = r(x.abs().amax(-1, keepdim=True).to(work))
     scale = r(amax / FP8_E4M3_MAX).float()
-    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = (r(x.to(work)).float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fake_quant_fp8_rowwise(x: Tensor) -> Tensor:
+    """Float8 e4m3 fake quantization of each row (last dim) of ``x``, in ``x.dtype``: :func:`quantize_fp8_rowwise`,
+    then torchao's ``_dequantize_affine_float8``, ``code·scale`` rounded to ``x.dtype``."""
+    work, r = _arithmetic(x.dtype)
+    q, scale = quantize_fp8_rowwise(x)
     return r(q.float() * scale).to(x.dtype)

@@ -26,34 +26,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from .fake_quant import quantize_fp8_rowwise
+from .fp8 import FP8_DTYPE
 MAX_GEMV_M = 16  # rows the decode kernel takes (triton_fp8_gemv.MAX_M)
 
 
-def _round_to(v: Tensor, dtype: torch.dtype) -> Tensor:
-    """float32 ``v`` rounded to ``dtype`` (nearest, ties to even), as float32: what eager bf16/fp16 arithmetic does
-    (computed in float32, rounded). bf16 by its bits: Inductor computes bf16 arithmetic in float32 and folds an
-    explicit ``.to(bfloat16).float()`` away (``emulate_precision_casts`` is off by default), so compiled, torchao's
-    own scale is not its eager one; the bits keep this one the eager value, compiled or not, on every device, the
-    value the Triton kernels compute. (fp16 by the cast: compiled, it may be folded the same way.)"""
-    if dtype == torch.bfloat16:
-        bits = v.view(torch.int32)  # v >= 0 here: the sign bit is 0
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -0x10000
-        return bits.view(torch.float32)
-    if dtype == torch.float32:
-        return v
-    return v.to(dtype).float()
-
-
 def quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """torchao's row-wise activation quantization of ``x`` [..., K]: ``(codes e4m3, scale float32 [...])``; an
-    all-zero row gets scale 1 (codes 0) instead of torchao's NaN. Plain torch: Inductor fuses it."""
-    amax = x.abs().amax(-1)
-    scale = _round_to(amax.float() / FP8_MAX, x.dtype)  # divided in x's dtype, as _choose_scale_float8
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = (x.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    """torchao's row-wise activation quantization of ``x`` [..., K]: ``(codes e4m3, scale float32 [...])``
+    (:func:`hf_lowbit.kernels.fake_quant.quantize_fp8_rowwise`: the QAT fake quant's, the same bits eagerly and
+    compiled; an all-zero row gets scale 1, codes 0, instead of torchao's NaN). Plain torch: Inductor fuses it."""
+    q, scale = quantize_fp8_rowwise(x)
+    return q, scale.squeeze(-1)
 
 
 def fp8_rowwise_linear_reference(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:

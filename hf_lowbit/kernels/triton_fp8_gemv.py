@@ -45,7 +45,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-FP8_MAX = 448.0  # the jit functions write 448.0 literally: compiled Triton reads no non-constexpr global
+# FP8_MAX (448) is written literally in the jit functions: compiled Triton reads no non-constexpr global
 BLOCK_M = 16  # rows of x a program holds (M <= 16; the dot's smallest tile)
 MAX_M = 16  # the decode kernel's rows; more rows (prefill) go to torch._scaled_mm
 FUSE_AMAX_MAX_M = 4  # up to this many rows each program finds the absmax itself; more: a scale kernel first
