@@ -59,8 +59,8 @@ class Fp8ServingLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def fp8_serving_problem(module: nn.Module) -> str:
-    """Why ``module`` cannot become an :class:`Fp8ServingLinear` (one line), or "" when it can: an ``nn.Linear``
+def fp8_serving_problem(module: nn.Module) -> str | None:
+    """Why ``module`` cannot become an :class:`Fp8ServingLinear` (one line), or None when it can: an ``nn.Linear``
     whose weight is torchao's ``Float8Tensor`` with e4m3 codes, one scale per weight row, and row-wise e4m3
     activation quantization without bounds (``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``)."""
     if not isinstance(module, nn.Linear):
@@ -83,7 +83,7 @@ def fp8_serving_problem(module: nn.Module) -> str:
         return f"activation quantized {type(act.granularity).__name__} {act.float8_dtype}, not per-row e4m3"
     if act.hp_value_lb is not None or act.hp_value_ub is not None:
         return f"activation scale bounds ({act.hp_value_lb}, {act.hp_value_ub}) not implemented"
-    return ""
+    return None
 
 
 def use_fp8_kernels(model: nn.Module) -> SwapReport:
@@ -93,4 +93,4 @@ def use_fp8_kernels(model: nn.Module) -> SwapReport:
     types; a parametrized one is a subclass: call this before :func:`hf_lowbit.qat.prepare_for_serving`), why not.
     Call after loading and before compiling; ``print(report)`` gives the summary."""
     return swap_linears(model, lambda name, linear: Fp8ServingLinear.from_linear(linear), recipe="fp8_kernels",
-                        target="Fp8ServingLinear", filter=SERVING_FILTER, check=lambda m: fp8_serving_problem(m) or None)
+                        target="Fp8ServingLinear", filter=SERVING_FILTER, check=fp8_serving_problem)

@@ -25,7 +25,7 @@ from torch import nn
 from ..kernels.int4 import int4_linear, repack_tinygemm_weight
 from ..swap import SERVING_FILTER, SwapReport, swap_linears
 
-__all__ = ["Int4ServingLinear", "use_int4_kernels"]
+__all__ = ["Int4ServingLinear", "int4_serving_problem", "use_int4_kernels"]
 
 TINYGEMM_WEIGHT = "Int4TilePackedTo4dTensor"
 
@@ -47,7 +47,11 @@ class Int4ServingLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int4ServingLinear:
-        """From an ``nn.Linear`` whose weight is torchao's ``Int4TilePackedTo4dTensor`` (CUDA), exactly."""
+        """From an ``nn.Linear`` whose weight is torchao's ``Int4TilePackedTo4dTensor`` (CUDA), exactly
+        (:func:`int4_serving_problem` says why not otherwise)."""
+        problem = int4_serving_problem(linear)
+        if problem:
+            raise ValueError(f"Int4ServingLinear.from_linear: {problem}")
         packed, scales, zeros, group_size = repack_tinygemm_weight(linear.weight)
         return cls(packed, scales, zeros, group_size, linear.bias)
 
@@ -65,8 +69,9 @@ class Int4ServingLinear(nn.Module):
                 f"bias={self.bias is not None}")
 
 
-def _why_not(module: nn.Module) -> str | None:
-    """Why ``module`` (an ``nn.Linear``) cannot be swapped, or None."""
+def int4_serving_problem(module: nn.Module) -> str | None:
+    """Why ``module`` (an ``nn.Linear``) cannot become an :class:`Int4ServingLinear` (one line), or None when it can
+    (as :func:`hf_lowbit.qat.fp8_serving.fp8_serving_problem` for FP8)."""
     weight = module.weight
     wtype = type(weight).__name__
     if wtype != TINYGEMM_WEIGHT:
@@ -89,4 +94,4 @@ def use_int4_kernels(model: nn.Module) -> SwapReport:
     (a parametrized one is a subclass: call this before :func:`hf_lowbit.qat.prepare_for_serving`, whose unwrap
     then finds no subclass weights left). Each old weight is freed as its replacement is built."""
     return swap_linears(model, lambda name, linear: Int4ServingLinear.from_linear(linear), recipe="int4_kernels",
-                        target="Int4ServingLinear", filter=SERVING_FILTER, check=_why_not)
+                        target="Int4ServingLinear", filter=SERVING_FILTER, check=int4_serving_problem)
