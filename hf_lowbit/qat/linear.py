@@ -217,8 +217,8 @@ class QATConfig:
 
     @property
     def granularity(self) -> str:
-        """``"per channel"`` or ``"group N"``, for reports and model cards."""
-        return "per channel" if self.per_channel else group_label(self.group_size)
+        """``"per channel"`` or ``"group N"``, for reports, reprs and model cards."""
+        return group_label(PER_CHANNEL if self.per_channel else self.group_size)
 
     @property
     def description(self) -> str:
@@ -352,8 +352,7 @@ class QATLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         c = self.qat_config
-        group = "per channel" if c.group_size == PER_CHANNEL else f"group_size={c.group_size}"
-        return f"{super().extra_repr()}, qat={c.scheme}, {group}, fake_quant={self.fake_quant_enabled}"
+        return f"{super().extra_repr()}, qat={c.scheme}, {c.granularity}, fake_quant={self.fake_quant_enabled}"
 
 
 def _torchao_fake_quantized_types() -> tuple[type, ...]:
