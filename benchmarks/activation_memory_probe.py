@@ -144,9 +144,9 @@ def build(a):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.driver import apply_partitioner_setting, apply_recipe, compile_layers, llama_config
+    from benchmarks.driver import apply_process_setting, apply_recipe, compile_layers, llama_config
 
-    apply_partitioner_setting(a.recipe)  # *_recompute recipes
+    apply_process_setting(a.recipe)  # *_recompute recipes
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(llama_config(a), dtype=torch.bfloat16, attn_implementation="sdpa")
     apply_recipe(model, a.recipe, a.min_features)  # not check_recipe_active: a stand-in kernel may not run

@@ -103,7 +103,7 @@ SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
                    for suffix, field in (("dual", "dual_grad_quant"), ("xcodes", "save_x_codes"))}
 # bf16 / INT8 / FP8 with Inductor's partitioner free to recompute, in the backward, activations that a matmul or a
 # Triton kernel reads there (torch._functorch.config.ban_recompute_materialized_backward = False, set for the whole
-# process before anything compiles: apply_partitioner_setting): what is kept for the backward then is the layer's input
+# process before anything compiles: apply_process_setting): what is kept for the backward then is the layer's input
 # and what attention and SwiGLU need, not the linears' normed / SwiGLU inputs (issue 25's memory target;
 # benchmarks/activation_memory_probe.py). bf16_recompute is the stock bf16 recipe (Trainer) with the same setting
 RECOMPUTE_VARIANTS = {f"{base}_recompute": base for base in ("bf16", "int8", "fp8")}
@@ -230,30 +230,56 @@ def _never_share(x) -> bool:
     return False
 
 
-def apply_partitioner_setting(recipe: str) -> bool:
+def _lift_recompute_ban() -> None:
+    import torch._functorch.config as functorch_config
+
+    functorch_config.ban_recompute_materialized_backward = False
+
+
+def _recompute_ban_lifted() -> bool:
+    import torch._functorch.config as functorch_config
+
+    return not functorch_config.ban_recompute_materialized_backward
+
+
+def _stop_sharing() -> None:
+    import hf_lowbit.kernels as K
+
+    K.shares_codes = _never_share
+
+
+def _sharing_stopped() -> bool:
+    import hf_lowbit.kernels as K
+
+    return K.shares_codes is _never_share
+
+
+# PROCESS_VARIANTS' settings, by family: (set it, whether it is set, what "not active" means)
+_PROCESS_SETTINGS = (
+    (RECOMPUTE_VARIANTS, _lift_recompute_ban, _recompute_ban_lifted,
+     "the partitioner still bans recomputing materialized activations"),
+    (UNSHARED_VARIANTS, _stop_sharing, _sharing_stopped, "X's column codes are still shared"),
+)
+
+
+def apply_process_setting(recipe: str) -> bool:
     """A PROCESS_VARIANTS recipe's process-wide setting (call it before anything compiles; each recipe runs in its
     own process); return whether the recipe is one. RECOMPUTE_VARIANTS: let Inductor's partitioner recompute
     activations that the backward materializes (``torch._functorch.config.ban_recompute_materialized_backward =
     False``); UNSHARED_VARIANTS: every linear quantizes its X per column itself (``hf_lowbit.kernels.shares_codes``
     always False: no ``hf_lowbit::quantize_t_shared``)."""
-    if recipe in UNSHARED_VARIANTS:
-        import hf_lowbit.kernels as K
-
-        K.shares_codes = _never_share
-        return True
-    if recipe not in RECOMPUTE_VARIANTS:
-        return False
-    import torch._functorch.config as functorch_config
-
-    functorch_config.ban_recompute_materialized_backward = False
-    return True
+    for family, apply, _, _ in _PROCESS_SETTINGS:
+        if recipe in family:
+            apply()
+            return True
+    return False
 
 
 def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = False):
     """Swap the model's decoder linears for ``recipe`` (LM head and embeddings always stay bf16);
     ``weight_cache``: our INT8/FP8 layers quantize each weight once per optimizer step (with gradient
     accumulation), as ``LowBitTrainer`` does by default then. PROCESS_VARIANTS swap as their base recipe (their
-    setting is :func:`apply_partitioner_setting`'s)."""
+    setting is :func:`apply_process_setting`'s)."""
     import torch
     from torch import nn
 
@@ -304,20 +330,11 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
     import torch.nn.functional as F
     from torch import nn
 
-    if recipe in RECOMPUTE_VARIANTS:
-        import torch._functorch.config as functorch_config
-
-        if functorch_config.ban_recompute_materialized_backward:
-            raise RuntimeError(f"recipe {recipe!r} is not active: the partitioner still bans recomputing materialized "
-                               "activations (apply_partitioner_setting was not called)")
-        recipe = RECOMPUTE_VARIANTS[recipe]
-    if recipe in UNSHARED_VARIANTS:
-        import hf_lowbit.kernels as K
-
-        if K.shares_codes is not _never_share:
-            raise RuntimeError(f"recipe {recipe!r} is not active: X's column codes are still shared "
-                               "(apply_partitioner_setting was not called)")
-        recipe = UNSHARED_VARIANTS[recipe]
+    for family, _, is_set, unset in _PROCESS_SETTINGS:
+        if recipe in family:
+            if not is_set():
+                raise RuntimeError(f"recipe {recipe!r} is not active: {unset} (apply_process_setting was not called)")
+            recipe = family[recipe]
     if recipe == "bf16":
         return
     if recipe in LORA_RECIPES:
@@ -354,7 +371,7 @@ def build_model(a, device: str, weight_cache: bool = False):
         from hf_lowbit import LoraLinear
 
         LoraLinear.fuse_into_base = False
-    apply_partitioner_setting(a.recipe)  # before anything compiles (the Trainer path's model too)
+    apply_process_setting(a.recipe)  # before anything compiles (the Trainer path's model too)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(llama_config(a), dtype=torch.bfloat16, attn_implementation="sdpa")

@@ -262,8 +262,8 @@ def _check_recompute_recipes(bench, functorch_config, tiny_model):
     bench.apply_recipe(model, "int8_recompute", min_features=16)
     with pytest.raises(RuntimeError, match="not active: the partitioner"):
         bench.check_recipe_active(model, "int8_recompute", "cpu")
-    assert not bench.apply_partitioner_setting("int8") and functorch_config.ban_recompute_materialized_backward
-    assert bench.apply_partitioner_setting("int8_recompute") and not functorch_config.ban_recompute_materialized_backward
+    assert not bench.apply_process_setting("int8") and functorch_config.ban_recompute_materialized_backward
+    assert bench.apply_process_setting("int8_recompute") and not functorch_config.ban_recompute_materialized_backward
     bench.check_recipe_active(model, "int8_recompute", "cpu")
     for recipe, base in (("bf16_recompute", "bf16"), ("int8_recompute", "int8"), ("fp8_recompute", "fp8")):
         assert recipe in bench.FULL_RECIPES and (recipe in bench.OURS) is (base in bench.OURS)
@@ -293,7 +293,7 @@ def test_benchmark_unshared_recipes(monkeypatch):
     bench.apply_recipe(model, "int8_unshared", min_features=16)
     with pytest.raises(RuntimeError, match="still shared"):
         bench.check_recipe_active(model, "int8_unshared", "cpu")
-    assert bench.apply_partitioner_setting("int8_unshared") and not K.shares_codes(torch.empty(1, device="meta"))
+    assert bench.apply_process_setting("int8_unshared") and not K.shares_codes(torch.empty(1, device="meta"))
     bench.check_recipe_active(model, "int8_unshared", "cpu")
     for recipe, base in (("int8_unshared", "int8"), ("fp8_unshared", "fp8")):
         assert recipe in bench.FULL_RECIPES and recipe in bench.OURS
