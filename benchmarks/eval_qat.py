@@ -157,13 +157,12 @@ def spread(values: list[float]) -> dict:
     return {"mean": mean, "min": min(values), "max": max(values), "std": math.sqrt(var), "n": len(values)}
 
 
-def ptq(model, config: QATConfig, exclude: tuple[str, ...] = ("lm_head",), in_place: bool = False):
+def ptq(model, config: QATConfig, exclude: tuple[str, ...] = ("lm_head",)):
     """A converted copy of ``model`` (no training): torchao's quantization of its weights as they are.
 
     ``exclude``: module names or globs left as they are (the LM head is quantized anyway with
-    ``config.include_lm_head``); ``in_place``: convert ``model`` itself (a copy the caller made:
-    ``benchmarks/ptq_sensitivity.py``)."""
-    q = model if in_place else copy.deepcopy(model)
+    ``config.include_lm_head``)."""
+    q = copy.deepcopy(model)
     prepare_qat(q, config, exclude=exclude, include_lm_head=config.include_lm_head)
     convert_qat(q, config)
     return q

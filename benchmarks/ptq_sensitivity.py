@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import gc
 import io
 import math
@@ -231,11 +230,9 @@ def variant_group_size(variant: dict, hidden: int) -> int:
 def quantize(base, variant: dict, hidden: int):
     """A PTQ'd copy of ``base`` for ``variant`` (:func:`parse_variant`) through ``eval_qat.ptq``, as ``eval_qat.py``
     with the row's flags PTQs (per channel: ``PerAxis(0)``, one scale per row of every layer)."""
-    q = copy.deepcopy(base)
     config = QATConfig(variant["scheme"], variant_group_size(variant, hidden),
                        include_lm_head=variant["include_lm_head"])
-    ptq(q, config, in_place=True)
-    return q
+    return ptq(base, config)
 
 
 def quantized_layers(model) -> dict:
