@@ -58,8 +58,9 @@ def set_functorch_config(spec: str) -> dict:
     return out
 
 
-def use_kernels(kind: str) -> None:
-    """Replace the low-bit ops the layers call (``kernels.quantize_t``, the formats' ``scaled_mm``) as ``kind`` says."""
+def use_kernels(kind: str, share_min_rows: int) -> None:
+    """Replace the low-bit ops the layers call (``kernels.quantize_t``, the formats' ``scaled_mm``) as ``kind`` says;
+    for ``cuda``, siblings share X's column codes from ``share_min_rows`` rows (CUDA's rule, ``SHARE_MIN_ROWS``)."""
     from dataclasses import replace
 
     import torch
@@ -97,7 +98,8 @@ def use_kernels(kind: str) -> None:
             return int8_scaled_mm_triton(a, b, sa, sb, out_dtype)
 
         formats = ("int8",)  # FP8 on CUDA is aten._scaled_mm; here its CPU custom op, opaque too
-        K.shares_codes = lambda x: True  # X's column codes through hf_lowbit::quantize_t_shared, as on CUDA
+        # X's column codes through hf_lowbit::quantize_t_shared from share_min_rows rows, as on CUDA
+        K.shares_codes = lambda x: x.shape[0] >= share_min_rows
     else:
         rows = 256  # row chunks: no full-size float32 temporaries (the GPU kernels have none)
 
@@ -286,12 +288,15 @@ def timeline_worker(a) -> dict:
 
 def main():
     from benchmarks.driver import FULL_RECIPES, add_int_flags
+    from hf_lowbit.kernels.quantize_t import SHARE_MIN_ROWS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("partition", "timeline"), default="partition")
     p.add_argument("--kernels", choices=KERNELS, default="cuda")
     p.add_argument("--recipes", default="bf16,int8,int8_xcodes")
     p.add_argument("--functorch_config", default="", help="key=value,... set on torch._functorch.config first")
+    p.add_argument("--share_min_rows", type=int, default=SHARE_MIN_ROWS,
+                   help="--kernels cuda: rows from which siblings share X's column codes (CUDA's default: %(default)s)")
     add_int_flags(p, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000, layers=8, batch=8, seq=2048,
                   scale=8, warmup=2, min_features=64)
     p.add_argument("--json", default=None)
@@ -300,7 +305,7 @@ def main():
     a = p.parse_args()
     if a.recipe:
         config = set_functorch_config(a.functorch_config)
-        use_kernels(a.kernels)
+        use_kernels(a.kernels, a.share_min_rows)
         row = (partition_worker if a.mode == "partition" else timeline_worker)(a)
         print("RESULT " + json.dumps({**row, "functorch_config": config}), flush=True)
         return

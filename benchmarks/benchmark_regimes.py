@@ -27,9 +27,12 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
 * ``layers_b8_xcodes``, ``trainer_b8_xcodes`` (issue 25's memory target): int8 and fp8 beside ``int8_xcodes`` /
   ``fp8_xcodes`` (``lowbit_save_x_codes``: each linear keeps X's weight-gradient codes, made in the forward, instead
   of X), peak memory and speed at 8x2048 in the same run;
-* ``layers_b8_shared``, ``layers_b1_shared``, ``trainer_b8_shared`` (issue 25): int8 and fp8 (X's column codes made
-  once per sibling group, ``hf_lowbit::quantize_t_shared``, the default on CUDA) beside ``int8_unshared`` /
-  ``fp8_unshared`` (each linear quantizing X itself, as before): peak memory and speed; at 1x2048 the host cost.
+* ``layers_b8_shared``, ``trainer_b8_shared`` (issue 25): int8 and fp8 (X's column codes made once per sibling
+  group, ``hf_lowbit::quantize_t_shared``, the default on CUDA from ``SHARE_MIN_ROWS`` = 8192 rows) beside
+  ``int8_unshared`` / ``fp8_unshared`` (each linear quantizing X itself): peak memory and speed;
+  ``layers_b1_shared``, ``trainer_b1_ga8_shared``: at 1x2048 (where the default does not share) int8 and fp8 beside
+  ``int8_shared`` / ``fp8_shared`` (sharing forced): the host cost of the shared op's calls, without and with the
+  Trainer's CUDA graphs.
 * ``layers_b8_recompute``, ``trainer_b8_recompute`` (issue 25's memory target): bf16, int8, fp8 beside ``bf16_recompute``,
   ``int8_recompute``, ``fp8_recompute`` (Inductor's partitioner free to recompute activations the backward materializes:
   ``torch._functorch.config.ban_recompute_materialized_backward = False``; bf16 with it too, so what it gives apart from
@@ -71,7 +74,8 @@ QLORA = "lora_bf16,lora_nf4_int8,lora_int8_int8,lora_bnb_nf4"  # LoRA r16 on eve
 DUAL = "bf16,int8,int8_dual,fp8,fp8_dual"  # each format's backward with dY quantized apart (today) and by one op
 XCODES = "bf16,int8,int8_xcodes,fp8,fp8_xcodes"  # each format keeping X (today) and X's weight-gradient codes
 RECOMPUTE = "bf16,bf16_recompute,int8,int8_recompute,fp8_recompute"  # the partitioner's bans as they are, and relaxed
-SHARED = "bf16,int8,int8_unshared,fp8,fp8_unshared"  # X's column codes shared by siblings (the default) and not
+SHARED = "bf16,int8,int8_unshared,fp8,fp8_unshared"  # X's column codes shared by siblings (the default at 8x2048) and not
+SHARED_B1 = "bf16,int8,int8_shared,fp8,fp8_shared"  # at 1x2048 the default does not share: forced on beside it
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -103,8 +107,10 @@ BLOCKS = {
     # issue 25: hf_lowbit::quantize_t_shared (q/k/v's and gate/up's X quantized once) against each linear quantizing
     # X itself: memory and speed at 8x2048, and the host cost of its opaque calls at 1x2048 (no CUDA graphs)
     "layers_b8_shared": ("layers", 8, 1, "default", SHARED, []),
-    "layers_b1_shared": ("layers", 1, 1, "default", SHARED, []),
+    "layers_b1_shared": ("layers", 1, 1, "default", SHARED_B1, []),
     "trainer_b8_shared": ("trainer", 8, 1, "default", SHARED, []),
+    # with CUDA graphs (LowBitTrainer's choice) the host cost of the shared op's calls may vanish at 1x2048 too
+    "trainer_b1_ga8_shared": ("trainer", 1, 8, "default", SHARED_B1, []),
     # + a kernel profile of two more Trainer steps (where the Trainer path trails the layers path)
     "trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "bf16,int8,fp8", ["--profile"]),
     # + bf16 through LowBitTrainer without a low-bit recipe (bf16_lbt): its loop's gain apart from the low-bit one

@@ -107,14 +107,18 @@ SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
 # and what attention and SwiGLU need, not the linears' normed / SwiGLU inputs (issue 25's memory target;
 # benchmarks/activation_memory_probe.py). bf16_recompute is the stock bf16 recipe (Trainer) with the same setting
 RECOMPUTE_VARIANTS = {f"{base}_recompute": base for base in ("bf16", "int8", "fp8")}
-# INT8 / FP8 as before hf_lowbit::quantize_t_shared (issue 25): each linear quantizes its input X per column for
-# itself (hf_lowbit.kernels.shares_codes made False for the whole process), to measure the sharing in the same run
+# INT8 / FP8 with X's column codes never shared by sibling linears (issue 25): each linear quantizes its input X per
+# column for itself (hf_lowbit.kernels.shares_codes made False for the whole process); *_shared: always shared on
+# CUDA, whatever the rows (the default shares from hf_lowbit.kernels.quantize_t.SHARE_MIN_ROWS rows): both against
+# the default in the same run
 UNSHARED_VARIANTS = {f"{fmt}_unshared": fmt for fmt in ("int8", "fp8")}
-PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS}  # a base recipe + a process-wide setting
+SHARED_VARIANTS = {f"{fmt}_shared": fmt for fmt in ("int8", "fp8")}
+PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS, **SHARED_VARIANTS}  # a base recipe + a process setting
 OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt", "int8_recompute",
-        "fp8_recompute", *UNSHARED_VARIANTS)  # full fine-tunes, LowBitTrainer
+        "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS)  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS)
-                + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS))  # compared with bf16
+                + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS)
+                + tuple(SHARED_VARIANTS))  # compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
 # INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
@@ -230,6 +234,10 @@ def _never_share(x) -> bool:
     return False
 
 
+def _always_share(x) -> bool:
+    return x.device.type == "cuda"
+
+
 def _lift_recompute_ban() -> None:
     import torch._functorch.config as functorch_config
 
@@ -254,11 +262,24 @@ def _sharing_stopped() -> bool:
     return K.shares_codes is _never_share
 
 
+def _share_always() -> None:
+    import hf_lowbit.kernels as K
+
+    K.shares_codes = _always_share
+
+
+def _sharing_forced() -> bool:
+    import hf_lowbit.kernels as K
+
+    return K.shares_codes is _always_share
+
+
 # PROCESS_VARIANTS' settings, by family: (set it, whether it is set, what "not active" means)
 _PROCESS_SETTINGS = (
     (RECOMPUTE_VARIANTS, _lift_recompute_ban, _recompute_ban_lifted,
      "the partitioner still bans recomputing materialized activations"),
     (UNSHARED_VARIANTS, _stop_sharing, _sharing_stopped, "X's column codes are still shared"),
+    (SHARED_VARIANTS, _share_always, _sharing_forced, "X's column codes are shared only from SHARE_MIN_ROWS rows"),
 )
 
 
@@ -267,7 +288,8 @@ def apply_process_setting(recipe: str) -> bool:
     own process); return whether the recipe is one. RECOMPUTE_VARIANTS: let Inductor's partitioner recompute
     activations that the backward materializes (``torch._functorch.config.ban_recompute_materialized_backward =
     False``); UNSHARED_VARIANTS: every linear quantizes its X per column itself (``hf_lowbit.kernels.shares_codes``
-    always False: no ``hf_lowbit::quantize_t_shared``)."""
+    always False: no ``hf_lowbit::quantize_t_shared``); SHARED_VARIANTS: siblings share X's column codes on CUDA at
+    any number of rows (``shares_codes`` true on CUDA, not only from ``SHARE_MIN_ROWS`` rows)."""
     for family, apply, _, _ in _PROCESS_SETTINGS:
         if recipe in family:
             apply()

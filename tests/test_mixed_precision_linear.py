@@ -304,6 +304,24 @@ def test_quantize_t_shared_op_is_quantize_t(fmt):
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
 
 
+def test_siblings_share_x_codes_from_share_min_rows():
+    """The default rule (issue 25, measured on the H200): siblings share X's column codes on CUDA from SHARE_MIN_ROWS
+    rows (8x2048 tokens: faster and 3% less memory), not below (1x2048: the op's calls cost host time), never off
+    CUDA (the plain-torch path there is CSE'd by Inductor itself). CUDA tensors faked, so it runs on a CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_lowbit.kernels import shares_codes
+    from hf_lowbit.kernels.quantize_t import SHARE_MIN_ROWS
+
+    assert 2048 < SHARE_MIN_ROWS <= 16384  # the two measured sizes
+    with FakeTensorMode():
+        assert shares_codes(torch.empty(SHARE_MIN_ROWS, 64, device="cuda"))
+        assert shares_codes(torch.empty(16384, 4096, device="cuda"))
+        assert not shares_codes(torch.empty(SHARE_MIN_ROWS - 1, 64, device="cuda"))
+        assert not shares_codes(torch.empty(2048, 4096, device="cuda"))
+    assert not shares_codes(torch.empty(16384, 8))
+
+
 def _sibling_grads(fmt, device, compile, shares=None, monkeypatch=None):
     """q/k/v-like siblings (three linears on one input), summed: output and every gradient."""
     import hf_lowbit.kernels as K

@@ -298,24 +298,55 @@ def test_benchmark_unshared_recipes(monkeypatch):
     for recipe, base in (("int8_unshared", "int8"), ("fp8_unshared", "fp8")):
         assert recipe in bench.FULL_RECIPES and recipe in bench.OURS
         assert bench.mixed_precision_args(recipe) == bench.mixed_precision_args(base)
-    shared = "bf16,int8,int8_unshared,fp8,fp8_unshared"
-    assert {name: BLOCKS[name][:5] for name in ("layers_b8_shared", "layers_b1_shared", "trainer_b8_shared")} == {
-        "layers_b8_shared": ("layers", 8, 1, "default", shared), "layers_b1_shared": ("layers", 1, 1, "default", shared),
-        "trainer_b8_shared": ("trainer", 8, 1, "default", shared)}
+    shared, forced = "bf16,int8,int8_unshared,fp8,fp8_unshared", "bf16,int8,int8_shared,fp8,fp8_shared"
+    names = ("layers_b8_shared", "layers_b1_shared", "trainer_b8_shared", "trainer_b1_ga8_shared")
+    assert {name: BLOCKS[name][:5] for name in names} == {
+        "layers_b8_shared": ("layers", 8, 1, "default", shared), "layers_b1_shared": ("layers", 1, 1, "default", forced),
+        "trainer_b8_shared": ("trainer", 8, 1, "default", shared),
+        "trainer_b1_ga8_shared": ("trainer", 1, 8, "default", forced)}
+
+
+def test_benchmark_shared_recipes(monkeypatch):
+    """int8_shared / fp8_shared (issue 25): their base recipe's swap and arguments, with X's column codes shared on
+    CUDA at any number of rows (the default shares from SHARE_MIN_ROWS rows); refused as not active without it."""
+    import torch
+    from conftest import tiny_model
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import hf_lowbit.kernels as K
+    from benchmarks import driver as bench
+    from hf_lowbit.kernels.quantize_t import SHARE_MIN_ROWS
+
+    monkeypatch.setattr(K, "shares_codes", K.shares_codes)  # a plain module attribute: restored after the test
+    few = torch.empty(SHARE_MIN_ROWS - 1, 8, device="meta")
+    model = tiny_model().bfloat16()
+    bench.apply_recipe(model, "fp8_shared", min_features=16)
+    with pytest.raises(RuntimeError, match="only from SHARE_MIN_ROWS"):
+        bench.check_recipe_active(model, "fp8_shared", "cpu")
+    assert bench.apply_process_setting("fp8_shared")
+    bench.check_recipe_active(model, "fp8_shared", "cpu")
+    assert not K.shares_codes(few) and not K.shares_codes(torch.empty(1, 8))  # CUDA only: meta / CPU tensors never
+    with FakeTensorMode():  # a CUDA tensor without a GPU: forced, any rows
+        assert K.shares_codes(torch.empty(1, 8, device="cuda"))
+    for recipe, base in (("int8_shared", "int8"), ("fp8_shared", "fp8")):
+        assert recipe in bench.FULL_RECIPES and recipe in bench.OURS
+        assert bench.mixed_precision_args(recipe) == bench.mixed_precision_args(base)
 
 
 def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path):
     """benchmarks/activation_memory_probe.py --mode partition (a tiny layer): compiled, lowbit_save_x_codes keeps the same
     tensors as INT8 without it (the partitioner places X's codes), down_proj's input among them as codes; with the
     CUDA graph's Triton ops where triton imports (a stand-in target), else opaque custom ops. On the CUDA graph,
-    sibling linears (q/k/v, gate/up) quantize their shared input once (hf_lowbit::quantize_t_shared, merged by CSE)."""
+    sibling linears (q/k/v, gate/up) quantize their shared input once (hf_lowbit::quantize_t_shared, merged by CSE)
+    when there are --share_min_rows rows (here exactly: 2 x 32)."""
     import importlib.util
 
     kernels = "cuda" if importlib.util.find_spec("triton") else "opaque"
     out = tmp_path / "probe.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "activation_memory_probe.py"), "--mode", "partition",
            "--kernels", kernels, "--recipes", "int8,int8_xcodes", "--hidden", "64", "--intermediate", "128", "--heads",
-           "4", "--kv_heads", "2", "--batch", "2", "--seq", "32", "--min_features", "16", "--json", str(out)]
+           "4", "--kv_heads", "2", "--batch", "2", "--seq", "32", "--min_features", "16", "--share_min_rows", "64",
+           "--json", str(out)]  # 64 rows: CUDA's rule, with the threshold at this model's rows
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

@@ -73,7 +73,18 @@ def _(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
             x.new_empty((x.shape[1],), dtype=torch.float32))
 
 
+# Rows of X from which siblings share X's column codes (:func:`shares_codes`). Measured on the H200 at d88ae55
+# (docs/results/regimes_h200.json, blocks layers_b8_shared / layers_b1_shared, 8 Llama-8B-shaped layers, compiled):
+# at 16384 rows sharing is faster and lighter (INT8 1.28x bf16 against 1.26x, FP8 1.26x against 1.24x; peak memory
+# 0.92x against 0.95x); at 2048 rows it is slower (INT8 1.00x against 1.03x, FP8 0.99x against 1.02x, memory equal):
+# the op's ~4 Python-dispatched calls a layer cost host time that a host-bound step pays and the bytes it saves
+# (a few MB a call) do not repay. 8192 lies between the two measured sizes, unmeasured itself.
+SHARE_MIN_ROWS = 8192
+
+
 def shares_codes(x: Tensor) -> bool:
-    """Whether a shared operand goes through :func:`quantize_t_shared` (CUDA) or :func:`quantize_t` (elsewhere:
-    the plain-torch path, which Inductor fuses, recomputes and CSEs by itself)."""
-    return x.device.type == "cuda"
+    """Whether a shared operand ``x`` [rows, features] goes through :func:`quantize_t_shared`: on CUDA from
+    :data:`SHARE_MIN_ROWS` rows (large micro-batches, where the step is GPU-bound and the saved bytes count);
+    otherwise :func:`quantize_t`, per linear (on other devices the plain-torch path, which Inductor fuses,
+    recomputes and CSEs by itself)."""
+    return x.device.type == "cuda" and x.shape[0] >= SHARE_MIN_ROWS
