@@ -34,10 +34,11 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "and lowbit_save_x_codes: layers_b8_xcodes, trainer_b8_xcodes; the partitioner's recompute setting: "
                 "layers_b8_recompute, trainer_b8_recompute; X's column codes shared by q/k/v and gate/up against not: "
                 "layers_b8_shared, trainer_b8_shared, and forced at 1x2048: layers_b1_shared, trainer_b1_ga8_shared; "
-                "one a call)", "~4-5 min per layers block; a Trainer block of 5 recipes > 9.5 min (trainer_b8_shared "
+                "one a call; EXTRA: flags for benchmark_train.py, e.g. EXTRA='--recipes bf16,fp8_unshared' to run "
+                "part of a block)", "~4-5 min per layers block; a Trainer block of 5 recipes > 9.5 min (trainer_b8_shared "
                 "was cut in its 5th recipe at d88ae55: warm-ups of 85-120 s a recipe)", [
         B + "benchmark_regimes.py --timeout 240 --blocks ${BLOCKS:-all} --keep_dir $OUT --json $OUT/regimes_h200.json "
-        "--markdown $OUT/regimes_h200.md"]),
+        "--markdown $OUT/regimes_h200.md ${EXTRA:-}"]),
     "qlora_regimes": ("issue 24: LoRA r16 over a bf16 base, our NF4+INT8 and INT8+INT8 bases, PEFT + bitsandbytes; hand "
                       "loop and Trainer; BLOCKS: a subset of the qlora_* blocks", "4-5 min per block", [
         B + "benchmark_regimes.py --timeout 200 --keep_dir $OUT --blocks "
