@@ -1,16 +1,20 @@
-"""hf_lowbit's int4 decode kernel against tinygemm and bf16, one linear at a time, GPU time alone (issue 26).
+"""hf_lowbit's int4 kernels against tinygemm and bf16, one linear at a time, GPU time alone (issue 26).
 
     python benchmarks/benchmark_int4.py --json OUT/int4_mm_h200.json --markdown OUT/int4_mm_h200.md
 
 For each Llama-8B layer shape ``[out, in]`` (q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096, down 4096x14336)
-and the LM heads (32000 and 128256 x 4096), at M = 1 and 8 rows (``--ms``): ``ours`` (``hf_lowbit::int4_linear``:
-the split-K GEMV, tinygemm's numerics), ``tinygemm`` (``aten._weight_int4pack_mm`` on torchao's tile-packed
+and the LM heads (32000 and 128256 x 4096), at M = 1 and 8 rows (``--ms``): ``ours`` (``hf_lowbit::int4_linear`` on our packed layout:
+the first split-K GEMV, tinygemm's numerics), ``tile`` (``hf_lowbit::int4_tile_linear(decode="triton")``: the
+tile GEMV reading tinygemm's own layout, the redesign), ``tinygemm`` (``aten._weight_int4pack_mm`` on torchao's tile-packed
 weight of the same codes, what an int4_tinygemm export runs), ``bf16`` (``F.linear``, cuBLAS), and at M = 2048
-(``--prefill``) the prefill path (ours: dequantize + cuBLAS). Each: µs (ten calls in one CUDA graph, replayed:
+(``--prefill``) the prefill path (``ours``: dequantize our layout + cuBLAS; ``tile``: dequantize tinygemm's tile
+layout + cuBLAS, what ``Int4ServingLinear`` serves now). Each: µs (ten calls in one CUDA graph, replayed:
 ``benchmarks.driver.graph_ms``), and GB/s counted as the bytes a call must read (the weight as stored: int4 codes
 + bf16 scales and zeros, or bf16; plus x and y). Also the split-K factor ours chose, and the largest difference
 of ours against tinygemm's output (the same weight: float32 sums in different orders). Also ``--sweep``: the
-decode kernel's tiles (BLOCK_N, BLOCK_K, warps) and split-K on each shape at M = 1, to set ``DECODE_TILES``.
+tile GEMV's tiles (BLOCK_N, BLOCK_K, warps, stages: ``TILE_SWEEP_TILES``) and split-K on each shape at M = 1, to
+set ``TILE_DECODE_TILES``. The defaults decide ``Int4ServingLinear``'s ``decode`` ("tinygemm" until ``tile`` is
+faster at M = 1 and 8).
 CUDA only: on a CPU it says so and writes nothing.
 """
 
@@ -25,7 +29,6 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 SHAPES = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (32000, 4096), (128256, 4096))
-SWEEP_TILES = [(bn, bk, w) for bn in (16, 32, 64, 128) for bk in (64, 128) for w in (2, 4, 8)]
 
 
 def _weights(N: int, K: int, gs: int):
@@ -47,12 +50,14 @@ def bench(a) -> list[dict]:
     import torch.nn.functional as F
 
     from benchmarks.driver import graph_ms
-    from hf_lowbit.kernels.int4 import int4_dequantize, int4_linear
+    from hf_lowbit.kernels.int4 import int4_dequantize, int4_linear, int4_tile_linear
     from hf_lowbit.kernels.triton_int4 import (
+        TILE_SWEEP_TILES,
         _decode_tiles,
         _sms,
+        _tile_decode_tiles,
         decode_split_k,
-        int4_decode_triton,
+        int4_tile_decode_triton,
     )
 
     rows = []
@@ -67,17 +72,22 @@ def bench(a) -> list[dict]:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             io = 2 * M * (K + N)
             ours = int4_linear(x, packed, s, z, a.group_size)
+            tile = int4_tile_linear(x, qdata, sz, a.group_size, N, "triton")
             tiny = torch.ops.aten._weight_int4pack_mm(x, qdata, a.group_size, sz)
             ref = F.linear(x, w_bf16)
             row = {"N": N, "K": K, "M": M, "group_size": a.group_size,
                    "max_diff_vs_tinygemm": (ours.float() - tiny.float()).abs().max().item(),
+                   "tile_max_diff_vs_tinygemm": (tile.float() - tiny.float()).abs().max().item(),
                    "max_abs_tinygemm": tiny.float().abs().max().item(),
                    "max_diff_vs_bf16_linear": (ours.float() - ref.float()).abs().max().item()}
             if M <= 16:
                 bn, bk, _ = _decode_tiles(M, a.group_size, None)
                 row["split_k"] = decode_split_k(N, K, bn, bk, _sms(x.device))
+                tbn, tbk, _, _ = _tile_decode_tiles(M, None)
+                row["tile_split_k"] = decode_split_k(N, K, tbn, tbk, _sms(x.device))
             for name, fn, wbytes in (
                     ("ours", lambda: int4_linear(x, packed, s, z, a.group_size), int4_bytes),
+                    ("tile", lambda: int4_tile_linear(x, qdata, sz, a.group_size, N, "triton"), int4_bytes),
                     ("tinygemm", lambda: torch.ops.aten._weight_int4pack_mm(x, qdata, a.group_size, sz), int4_bytes),
                     ("bf16", lambda: F.linear(x, w_bf16), 2 * N * K)):
                 us = graph_ms(fn) * 1000
@@ -85,14 +95,17 @@ def bench(a) -> list[dict]:
                 row[f"{name}_gb_s"] = (wbytes + io) / us / 1e3
             row["ours_vs_tinygemm"] = row["tinygemm_us"] / row["ours_us"]
             row["ours_vs_bf16"] = row["bf16_us"] / row["ours_us"]
+            row["tile_vs_tinygemm"] = row["tinygemm_us"] / row["tile_us"]
+            row["tile_vs_bf16"] = row["bf16_us"] / row["tile_us"]
             print(json.dumps(row), flush=True)
             rows.append(row)
         if a.sweep:
             x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-            for tiles in SWEEP_TILES:
-                for split in (1, 2, 4, 8, 16):
+            for tiles in TILE_SWEEP_TILES:
+                for split in (1, 2, 4, 8):
                     try:
-                        us = graph_ms(lambda: int4_decode_triton(x, packed, s, z, a.group_size, split, tiles)) * 1000
+                        us = graph_ms(lambda: int4_tile_decode_triton(x, qdata, sz, a.group_size, N, split,
+                                                                      tiles)) * 1000
                     except Exception as e:  # noqa: BLE001 - a tile that does not compile is recorded, not fatal
                         rows.append({"N": N, "K": K, "M": 1, "sweep": list(tiles), "split_k": split,
                                      "error": f"{type(e).__name__}: {str(e)[:100]}"})
@@ -107,20 +120,22 @@ def bench(a) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> list[str]:
-    head = ["N x K", "M", "split-K", "ours µs", "GB/s", "tinygemm µs", "GB/s", "bf16 µs", "GB/s", "ours vs tinygemm",
-            "ours vs bf16", "max diff vs tinygemm (max |y|)"]
+    head = ["N x K", "M", "split-K", "ours µs", "GB/s", "tile µs", "GB/s", "tinygemm µs", "GB/s", "bf16 µs", "GB/s",
+            "ours vs tinygemm", "tile vs tinygemm", "tile vs bf16", "max diff vs tinygemm: ours, tile (max |y|)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.get("sweep"):
             continue
         out.append("| " + " | ".join([
             f"{r['N']}x{r['K']}", str(r["M"]), str(r.get("split_k", "–")),
-            f"{r['ours_us']:.1f}", f"{r['ours_gb_s']:.0f}", f"{r['tinygemm_us']:.1f}", f"{r['tinygemm_gb_s']:.0f}",
-            f"{r['bf16_us']:.1f}", f"{r['bf16_gb_s']:.0f}", f"{r['ours_vs_tinygemm']:.2f}x", f"{r['ours_vs_bf16']:.2f}x",
-            f"{r['max_diff_vs_tinygemm']:.2e} ({r['max_abs_tinygemm']:.2e})"]) + " |")
+            f"{r['ours_us']:.1f}", f"{r['ours_gb_s']:.0f}", f"{r['tile_us']:.1f}", f"{r['tile_gb_s']:.0f}",
+            f"{r['tinygemm_us']:.1f}", f"{r['tinygemm_gb_s']:.0f}", f"{r['bf16_us']:.1f}", f"{r['bf16_gb_s']:.0f}",
+            f"{r['ours_vs_tinygemm']:.2f}x", f"{r['tile_vs_tinygemm']:.2f}x", f"{r['tile_vs_bf16']:.2f}x",
+            f"{r['max_diff_vs_tinygemm']:.2e}, {r['tile_max_diff_vs_tinygemm']:.2e} ({r['max_abs_tinygemm']:.2e})"])
+            + " |")
     sweep = sorted((r for r in rows if r.get("sweep") and "ours_us" in r), key=lambda r: (r["N"], r["K"], r["ours_us"]))
     if sweep:
-        out += ["", "| N x K | tiles (BLOCK_N, BLOCK_K, warps) | split-K | µs | GB/s |", "|---|---|---|---|---|"]
+        out += ["", "| N x K | tile GEMV tiles (BLOCK_N, BLOCK_K, warps, stages) | split-K | µs | GB/s |", "|---|---|---|---|---|"]
         out += [f"| {r['N']}x{r['K']} | {tuple(r['sweep'])} | {r['split_k']} | {r['ours_us']:.1f} | "
                 f"{r['ours_gb_s']:.0f} |" for r in sweep]
     return out
@@ -132,7 +147,7 @@ def main(argv=None) -> None:
     p.add_argument("--ms", default="1,8", help="decode rows")
     p.add_argument("--prefill", type=int, default=2048, help="rows of the prefill case (0: none)")
     p.add_argument("--group_size", type=int, default=128)
-    p.add_argument("--sweep", action="store_true", help="also the decode kernel's tiles and split-K at M = 1")
+    p.add_argument("--sweep", action="store_true", help="also the tile GEMV's tiles and split-K at M = 1")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)

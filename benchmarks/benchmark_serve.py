@@ -41,11 +41,11 @@ model's modules skipped (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``)
 ``torch.compile(model)`` gets the same guard filter. Why: on the H200 (c73fbe2) the quantized models' host time per
 token was AOTAutograd's wrapper around the subclass weights (removed by unwrapping) and the guard check (not).
 ``compiled_int4k``: ``compiled_lean`` after ``hf_lowbit.qat.int4_serving.use_int4_kernels(model)``, which swaps
-every linear with an ``Int4TilePackedTo4dTensor`` weight (tinygemm) for hf_lowbit's int4 kernels (a split-K GEMV
-for decode, dequantize + cuBLAS for prefill; issue 26); it imports hf_lowbit (the phase says so), so run it last.
+every linear with an ``Int4TilePackedTo4dTensor`` weight for ``Int4ServingLinear`` (its own ``qdata`` /
+``scale_and_zero``, one copy: tinygemm for decode, ``decode="tinygemm"``, our dequantize + cuBLAS for prefill; issue 26); it imports hf_lowbit (the phase says so), so run it last.
 ``compiled_fp8k``: the same with ``hf_lowbit.qat.fp8_serving.use_fp8_kernels`` (row-wise ``Float8Tensor`` linears:
 a decode GEMV with the activation quantized inside, ``_scaled_mm`` for prefill).
-On a CPU it skips int4_tinygemm checkpoints (the repack runs tinygemm); others swap nothing and run as
+On a CPU it skips int4_tinygemm checkpoints (tinygemm's layout serves on CUDA); others swap nothing and run as
 ``compiled_lean``. Modes run in the order given, on one loaded model; a mode after one that changes the model
 (``compiled_unwrapped``, ``compiled_lean``, ``compiled_int4k``, ``compiled_fp8k``) loads it again.
 A build or measurement that fails (a kernel missing on the image, an unsupported op, a time-out) becomes an
@@ -353,7 +353,7 @@ def measure(a, emit) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             counters.clear()
             if mode == "compiled_int4k" and row["weight_type"] == TINYGEMM_WEIGHT and device != "cuda":
-                phase["skipped"] = f"{TINYGEMM_WEIGHT} on {device}: the int4 kernels' repack runs tinygemm (CUDA)"
+                phase["skipped"] = f"{TINYGEMM_WEIGHT} on {device}: tinygemm's layout serves on CUDA"
                 emit(row)
                 continue
             if mode == "eager":

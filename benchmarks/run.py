@@ -177,12 +177,15 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes ${MODES:-compiled} --profile --checkpoints "
         "qat_int4_tinygemm,qat_fp8_rowwise --json $OUT/serve_profile_${MODES:-compiled}_h200.json "
         "--markdown $OUT/serve_profile_${MODES:-compiled}_h200.md"]),
-    "int4_mm": ("issue 26: hf_lowbit's int4 decode kernel (hf_lowbit::int4_linear) against tinygemm "
-                "(aten._weight_int4pack_mm) and bf16 F.linear on the Llama-8B layer shapes and LM heads, M = 1 and 8 "
-                "(and the 2048-row prefill path): GPU µs (CUDA graph), GB/s of the bytes each must read, the "
-                "split-K chosen, the largest difference from tinygemm's output. SWEEP=--sweep adds the decode "
-                "kernel's tiles x split-K at M = 1 (to set DECODE_TILES; many Triton compiles)",
-                "1-2 min, 5-8 min with --sweep (estimates, not yet run)", [
+    "int4_mm": ("issue 26: hf_lowbit's int4 kernels against tinygemm (aten._weight_int4pack_mm) and bf16 "
+                "F.linear on the Llama-8B layer shapes and LM heads, M = 1 and 8 (and the 2048-row prefill path): "
+                "ours (the first GEMV, our packed layout), tile (the tile GEMV on tinygemm's own layout, "
+                "int4_tile_linear decode='triton'; prefill: tile dequantize + cuBLAS, what Int4ServingLinear "
+                "serves), GPU µs (CUDA graph), GB/s of the bytes each must read, the split-K chosen, the largest "
+                "difference from tinygemm's output. tile_vs_tinygemm at M = 1 and 8 decides Int4ServingLinear's "
+                "decode default (tinygemm until tile wins). SWEEP=--sweep adds the tile GEMV's tiles x split-K at "
+                "M = 1 (to set TILE_DECODE_TILES; many Triton compiles)",
+                "38 s measured before the tile GEMV (95d20f0); ~1 min, 5-8 min with --sweep (estimates)", [
         "timeout 580 " + B + "benchmark_int4.py ${SWEEP:-} --json $OUT/int4_mm_h200.json "
         "--markdown $OUT/int4_mm_h200.md"]),
     "serve_int4k": ("issue 26: the int4_tinygemm export served with hf_lowbit's int4 kernels (compiled_int4k: "

@@ -666,6 +666,57 @@ def check_int4(device: str) -> int:
     return n
 
 
+def tile_operands(N, K, group_size, device, seed=0):
+    """:func:`int4_operands` in tinygemm's tile layout (built in plain torch: ``pack_tinygemm_tiles``; ``N`` padded
+    to 8 rows as torchao pads): ``(packed, scales, zeros, qdata, scale_and_zero)``."""
+    from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
+
+    from hf_lowbit.kernels.int4 import pack_tinygemm_tiles
+
+    q, p, s, z = int4_operands(N, K, group_size, "cpu", seed)
+    NP = -(-N // 8) * 8
+    pad = lambda t: torch.cat([t, torch.ones(NP - N, t.shape[1], dtype=t.dtype)]) if NP > N else t  # noqa: E731
+    qdata = pack_tinygemm_tiles(q)
+    sz = pack_tinygemm_scales_and_zeros(pad(s), pad(z))
+    return p.to(device), s.to(device), z.to(device), qdata.to(device), sz.to(device)
+
+
+def check_int4_tile(device: str) -> int:
+    """The kernels reading tinygemm's tile layout (``int4_tile_dequant_triton``, ``int4_tile_decode_triton``)
+    against plain torch: the dequantized weight bit for bit :func:`int4_dequantize`'s; the tile GEMV (M = 1, 3, 16;
+    split K 1, 3 and the default; x rows of a wider tensor) within :func:`_int4_tol`. N not a multiple of 8 (the
+    layout's padded rows), K of one and several 128-column blocks, every group size. Returns the number of checks."""
+    from hf_lowbit.kernels.int4 import int4_dequantize, int4_linear_reference, int4_tile_dequantize
+    from hf_lowbit.kernels.triton_int4 import int4_tile_decode_triton, int4_tile_dequant_triton
+
+    shapes = [(20, 256, 32), (24, 384, 128), (16, 256, 256), (40, 128, 64)]
+    if device == "cuda":
+        shapes += [(4096, 4096, 128), (1024, 4096, 128), (4096, 14336, 128), (14336, 4096, 64), (1000, 4096, 256)]
+    n = 0
+    for N, K, gs in shapes:
+        p, s, z, qdata, sz = tile_operands(N, K, gs, device)
+        ref_w = int4_dequantize(p, s, z, gs)
+        assert torch.equal(int4_tile_dequantize(qdata, sz, gs, (N, K)), ref_w)
+        with PoisonedAllocations() as poison:
+            w = int4_tile_dequant_triton(qdata, sz, gs, (N, K))
+        assert ((N, K), torch.bfloat16) in poison.shapes
+        assert torch.equal(w, ref_w), f"{(N, K, gs)}: {(w != ref_w).sum().item()} dequantized weights differ"
+        n += 1
+        for M in (1, 3, 16):
+            wide = torch.randn(M, K + 8, device=device).bfloat16()
+            x = wide[:, 8:]
+            ref = int4_linear_reference(x, p, s, z, gs)
+            tol = _int4_tol(x, ref_w, ref)
+            for sk in (None, 1, 3):
+                with PoisonedAllocations() as poison:
+                    y = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=sk)
+                assert ((M, N), torch.bfloat16) in poison.shapes and torch.isfinite(y).all(), (N, K, M, sk)
+                err = (y.double() - ref.double()).abs()
+                assert (err <= tol).all(), f"{(M, N, K, gs)} tile decode split_k={sk}: max err {err.max().item():.3e}"
+                n += 1
+    return n
+
+
 # what each mode checks on the CPU and prints (test_triton_int8.run_interpreted and test_stochastic_rounding.py)
 MODES = {
     "default": lambda: ("checked", check_int8_scaled_mm("cpu"), "matmuls,", check_int8_scaled_mm_addend("cpu"),
@@ -677,6 +728,7 @@ MODES = {
                      "quant_dual candidates"),
     "nf4": lambda: ("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes"),
     "int4": lambda: ("checked", check_int4("cpu"), "int4 dequantizations and matmuls"),
+    "int4_tile": lambda: ("checked", check_int4_tile("cpu"), "int4 tile-layout dequantizations and GEMVs"),
     "stochastic_saturates": lambda: ("checked", check_quantize_t_stochastic_saturates("cpu"),
                                      "saturating stochastic quantizations"),
     "fp8_gemv": lambda: _fp8_gemv_mode(),

@@ -41,6 +41,26 @@ def _configs():
                     dict(p_ptr="*u8", s_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", N="i32", K="i32", stride_pn="i32",
                          stride_sn="i32", stride_wn="i32"),
                     dict(GROUP=gs, SOFT=False, BLOCK_N=bn, BLOCK_K=min(bk, gs)), warps, 3))
+    # int4 on tinygemm's tile layout: the tile GEMV (M = 1: transposed elementwise products; 2..16: tl.dot) at
+    # the H200 tiles and the benchmark's sweep tiles (M = 1), every group size, split K or not; the dequantize kernel
+    tile_sig = lambda split: dict(  # noqa: E731
+        x_ptr="*i32", q_ptr="*i32", sz_ptr="*i32", out_ptr="*bf16" if split == 1 else "*fp32", M="i32", N="i32",
+        NP="i32", KP="i32", K2="i32", stride_xm="i32", stride_qn="i32", stride_sg="i32", stride_om="i32",
+        stride_split="i32")
+    tile_cfgs = [(m, t) for m, t in I.TILE_DECODE_TILES.items()] + [(1, t) for t in I.TILE_SWEEP_TILES]
+    for m, (bn, bk, warps, stages) in dict.fromkeys(tile_cfgs):
+        for gs in (32, 64, 128, 256):
+            for split in (1, 4):
+                consts = dict(GROUP=gs, SPLIT_K=split, USE_DOT=m > 1, DOT_IEEE=False, SOFT=False,
+                              BLOCK_M=1 if m == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages)
+                out.append((f"int4_tile_decode M={m} tiles={(bn, bk, warps, stages)} gs={gs} split={split}",
+                            I._int4_tile_decode_kernel, tile_sig(split), consts, warps, stages))
+    bn, bk, warps = I.TILE_DEQUANT_TILES
+    for gs in (32, 128, 256):
+        out.append((f"int4_tile_dequant gs={gs}", I._int4_tile_dequant_kernel,
+                    dict(q_ptr="*i32", sz_ptr="*i32", w_ptr="*bf16", N="i32", K="i32", stride_qn="i32",
+                         stride_sg="i32", stride_wn="i32"),
+                    dict(GROUP=gs, SOFT=False, BLOCK_N=bn, BLOCK_K=bk), warps, 3))
     # fp8: the GEMV (x bf16 / fp16 / fp32; absmax in the GEMV or from the scale kernel; split K or not; bias; the
     # soft rounding the CUDA tests also run), the scale / codes kernel, the split-K reduction
     bn, bk, warps, stages = F.H200_TILES
@@ -69,7 +89,8 @@ def _configs():
 
 # the int arguments a launch on Llama shapes passes as multiples of 16 (Triton then marks them, as it marks 16-byte
 # aligned pointers, ``tt.divisibility = 16``: vectorized loads and cp.async pipelining, other code than without)
-_ALIGNED_INTS = {"N", "K", "K_PER_SPLIT", "MN", "stride_xm", "stride_pn", "stride_wn", "stride_om", "stride_split"}
+_ALIGNED_INTS = {"N", "K", "K_PER_SPLIT", "MN", "stride_xm", "stride_pn", "stride_wn", "stride_om", "stride_split",
+                 "NP", "KP", "K2", "stride_qn", "stride_sg"}
 
 
 def _with_hints(configs):

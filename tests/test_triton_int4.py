@@ -11,8 +11,11 @@ from hf_lowbit.kernels.int4 import (
     int4_dequantize,
     int4_linear,
     int4_linear_reference,
+    int4_tile_linear,
     pack_int4,
+    pack_tinygemm_tiles,
     unpack_int4,
+    unpack_tinygemm_tiles,
 )
 from hf_lowbit.qat.int4_serving import Int4ServingLinear, use_int4_kernels
 
@@ -25,6 +28,84 @@ def test_triton_int4_interpreted():
     from test_triton_int8 import run_interpreted
 
     assert "checked 36 int4 dequantizations and matmuls" in run_interpreted("int4")
+
+
+def test_triton_int4_tile_interpreted():
+    """The kernels on tinygemm's tile layout: dequantized weights bit for bit, the tile GEMV (M 1, 3, 16; split K
+    1, 3, default) within the order bound, 4 shapes (_triton_checks.check_int4_tile)."""
+    from test_triton_int8 import run_interpreted
+
+    assert "checked 40 int4 tile-layout dequantizations and GEMVs" in run_interpreted("int4_tile")
+
+
+@pytest.mark.cuda
+def test_triton_int4_tile_cuda():
+    from _triton_checks import check_int4_tile
+
+    assert check_int4_tile("cuda") == 9 * 10
+
+
+@pytest.mark.cuda
+def test_pack_tinygemm_tiles_is_torchs_cuda_layout():
+    """pack_tinygemm_tiles (plain torch, what the CPU tests build) equals aten._convert_weight_to_int4pack on CUDA
+    (the bytes torchao feeds it: even columns in the high nibble), and unpacks back."""
+    for N, K in ((24, 1024), (20, 2048), (4096, 4096)):
+        q = torch.randint(0, 16, (N, K), device="cuda", dtype=torch.int32)
+        tiny = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous(), 8)
+        ours = pack_tinygemm_tiles(q)
+        assert tiny.shape == ours.shape and torch.equal(tiny, ours), (N, K)
+        assert torch.equal(unpack_tinygemm_tiles(tiny)[:N], q.to(torch.uint8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("decode", ["tinygemm", "triton"])
+def test_int4_tile_linear_cuda(decode):
+    """The dispatch on CUDA: decode rows (1, 8, 16) through tinygemm or our tile GEMV, prefill rows (17, 300) through
+    our dequantize + cuBLAS, all within the order bound of the reference (tinygemm's weight may differ from ours by
+    one bf16 step on rare ties: the bound's 2**-7 |ref| term covers an output, checked here with twice the bound)."""
+    from _triton_checks import _int4_tol, tile_operands
+
+    for N, K, gs in ((4096, 4096, 128), (1000, 1024, 64), (520, 2048, 256)):
+        p, s, z, qdata, sz = tile_operands(N, K, gs, "cuda")
+        ref_w = int4_dequantize(p, s, z, gs)
+        for M in (1, 8, 16, 17, 300):
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            ref = int4_linear_reference(x, p, s, z, gs)
+            y = int4_tile_linear(x, qdata, sz, gs, N, decode)
+            assert y.shape == (M, N) and y.is_contiguous()
+            err = (y.double() - ref.double()).abs()
+            assert (err <= 2 * _int4_tol(x, ref_w, ref)).all(), (N, K, gs, M, err.max().item())
+
+
+def test_tinygemm_tiles_round_trip_and_layout():
+    """The tile layout in plain torch: an 8-row x 128-column block is 128 contiguous words; word [t, 4r + c, w]
+    holds row 8t + r, columns 32w + 2c + 8ab (nibble ab) and + 1 (nibble 4 + ab); padded rows are code 0."""
+    q = torch.randint(0, 16, (20, 256))
+    t = pack_tinygemm_tiles(q)
+    assert t.shape == (3, 2, 32, 4) and t.dtype == torch.int32
+    assert torch.equal(unpack_tinygemm_tiles(t), torch.cat([q, torch.zeros(4, 256, dtype=q.dtype)]).to(torch.uint8))
+    word = int(t[1, 0, 4 * 3 + 2, 1]) & 0xFFFFFFFF  # row 8 + 3, c = 2, w = 1
+    for ab in range(4):
+        assert (word >> (4 * ab)) & 15 == q[11, 32 + 4 + 8 * ab]
+        assert (word >> (16 + 4 * ab)) & 15 == q[11, 32 + 4 + 8 * ab + 1]
+    with pytest.raises(ValueError, match="multiple of 128"):
+        pack_tinygemm_tiles(q[:, :96])
+
+
+def test_tile_op_reference_and_checks():
+    """int4_tile_linear off CUDA: the plain-torch reference of the same weight as int4_linear's; its checks."""
+    from _triton_checks import tile_operands
+
+    p, s, z, qdata, sz = tile_operands(20, 256, 64, "cpu")
+    x = torch.randn(3, 256).bfloat16()
+    for decode in ("tinygemm", "triton"):
+        assert torch.equal(int4_tile_linear(x, qdata, sz, 64, 20, decode), int4_linear_reference(x, p, s, z, 64))
+    with pytest.raises(RuntimeError, match="decode 'cuda' is not one of"):
+        int4_tile_linear(x, qdata, sz, 64, 20, "cuda")
+    with pytest.raises(RuntimeError, match="scale_and_zero must be bf16"):
+        int4_tile_linear(x, qdata, sz[:2], 64, 20)
+    with pytest.raises(RuntimeError, match="out_features 30"):
+        int4_tile_linear(x, qdata, sz, 64, 30)
 
 
 @pytest.mark.cuda
@@ -99,26 +180,33 @@ def test_op_checks_and_reference_path():
         int4_linear(x, p, s[:, :8].repeat(1, 2), z[:, :8].repeat(1, 2), 16)
 
 
+def _tile_module(bias=None, decode="tinygemm"):
+    from _triton_checks import tile_operands
+
+    p, s, z, qdata, sz = tile_operands(20, 256, 32, "cpu")
+    return Int4ServingLinear(qdata, sz, 32, 256, 20, bias, decode), (p, s, z)
+
+
 def test_module_forward_equals_reference():
-    _, p, s, z = _operands()
-    bias = torch.randn(24).bfloat16()
-    m = Int4ServingLinear(p, s, z, 32, bias)
-    x = torch.randn(2, 5, 128)  # float32 in, float32 out, computed in bf16
+    bias = torch.randn(20).bfloat16()
+    m, (p, s, z) = _tile_module(bias)
+    x = torch.randn(2, 5, 256)  # float32 in, float32 out, computed in bf16
     y = m(x)
-    ref = int4_linear_reference(x.reshape(-1, 128).bfloat16(), p, s, z, 32).reshape(2, 5, 24)
+    ref = int4_linear_reference(x.reshape(-1, 256).bfloat16(), p, s, z, 32).reshape(2, 5, 20)
     assert y.dtype == torch.float32 and torch.equal(y, (ref + bias).float())
-    assert {n for n, _ in m.named_buffers()} == {"packed", "scales", "zeros", "bias"}
+    assert {n for n, _ in m.named_buffers()} == {"qdata", "scale_and_zero", "bias"}
     assert list(m.parameters()) == []
-    assert "group_size=32" in repr(m)
+    assert "group_size=32" in repr(m) and "decode=tinygemm" in repr(m)
+    with pytest.raises(ValueError, match="decode 'gemv'"):
+        _tile_module(decode="gemv")
 
 
 def test_op_compiles_without_graph_breaks():
     """The op traces into one compiled graph (fullgraph; a graph break would raise), forward and module alike."""
     from torch._dynamo.utils import counters
 
-    _, p, s, z = _operands()
-    m = Int4ServingLinear(p, s, z, 32)
-    x = torch.randn(4, 128).bfloat16()
+    m, _ = _tile_module(decode="triton")
+    x = torch.randn(4, 256).bfloat16()
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
@@ -148,17 +236,20 @@ def _tinygemm_model(gs, N=1024, K=4096, seed=0):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("decode", ["tinygemm", "triton"])
 @pytest.mark.parametrize("gs", [32, 64, 128, 256])
-def test_repack_from_torchao_cuda(gs):
+def test_repack_from_torchao_cuda(gs, decode):
     """Repacked from a real export's weight: the codes exactly (tinygemm's own product with the repacked bf16 weight
     equals ours within the order bound), and the swapped model's outputs (decode and prefill rows, eager and
     compiled) equal tinygemm's within a bf16 rounding of the result."""
     model = _tinygemm_model(gs)
     assert type(model[0].weight).__name__ == "Int4TilePackedTo4dTensor"
     ours = _tinygemm_model(gs)  # the same seed: the same weights, quantized the same
-    report = use_int4_kernels(ours)
+    qdata_ptr = ours[0].weight.qdata.data_ptr()
+    report = use_int4_kernels(ours, decode=decode)
     swapped = {e.name for e in report.swapped}
     assert swapped == {"0", "1"}, report.summary()
+    assert ours[0].qdata.data_ptr() == qdata_ptr and ours[0].decode == decode  # one copy: the export's own
     for M in (1, 8, 16, 17, 300):
         x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
         ref = model(x)
@@ -201,9 +292,12 @@ def test_benchmark_int4_on_cpu(capsys):
     if not torch.cuda.is_available():
         bench.main(["--ms", "1", "--shapes", "64x1024", "--sweep"])
         assert "no CUDA device" in capsys.readouterr().out
-    row = {"N": 4096, "K": 4096, "M": 1, "split_k": 2, "ours_us": 5.0, "ours_gb_s": 1800.0, "tinygemm_us": 9.0,
-           "tinygemm_gb_s": 1000.0, "bf16_us": 12.0, "bf16_gb_s": 2800.0, "ours_vs_tinygemm": 1.8, "ours_vs_bf16": 2.4,
-           "max_diff_vs_tinygemm": 0.0, "max_abs_tinygemm": 1.0}
-    sweep = {"N": 4096, "K": 4096, "M": 1, "sweep": [32, 128, 4], "split_k": 1, "ours_us": 5.0, "ours_gb_s": 1800.0}
+    row = {"N": 4096, "K": 4096, "M": 1, "split_k": 2, "ours_us": 5.0, "ours_gb_s": 1800.0, "tile_us": 4.0,
+           "tile_gb_s": 2200.0, "tinygemm_us": 9.0, "tinygemm_gb_s": 1000.0, "bf16_us": 12.0, "bf16_gb_s": 2800.0,
+           "ours_vs_tinygemm": 1.8, "ours_vs_bf16": 2.4, "tile_vs_tinygemm": 2.25, "tile_vs_bf16": 3.0,
+           "max_diff_vs_tinygemm": 0.0, "tile_max_diff_vs_tinygemm": 0.0, "max_abs_tinygemm": 1.0}
+    sweep = {"N": 4096, "K": 4096, "M": 1, "sweep": [128, 128, 4, 3], "split_k": 1, "ours_us": 5.0,
+             "ours_gb_s": 1800.0}
     lines = bench.markdown([row, sweep])
-    assert "| 4096x4096 | 1 | 2 | 5.0 | 1800 |" in lines[2] and "(32, 128, 4)" in lines[-1]
+    assert "| 4096x4096 | 1 | 2 | 5.0 | 1800 | 4.0 | 2200 |" in lines[2] and "2.25x" in lines[2]
+    assert "(128, 128, 4, 3)" in lines[-1]

@@ -156,3 +156,121 @@ def repack_tinygemm_weight(weight) -> tuple[Tensor, Tensor, Tensor, int]:
     codes = unpack_tinygemm_codes(weight.qdata, weight.scale_and_zero, group_size)
     N, K = weight.shape
     return (*from_tinygemm(codes, weight.scale_and_zero, (N, K), group_size), group_size)
+
+
+# ---- tinygemm's tile-packed layout, read directly (one copy of the weight: issue 26's serving path) ----
+
+TILE_INNER_K = 8  # torchao's inner_k_tiles for Int4TilePackedTo4dTensor (fixed there): 16-byte words a lane
+
+
+def pack_tinygemm_tiles(q: Tensor, inner_k_tiles: int = TILE_INNER_K) -> Tensor:
+    """Codes ``q [N, K]`` (0..15; K a multiple of ``inner_k_tiles · 16``) in tinygemm's tile-packed int32 layout,
+    what ``aten._convert_weight_to_int4pack`` makes on CUDA (its CPU op makes another layout), in plain torch on any
+    device: ``[ceil(N/8), K/(inner_k_tiles·16), 32, inner_k_tiles/2]``, rows padded with code 0.
+
+    The layout (``matrix_to_m16n8k16_Bint4_layout`` in torch's ``int4mm.cu``, as its ``mma.m16n8k16`` B fragments):
+    word ``[t, r·4 + c, w]`` (lane ``r·4 + c``) holds row ``n = 8t + r`` and the 8 columns
+    ``k = 128·ko + 32·w + 16a + 8b + 2c + d`` (``a, b, d`` in 0..1) in nibble ``4d + 2a + b``: the even columns in
+    its low 16 bits, the odd ones in its high 16 bits. An 8-row × 128-column block is 512 contiguous bytes and an
+    8-row tile's whole K is contiguous."""
+    N, K = q.shape
+    W2 = inner_k_tiles // 2
+    if K % (inner_k_tiles * 16):
+        raise ValueError(f"pack_tinygemm_tiles: K = {K} is not a multiple of {inner_k_tiles * 16}")
+    NT = -(-N // 8)
+    qp = torch.zeros((NT * 8, K), dtype=torch.int64, device=q.device)
+    qp[:N] = q.to(torch.int64)
+    # k = 128·ko + 32·w + 16a + 8b + 2c + d -> [t, r, ko, w, a, b, c, d] -> [t, ko, r, c, w, d, a, b]
+    g = qp.reshape(NT, 8, K // (16 * inner_k_tiles), W2, 2, 2, 4, 2).permute(0, 2, 1, 6, 3, 7, 4, 5)
+    shifts = 4 * torch.arange(8, device=q.device, dtype=torch.int64)
+    words = (g.reshape(*g.shape[:5], 8) << shifts).sum(-1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return words.reshape(NT, K // (16 * inner_k_tiles), 32, W2).contiguous()
+
+
+def unpack_tinygemm_tiles(qdata: Tensor) -> Tensor:
+    """:func:`pack_tinygemm_tiles`' inverse: the codes ``[N_pad, K_pad]`` uint8 of a tile-packed ``qdata``, in plain
+    torch (any device; what :func:`unpack_tinygemm_codes` gets from tinygemm itself on CUDA)."""
+    NT, KO, lanes, W2 = qdata.shape
+    if lanes != 32:
+        raise ValueError(f"unpack_tinygemm_tiles: qdata of shape {tuple(qdata.shape)} is not tile-packed")
+    shifts = 4 * torch.arange(8, device=qdata.device, dtype=torch.int64)
+    nib = (qdata.to(torch.int64).reshape(NT, KO, 8, 4, W2, 1) >> shifts) & 15  # [t, ko, r, c, w, (d, a, b)]
+    nib = nib.reshape(NT, KO, 8, 4, W2, 2, 2, 2).permute(0, 2, 1, 4, 6, 7, 3, 5)  # [t, r, ko, w, a, b, c, d]
+    return nib.reshape(NT * 8, KO * W2 * 32).to(torch.uint8)
+
+
+def tinygemm_operands(qdata: Tensor, scale_and_zero: Tensor, shape: tuple[int, int], group_size: int
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """This module's ``(packed, scales, zeros)`` of tinygemm's ``qdata`` / ``scale_and_zero`` (plain torch, exact:
+    :func:`unpack_tinygemm_tiles` then :func:`from_tinygemm`)."""
+    return from_tinygemm(unpack_tinygemm_tiles(qdata), scale_and_zero, shape, group_size)
+
+
+def int4_tile_dequantize(qdata: Tensor, scale_and_zero: Tensor, group_size: int, shape: tuple[int, int]) -> Tensor:
+    """The bf16 weight ``[N, K]`` (``shape``) of tinygemm's layout, as :func:`int4_dequantize` forms it."""
+    return int4_dequantize(*tinygemm_operands(qdata, scale_and_zero, shape, group_size), group_size)
+
+
+def _check_tile(x: Tensor, qdata: Tensor, scale_and_zero: Tensor, group_size: int, out_features: int,
+                decode: str) -> None:
+    if qdata.dtype != torch.int32 or qdata.dim() != 4 or qdata.shape[2] != 32 or qdata.shape[3] != TILE_INNER_K // 2:
+        raise RuntimeError(f"int4_tile_linear: qdata must be int32 [N/8, K/128, 32, 4] (tinygemm's layout, inner "
+                           f"k tiles 8), got {qdata.dtype} {tuple(qdata.shape)}")
+    N_pad, K_pad = qdata.shape[0] * 8, qdata.shape[1] * 16 * TILE_INNER_K
+    K = x.shape[-1]
+    if group_size not in (32, 64, 128, 256) or K % group_size or K > K_pad or not 0 < out_features <= N_pad:
+        raise RuntimeError(f"int4_tile_linear: group_size {group_size} (32..256), in_features {K} (a multiple of "
+                           f"it, <= {K_pad}), out_features {out_features} (<= {N_pad}) do not fit qdata")
+    if scale_and_zero.dtype != torch.bfloat16 or tuple(scale_and_zero.shape) != (K_pad // group_size, N_pad, 2):
+        raise RuntimeError(f"int4_tile_linear: scale_and_zero must be bf16 [{K_pad // group_size}, {N_pad}, 2], got "
+                           f"{scale_and_zero.dtype} {tuple(scale_and_zero.shape)}")
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise RuntimeError(f"int4_tile_linear: x must be bf16 [M, K], got {x.dtype} {tuple(x.shape)}")
+    if decode not in DECODE_KERNELS:
+        raise RuntimeError(f"int4_tile_linear: decode {decode!r} is not one of {DECODE_KERNELS}")
+
+
+# what runs the decode rows (M <= DECODE_MAX_M) of int4_tile_linear on CUDA: tinygemm (aten._weight_int4pack_mm,
+# the default: 3-4x faster than our first GEMV on the H200, docs/results/int4_mm_h200.md) or our tile GEMV
+DECODE_KERNELS = ("tinygemm", "triton")
+
+
+@torch.library.triton_op("hf_lowbit::int4_tile_linear", mutates_args=())
+def int4_tile_linear(x: Tensor, qdata: Tensor, scale_and_zero: Tensor, group_size: int, out_features: int,
+                     decode: str = "tinygemm") -> Tensor:
+    """``x @ W.T`` bf16 ``[M, out_features]``, ``W`` in tinygemm's tile-packed layout (``qdata``, ``scale_and_zero``
+    of torchao's ``Int4TilePackedTo4dTensor``, used as stored: one copy of the weight).
+
+    CUDA: M ≤ ``DECODE_MAX_M`` rows ``decode="tinygemm"`` runs ``aten._weight_int4pack_mm`` (x zero-padded to the
+    layout's K, as torchao's linear does), ``"triton"`` our split-K tile GEMV
+    (:func:`hf_lowbit.kernels.triton_int4.int4_tile_decode_triton`); more rows (prefill): the bf16 weight
+    dequantized from the tile layout by a Triton kernel, then ``F.linear`` (cuBLAS). Other devices: the plain-torch
+    reference (:func:`int4_tile_dequantize`, float32 matmul). Numerics: our kernels form the weight as
+    :func:`int4_dequantize` (``bf16((q - 8)·s + z)``, float32 then one rounding to bf16); tinygemm with one bf16
+    FMA, which rounds once from the exact value: the two weights differ only where the float32 sum lands on a bf16
+    tie (rarely; tests/test_triton_int4.py counts it on CUDA), and the float32 sums run in different orders, so
+    the outputs agree within a bf16 rounding of the result."""
+    _check_tile(x, qdata, scale_and_zero, group_size, out_features, decode)
+    N, K = out_features, x.shape[1]
+    if x.device.type == "cuda":
+        from .triton_int4 import int4_tile_decode_triton, int4_tile_dequant_triton
+
+        qdata, scale_and_zero = qdata.contiguous(), scale_and_zero.contiguous()
+        if x.shape[0] <= DECODE_MAX_M:
+            if decode == "tinygemm":
+                K_pad = qdata.shape[1] * 16 * TILE_INNER_K
+                xp = F.pad(x, (0, K_pad - K)) if K_pad != K else x.contiguous()
+                y = torch.ops.aten._weight_int4pack_mm(xp, qdata, group_size, scale_and_zero)
+                return y if y.shape[1] == N else y[:, :N].contiguous()
+            if x.stride(1) != 1:
+                x = x.contiguous()
+            return int4_tile_decode_triton(x, qdata, scale_and_zero, group_size, N)
+        return F.linear(x, int4_tile_dequant_triton(qdata, scale_and_zero, group_size, (N, K)))
+    w = int4_tile_dequantize(qdata, scale_and_zero, group_size, (N, K))
+    return (x.float() @ w.float().T).to(torch.bfloat16)
+
+
+@int4_tile_linear.register_fake
+def _(x, qdata, scale_and_zero, group_size, out_features, decode="tinygemm"):
+    return x.new_empty((x.shape[0], out_features))

@@ -229,3 +229,238 @@ def int4_dequant_triton(packed: torch.Tensor, scales: torch.Tensor, zeros: torch
         GROUP=group_size, SOFT=_INTERPRET, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
     )
     return w
+
+
+# ---- tinygemm's tile-packed layout read directly (hf_lowbit.kernels.int4.pack_tinygemm_tiles describes it) ----
+#
+# Words ``q [N/8, K/128, 32, 4]`` int32; an 8-row tile's whole K is contiguous, 128 words (512 B) per 128 columns.
+# A program's rows ``n`` and a step's ``BLOCK_K`` columns (a multiple of 128) are ``BLOCK_K / 8`` words a row:
+# word ``j = 16·ko + 4·c + w`` of row ``n`` sits at ``(n // 8)·stride + k0 + 128·ko + 16·(n % 8) + 4·c + w``
+# (16 contiguous words a row and 128-column block, so 16-byte loads) and holds the even columns
+# ``k0 + 128·ko + 32·w + 2·c + 8·ab`` (``ab`` 0..3) in nibbles ``ab`` and the odd ones (``+1``) in nibbles ``4 + ab``.
+# ``x`` is read as bf16 pairs (int32 ``x2[k/2]``): the pair of those two columns is
+# ``x2[k0/2 + 64·ko + 16·w + c + 4·ab]``, the even column its low half and the odd one its high half, so a code and
+# its activation need no interleaving (the layout is tinygemm's mma fragment: lane ``4r + c`` its own columns).
+# ``scale_and_zero [K/group, N, 2]`` bf16 is read as int32 (the scale the low half, the zero the high half): one
+# 4-byte load gives both, and each word's 8 columns share a group (groups are >= 32 columns).
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the tile GEMV, M = 1 and M in 2..16; H200 guesses (not measured):
+# 64 rows x 256 columns = 8 KB of codes a step (4x the first GEMV's 2 KB), four 16-byte loads a thread
+TILE_DECODE_TILES = {1: (128, 128, 4, 3), 16: (64, 128, 4, 3)}
+# the benchmark's --sweep of the tile GEMV at M = 1 (each also compiled for sm_90 by tests/_triton_sm90_compile.py)
+TILE_SWEEP_TILES = [(bn, bk, w, st) for bn, bk, w in ((64, 128, 2), (64, 256, 2), (128, 128, 4), (128, 256, 4),
+                                                      (256, 128, 8), (128, 128, 8)) for st in (2, 4)]
+TILE_DECODE_TILES_INTERPRET = {1: (16, 128, 1, 1), 16: (16, 128, 1, 1)}
+TILE_DEQUANT_TILES = (32, 256, 4)  # BLOCK_N, BLOCK_K, warps
+TILE_DEQUANT_TILES_INTERPRET = (16, 128, 1)
+
+
+@triton.jit
+def _tile_words_offsets(offs_n, stride_qn, k0, KW: tl.constexpr):
+    """``[BN, KW]`` word offsets of rows ``offs_n`` at the step starting at column ``k0``."""
+    j = tl.arange(0, KW)
+    row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
+    return row[:, None] + (k0 + (j // 16) * 128 + (j % 16))[None, :]
+
+
+@triton.jit
+def _tile_dequant_words(words, szw, SOFT: tl.constexpr):
+    """``words [BN, KW]`` int32, ``szw`` their scale/zero pairs (``[BN, KW]`` or ``[BN, 1]``) -> the bf16 weight at
+    the even and odd columns, ``[BN, KW, 4]`` each (float32 holding bf16 values when ``SOFT``).
+
+    Nibble ``ab`` of a 16-bit half is read in place, without a shift: OR-ed into 2**23's mantissa it is
+    ``2**23 + q·16**ab`` exactly (bits up to 15), minus ``2**23 + 8·16**ab`` it is ``(q - 8)·16**ab`` exactly, and
+    times ``scale·16**-ab`` (a power-of-2 rescale of a bf16 scale: exact for scales above 2**-114) it is
+    ``(q - 8)·scale`` exactly, as before; one shift a word for the odd half. A mask, an OR (one LOP3), a
+    subtraction and an FMA a code."""
+    ab = tl.arange(0, 4)
+    nib = (15 << (ab * 4))[None, None, :]
+    off = (8388608.0 + 8.0 * (1 << (ab * 4)).to(tl.float32))[None, None, :]
+    inv = ((127 - 4 * ab) << 23).to(tl.float32, bitcast=True)[None, None, :]  # 16**-ab
+    s = (szw << 16).to(tl.float32, bitcast=True)[:, :, None] * inv
+    z = (szw & -65536).to(tl.float32, bitcast=True)[:, :, None]
+    qe = ((words[:, :, None] & nib) | 0x4B000000).to(tl.float32, bitcast=True) - off
+    qo = (((words >> 16)[:, :, None] & nib) | 0x4B000000).to(tl.float32, bitcast=True) - off
+    return _round_bf16(qe * s + z, SOFT), _round_bf16(qo * s + z, SOFT)
+
+
+@triton.jit
+def _tile_dequant_words_t(words, szw, SOFT: tl.constexpr):
+    """:func:`_tile_dequant_words` transposed: ``words [KW, BN]``, ``szw`` ``[KW, BN]`` or ``[1, BN]`` ->
+    ``[KW, 4, BN]`` each. Rows innermost, so that Triton's default layout gives a thread whole rows (its words,
+    scales and zeros read once, not once per nibble)."""
+    ab = tl.arange(0, 4)
+    nib = (15 << (ab * 4))[None, :, None]
+    off = (8388608.0 + 8.0 * (1 << (ab * 4)).to(tl.float32))[None, :, None]
+    inv = ((127 - 4 * ab) << 23).to(tl.float32, bitcast=True)[None, :, None]  # 16**-ab
+    s = (szw << 16).to(tl.float32, bitcast=True)[:, None, :] * inv
+    z = (szw & -65536).to(tl.float32, bitcast=True)[:, None, :]
+    qe = ((words[:, None, :] & nib) | 0x4B000000).to(tl.float32, bitcast=True) - off
+    qo = (((words >> 16)[:, None, :] & nib) | 0x4B000000).to(tl.float32, bitcast=True) - off
+    return _round_bf16(qe * s + z, SOFT), _round_bf16(qo * s + z, SOFT)
+
+
+@triton.jit
+def _tile_scale_zero(sz_ptr, offs_n, mask_n, k0, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                     KW: tl.constexpr):
+    """The scale/zero words of a step: ``[BN, 1]`` when it lies in one group, else ``[BN, KW]`` (word ``j``'s group)."""
+    if GROUP >= BLOCK_K:
+        return tl.load(sz_ptr + (k0 // GROUP) * stride_sg + offs_n, mask=mask_n, other=0)[:, None]
+    else:
+        j = tl.arange(0, KW)
+        g = (k0 + (j // 16) * 128 + (j % 4) * 32) // GROUP
+        return tl.load(sz_ptr + g[None, :] * stride_sg + offs_n[:, None], mask=mask_n[:, None], other=0)
+
+
+@triton.jit
+def _int4_tile_decode_kernel(
+    x_ptr, q_ptr, sz_ptr, out_ptr,
+    M, N, NP, KP, K2,
+    stride_xm, stride_qn, stride_sg, stride_om, stride_split,
+    GROUP: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
+    SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """``x2 [M, K/2]`` int32 (bf16 pairs), ``q`` the tile words, ``sz [K_pad/GROUP, NP]`` int32 -> ``out``: rows
+    ``N`` of ``NP`` (the layout's, a multiple of 8), columns ``KP`` (the layout's; ``x`` read as 0 past ``K2``)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KW: tl.constexpr = BLOCK_K // 8
+    HALF: tl.constexpr = BLOCK_K // 2
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n = offs_n < NP
+    mask_m = offs_m < M
+    # x pairs in the words' order: [KW, 4] (M = 1) or [BLOCK_M, HALF] flattened the same way
+    jj = tl.arange(0, HALF) // 4
+    pair = (jj // 16) * 64 + (jj % 4) * 16 + (jj // 4) % 4 + (tl.arange(0, HALF) % 4) * 4
+    steps = KP // BLOCK_K
+    per = tl.cdiv(steps, SPLIT_K)
+    first = pid_k * per
+    last = tl.minimum(first + per, steps)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in tl.range(first, last, num_stages=NUM_STAGES):
+            k0 = step * BLOCK_K
+            words = tl.load(q_ptr + _tile_words_offsets(offs_n, stride_qn, k0, KW), mask=mask_n[:, None], other=0)
+            szw = _tile_scale_zero(sz_ptr, offs_n, mask_n, k0, stride_sg, GROUP, BLOCK_K, KW)
+            p = k0 // 2 + pair
+            x2 = tl.load(x_ptr + offs_m[:, None] * stride_xm + p[None, :],
+                         mask=mask_m[:, None] & (p < K2)[None, :], other=0)
+            xe = (x2 << 16).to(tl.float32, bitcast=True)
+            xo = (x2 & -65536).to(tl.float32, bitcast=True)
+            we, wo = _tile_dequant_words(words, szw, SOFT)
+            we = tl.reshape(we, (BLOCK_N, HALF))
+            wo = tl.reshape(wo, (BLOCK_N, HALF))
+            if DOT_IEEE:  # the interpreter's bf16 dot is wrong (Triton 3.6); bf16 products are exact in float32
+                acc += tl.dot(xe, tl.trans(we.to(tl.float32)), input_precision="ieee")
+                acc += tl.dot(xo, tl.trans(wo.to(tl.float32)), input_precision="ieee")
+            else:
+                acc = tl.dot(xe.to(tl.bfloat16), tl.trans(we), acc, out_dtype=tl.float32)
+                acc = tl.dot(xo.to(tl.bfloat16), tl.trans(wo), acc, out_dtype=tl.float32)
+    else:  # BLOCK_M = 1, transposed ([KW, 4, BN]): elementwise products, summed over the columns after the loop
+        j = tl.arange(0, KW)
+        pair_t = (j // 16) * 64 + (j % 4) * 16 + (j // 4) % 4
+        row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
+        acc3 = tl.zeros((KW, 4, BLOCK_N), dtype=tl.float32)
+        for step in tl.range(first, last, num_stages=NUM_STAGES):
+            k0 = step * BLOCK_K
+            words = tl.load(q_ptr + (k0 + (j // 16) * 128 + (j % 16))[:, None] + row[None, :],
+                            mask=mask_n[None, :], other=0)
+            if GROUP >= BLOCK_K:
+                szw = tl.load(sz_ptr + (k0 // GROUP) * stride_sg + offs_n, mask=mask_n, other=0)[None, :]
+            else:
+                g = (k0 + (j // 16) * 128 + (j % 4) * 32) // GROUP
+                szw = tl.load(sz_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask_n[None, :], other=0)
+            p = k0 // 2 + pair_t[:, None] + (tl.arange(0, 4) * 4)[None, :]
+            x2 = tl.load(x_ptr + p, mask=p < K2, other=0)
+            xe = (x2 << 16).to(tl.float32, bitcast=True)[:, :, None]
+            xo = (x2 & -65536).to(tl.float32, bitcast=True)[:, :, None]
+            we, wo = _tile_dequant_words_t(words, szw, SOFT)
+            acc3 += we.to(tl.float32) * xe
+            acc3 += wo.to(tl.float32) * xo
+        acc = tl.sum(tl.sum(acc3, axis=0), axis=0)[None, :]
+    out_ptrs = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        acc = _round_bf16(acc, SOFT)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _int4_tile_dequant_kernel(q_ptr, sz_ptr, w_ptr, N, K, stride_qn, stride_sg, stride_wn,
+                              GROUP: tl.constexpr, SOFT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The bf16 weight ``w [N, K]`` of the tile words (rows and columns past ``N``, ``K``: the layout's padding)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KW: tl.constexpr = BLOCK_K // 8
+    KO: tl.constexpr = BLOCK_K // 128
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k0 = pid_k * BLOCK_K
+    words = tl.load(q_ptr + _tile_words_offsets(offs_n, stride_qn, k0, KW), mask=mask_n[:, None], other=0)
+    szw = _tile_scale_zero(sz_ptr, offs_n, mask_n, k0, stride_sg, GROUP, BLOCK_K, KW)
+    we, wo = _tile_dequant_words(words, szw, SOFT)
+    # [BN, (ko, c, w), ab, d] -> columns in order: [BN, ko, w, ab, c, d] (k = 128ko + 32w + 8ab + 2c + d)
+    w = tl.reshape(tl.join(we, wo), (BLOCK_N, KO, 4, 4, 4, 2))
+    w = tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K))
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=mask_n[:, None] & (offs_k < K)[None, :])
+
+
+def _tile_decode_tiles(M: int, tiles: tuple[int, int, int, int] | None):
+    table = TILE_DECODE_TILES_INTERPRET if _INTERPRET else TILE_DECODE_TILES
+    return tiles or table[1 if M == 1 else 16]
+
+
+def _as_pairs(x: torch.Tensor) -> torch.Tensor:
+    """bf16 ``[M, K]`` (K even, columns contiguous) as int32 ``[M, K/2]`` pairs, a view where the strides allow."""
+    if x.stride(0) % 2 or x.storage_offset() % 2:
+        x = x.contiguous()
+    return x.view(torch.int32)
+
+
+def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
+                            out_features: int, split_k: int | None = None,
+                            tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``x [M, K]`` bf16 (M ≤ 16) times the int4 weight in tinygemm's tile layout (``qdata``, ``scale_and_zero``:
+    torchao's, as stored), bf16 ``[M, out_features]``, with :func:`int4_decode_triton`'s numerics. ``split_k`` /
+    ``tiles`` (BLOCK_N, BLOCK_K, warps, stages) override the defaults (tests, benchmarks)."""
+    M, K = x.shape
+    NP, KP = qdata.shape[0] * 8, qdata.shape[1] * 128
+    bn, bk, warps, stages = _tile_decode_tiles(M, tiles)
+    if split_k is None:
+        split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device))
+    use_dot = M > 1
+    block_m = 16 if use_dot else 1
+    x2 = _as_pairs(x)
+    sz = scale_and_zero.view(torch.int32).squeeze(-1)  # [G, NP]
+    out = torch.empty((M, out_features), dtype=torch.bfloat16, device=x.device)
+    dest = out if split_k == 1 else torch.empty((split_k, M, out_features), dtype=torch.float32, device=x.device)
+    wrap_triton(_int4_tile_decode_kernel)[(triton.cdiv(NP, bn), split_k)](
+        x2, qdata, sz, dest, M, out_features, NP, KP, K // 2,
+        x2.stride(0), qdata.stride(0), sz.stride(0), out_features, M * out_features,
+        GROUP=group_size, SPLIT_K=split_k, USE_DOT=use_dot, DOT_IEEE=_INTERPRET, SOFT=_INTERPRET,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=warps, num_stages=stages,
+    )
+    if split_k > 1:
+        block = 256 if _INTERPRET else 1024
+        wrap_triton(_split_sum_kernel)[(triton.cdiv(M * out_features, block),)](
+            dest, out, M * out_features, SPLIT_K=split_k, SOFT=_INTERPRET, BLOCK=block,
+            num_warps=1 if _INTERPRET else 4)
+    return out
+
+
+def int4_tile_dequant_triton(qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
+                             shape: tuple[int, int], tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The bf16 weight ``shape = (N, K)`` of tinygemm's tile layout, bit for bit
+    :func:`hf_lowbit.kernels.int4.int4_tile_dequantize` (the prefill path's weight, read from the one copy)."""
+    N, K = shape
+    bn, bk, warps = tiles or (TILE_DEQUANT_TILES_INTERPRET if _INTERPRET else TILE_DEQUANT_TILES)
+    sz = scale_and_zero.view(torch.int32).squeeze(-1)
+    w = torch.empty((N, K), dtype=torch.bfloat16, device=qdata.device)
+    wrap_triton(_int4_tile_dequant_kernel)[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        qdata, sz, w, N, K, qdata.stride(0), sz.stride(0), w.stride(0),
+        GROUP=group_size, SOFT=_INTERPRET, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+    )
+    return w

@@ -1,20 +1,21 @@
-"""Serving ``int4_tinygemm`` exports with hf_lowbit's int4 kernels instead of tinygemm (issue 26).
+"""Serving ``int4_tinygemm`` exports with hf_lowbit's int4 op (issue 26): tinygemm for decode, ours for prefill.
 
     model = AutoModelForCausalLM.from_pretrained(export_dir, device_map="cuda")
     report = use_int4_kernels(model)          # every Int4TilePackedTo4dTensor linear -> Int4ServingLinear
     compile_config = prepare_for_serving(model)
     model.generate(ids, cache_implementation="static", compile_config=compile_config, ...)
 
-:class:`Int4ServingLinear` holds the weight as three plain buffers (``packed`` codes, ``scales``, ``zeros``: the
-layout of :mod:`hf_lowbit.kernels.int4`) and calls ``hf_lowbit::int4_linear``: batch ≤ 16 rows a split-K GEMV
-built to stream the weight, more rows (prefill) the weight dequantized to bf16 once and cuBLAS. Same numerics as
-tinygemm (``bf16((q - 8)·scale + zero)``, float32 accumulation); the repack from torchao's tile-packed layout is
-exact (:func:`hf_lowbit.kernels.int4.repack_tinygemm_weight`: the codes, scales and zeros as stored, nothing
-requantized). Plain buffers: no tensor subclass for Dynamo to guard or AOTAutograd to flatten per call.
+:class:`Int4ServingLinear` keeps torchao's tile-packed weight as it is (buffers ``qdata`` and ``scale_and_zero``:
+ONE copy of the weight, nothing repacked, no extra memory) and calls ``hf_lowbit::int4_tile_linear``
+(:func:`hf_lowbit.kernels.int4.int4_tile_linear`): up to 16 rows (decode) ``decode="tinygemm"`` (the default:
+``aten._weight_int4pack_mm``, what torchao runs, 3-4x faster than our first GEMV on the H200) or ``"triton"`` (our
+tile-layout GEMV, to be measured against it); more rows (prefill) a Triton kernel dequantizes the tile layout to
+bf16 and cuBLAS multiplies (20-24x tinygemm's prefill on the H200 with the first layout). Numerics: tinygemm's weight
+``bf16((q - 8)·scale + zero)`` (ours forms it in float32 and rounds once; the two differ only on rare ties), float32
+accumulation in both. Plain buffers: no tensor subclass for Dynamo to guard or AOTAutograd to flatten per call.
 
-Needs torch, Triton (on CUDA) and :mod:`hf_lowbit.kernels.int4` / :mod:`hf_lowbit.swap`; the repack needs a CUDA
-device (tinygemm unpacks its own layout) and torchao's ``Int4TilePackedTo4dTensor`` (recognised by type name, not
-imported). Not yet measured on a GPU.
+Needs torch, Triton (on CUDA) and :mod:`hf_lowbit.kernels.int4` / :mod:`hf_lowbit.swap`; torchao's
+``Int4TilePackedTo4dTensor`` is recognised by type name, not imported. Not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.int4 import int4_linear, repack_tinygemm_weight
+from ..kernels.int4 import DECODE_KERNELS, int4_tile_linear
 from ..swap import SERVING_FILTER, SwapReport, swap_linears
 
 __all__ = ["Int4ServingLinear", "int4_serving_problem", "use_int4_kernels"]
@@ -31,34 +32,39 @@ TINYGEMM_WEIGHT = "Int4TilePackedTo4dTensor"
 
 
 class Int4ServingLinear(nn.Module):
-    """``y = x @ Wᵀ (+ bias)``, ``W`` int4 in hf_lowbit's layout (buffers ``packed [N, K/2]`` uint8, ``scales``,
-    ``zeros`` ``[N, K/group_size]`` bf16). Inputs of any leading shape and floating dtype: computed in bf16 (as
-    tinygemm's linear does), returned in the input's dtype."""
+    """``y = x @ Wᵀ (+ bias)``, ``W`` int4 in tinygemm's tile-packed layout (buffers ``qdata`` int32
+    ``[N_pad/8, K_pad/128, 32, 4]`` and ``scale_and_zero`` bf16 ``[K_pad/group_size, N_pad, 2]``, torchao's
+    ``Int4TilePackedTo4dTensor`` fields as stored; N padded to a multiple of 8, K of 1024). Inputs of any leading
+    shape and floating dtype: computed in bf16 (as tinygemm's linear does), returned in the input's dtype.
+    ``decode``: what runs up to 16 rows on CUDA, ``"tinygemm"`` or ``"triton"`` (settable after construction)."""
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None = None):
+    def __init__(self, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int, in_features: int,
+                 out_features: int, bias: torch.Tensor | None = None, decode: str = "tinygemm"):
         super().__init__()
-        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
+        if decode not in DECODE_KERNELS:
+            raise ValueError(f"Int4ServingLinear: decode {decode!r} is not one of {DECODE_KERNELS}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
         self.group_size = int(group_size)
-        self.register_buffer("packed", packed.contiguous())
-        self.register_buffer("scales", scales.contiguous())
-        self.register_buffer("zeros", zeros.contiguous())
+        self.decode = decode
+        self.register_buffer("qdata", qdata.contiguous())
+        self.register_buffer("scale_and_zero", scale_and_zero.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int4ServingLinear:
-        """From an ``nn.Linear`` whose weight is torchao's ``Int4TilePackedTo4dTensor`` (CUDA), exactly
-        (:func:`int4_serving_problem` says why not otherwise)."""
+    def from_linear(cls, linear: nn.Linear, decode: str = "tinygemm") -> Int4ServingLinear:
+        """From an ``nn.Linear`` whose weight is torchao's ``Int4TilePackedTo4dTensor``: its ``qdata`` and
+        ``scale_and_zero`` taken as they are (:func:`int4_serving_problem` says when it cannot)."""
         problem = int4_serving_problem(linear)
         if problem:
             raise ValueError(f"Int4ServingLinear.from_linear: {problem}")
-        packed, scales, zeros, group_size = repack_tinygemm_weight(linear.weight)
-        return cls(packed, scales, zeros, group_size, linear.bias)
+        w = linear.weight
+        N, K = w.shape
+        return cls(w.qdata, w.scale_and_zero, int(w.block_size[-1]), K, N, linear.bias, decode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = int4_linear(x.reshape(-1, self.in_features).to(torch.bfloat16), self.packed, self.scales, self.zeros,
-                        self.group_size)
+        y = int4_tile_linear(x.reshape(-1, self.in_features).to(torch.bfloat16), self.qdata, self.scale_and_zero,
+                             self.group_size, self.out_features, self.decode)
         y = y.reshape(*shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -66,7 +72,7 @@ class Int4ServingLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"bias={self.bias is not None}")
+                f"decode={self.decode}, bias={self.bias is not None}")
 
 
 def int4_serving_problem(module: nn.Module) -> str | None:
@@ -77,21 +83,25 @@ def int4_serving_problem(module: nn.Module) -> str | None:
     if wtype != TINYGEMM_WEIGHT:
         return f"weight is {wtype}, not {TINYGEMM_WEIGHT}"
     if weight.device.type != "cuda":
-        return f"weight on {weight.device}: the repack runs tinygemm (CUDA)"
+        return f"weight on {weight.device}: tinygemm's tile layout serves on CUDA"
+    if weight.qdata.dim() != 4 or weight.qdata.shape[-1] != 4:
+        return f"qdata of shape {tuple(weight.qdata.shape)}, not [N/8, K/128, 32, 4] (inner k tiles 8)"
     if getattr(weight, "act_pre_scale", None) is not None:
         return "weight has an act_pre_scale"
     gs = int(weight.block_size[-1])
     if module.in_features % gs:
         return f"in_features {module.in_features} is not a multiple of group_size {gs}"
-    if gs < 32 or gs & (gs - 1):
-        return f"group_size {gs} is not a power of 2 >= 32"
+    if gs not in (32, 64, 128, 256):
+        return f"group_size {gs} is not 32, 64, 128 or 256 (tinygemm's)"
     return None
 
 
-def use_int4_kernels(model: nn.Module) -> SwapReport:
+def use_int4_kernels(model: nn.Module, decode: str = "tinygemm") -> SwapReport:
     """Replace every ``nn.Linear`` of ``model`` whose weight is an ``Int4TilePackedTo4dTensor`` (the LM head too) by
     an :class:`Int4ServingLinear`, in place; the report lists what was swapped and, for the other linears, why not
     (a parametrized one is a subclass: call this before :func:`hf_lowbit.qat.prepare_for_serving`, whose unwrap
-    then finds no subclass weights left). Each old weight is freed as its replacement is built."""
-    return swap_linears(model, lambda name, linear: Int4ServingLinear.from_linear(linear), recipe="int4_kernels",
+    then finds no subclass weights left). The replacement holds the old weight's own ``qdata`` and
+    ``scale_and_zero`` (no copy). ``decode``: :class:`Int4ServingLinear`'s."""
+    return swap_linears(model, lambda name, linear: Int4ServingLinear.from_linear(linear, decode),
+                        recipe="int4_kernels",
                         target="Int4ServingLinear", filter=SERVING_FILTER, check=int4_serving_problem)
