@@ -18,10 +18,11 @@ FP8 = torch.float8_e4m3fn
 
 def test_fp8_gemv_interpreted():
     """The kernels under TRITON_INTERPRET=1 (tests/_fp8_gemv_checks.py): activation codes and scales bit for bit
-    torchao's, and the GEMV for M in (1, 3, 16), K of several tiles, N not a multiple of the tile, with and without
-    bias, split K or not, the absmax in the GEMV or from the scale kernel, an all-zero row, within float32
-    accumulation of the exact product."""
-    assert "checked 9 FP8 activation quantizations and 74 FP8 GEMVs" in run_interpreted("fp8_gemv")
+    torchao's (both quantization kernels, the scale as torch computes it on the CPU and on CUDA), and the GEMV of
+    both designs for M in (1, 3, 16), K of several tiles, N not a multiple of the tile, with and without bias,
+    split K or not, the absmax in the GEMV or from the scale kernel (``fused``), row sums or the dot (``codes``),
+    an all-zero row, within float32 accumulation of the exact product."""
+    assert "checked 36 FP8 activation quantizations and 174 FP8 GEMVs" in run_interpreted("fp8_gemv")
 
 
 def _torchao_weight(w, monkeypatch):
@@ -106,10 +107,12 @@ def test_op_rejects_bad_arguments():
 
 @pytest.mark.cuda
 def test_fp8_act_quant_cuda():
-    """Hardware e4m3 cast and the soft rounding, both bit for bit torchao's codes."""
+    """Hardware e4m3 cast and the soft rounding, both bit for bit torchao's codes, both quantization kernels. The
+    scale is torch's CUDA formula, ``amax * fl32(1/448)`` (session 12 failed "(5, 100) torch.float32: scales
+    differ": the kernels divided exactly, torch on CUDA multiplies by the reciprocal; see ``_scale_of``)."""
     from _fp8_gemv_checks import check_fp8_act_quant
 
-    assert check_fp8_act_quant("cuda") == 18
+    assert check_fp8_act_quant("cuda") == 72
 
 
 @pytest.mark.cuda
@@ -128,7 +131,7 @@ def test_fp8_gemv_vs_scaled_mm_cuda():
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs sm_89+")
-    assert check_fp8_gemv_vs_scaled_mm("cuda") == 12
+    assert check_fp8_gemv_vs_scaled_mm("cuda") == 24
 
 
 @pytest.mark.cuda
@@ -161,11 +164,14 @@ def test_benchmark_fp8_gemv_on_cpu(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     assert {"commit", "gpu", "torch"} <= set(data["meta"])
     rows = data["rows"]
-    assert len(rows) == len(CPU_SHAPES) * 2 * 4  # shapes x M x (gemv, gemv_alt_amax, scaled_mm, bf16)
-    assert {r["method"] for r in rows} == {"gemv", "gemv_alt_amax", "scaled_mm", "bf16"}
+    # shapes x (M = 1: fused, fused_alt_amax, codes, codes_dot, scaled_mm, bf16; M = 3: the same less codes_dot)
+    assert len(rows) == len(CPU_SHAPES) * (6 + 5)
+    assert {r["method"] for r in rows} == {"fused", "fused_alt_amax", "codes", "codes_dot", "scaled_mm", "bf16"}
+    assert not any(r["method"] == "codes_dot" and r["m"] != 1 for r in rows)
     for r in rows:
         assert set(r) == {"shape", "m", "method", "us", "gb_s", "weight_bytes", "timing", "rel_err_gemv_vs_scaled_mm"}
         assert r["weight_bytes"] == r["shape"][0] * r["shape"][1] * (2 if r["method"] == "bf16" else 1)
         assert r["us"] > 0 and r["rel_err_gemv_vs_scaled_mm"] < 1e-2
     md = (tmp_path / "r.md").read_text()
-    assert "gemv µs (GB/s)" in md and "| 48 x 64 | 3 |" in md
+    assert "| fused µs (GB/s) | fused_alt_amax µs (GB/s) | codes µs (GB/s) | codes_dot µs (GB/s) |" in md
+    assert "| best | best vs bf16 | best vs scaled_mm | codes vs fused |" in md and "| 48 x 64 | 3 |" in md
