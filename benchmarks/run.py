@@ -208,10 +208,12 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         B + "benchmark_serve.py --merge $OUT/serve_eager_all_h200.json $OUT/serve_compiled_int4_h200.json "
         "$OUT/serve_compiled_fp8_h200.json $OUT/serve_probe_h200.json --json $OUT/serve_h200.json "
         "--markdown $OUT/serve_h200.md --plot $OUT/serve_h200.png"]),
-    "fp8_gemv": ("issue 26: the FP8 row-wise linear at decode (M = 1 and 8): our Triton GEMV (both absmax choices) vs "
-                 "torchao's path (compiled row quantization + _scaled_mm, and its Float8Tensor eagerly) vs bf16 "
-                 "F.linear, a Llama-8B layer's shapes and LM heads, µs and GB/s of weight traffic; then the GEMV's tile sweep",
-                 "~3 + ~3 min (estimate; not yet run on a GPU)", [
+    "fp8_gemv": ("issue 26: the FP8 row-wise linear at decode (M = 1 and 8): our Triton GEMV's two designs in one run "
+                 "(fused: activation quantized inside, both absmax choices; codes: quantized once by a row kernel, the "
+                 "weight streamed, row sums at M = 1, and codes_dot) vs torchao's path (compiled row quantization + "
+                 "_scaled_mm, and its Float8Tensor eagerly) vs bf16 F.linear, a Llama-8B layer's shapes and LM heads, "
+                 "µs and GB/s of weight traffic; then the codes design's tile sweep",
+                 "~2 + ~3 min (estimate; the fused design's run of session 12 took under 2 min)", [
         B + "benchmark_fp8_gemv.py --json $OUT/fp8_gemv_h200.json --markdown $OUT/fp8_gemv_h200.md",
         B + "benchmark_fp8_gemv.py --sweep --json $OUT/fp8_gemv_sweep_h200.json --markdown $OUT/fp8_gemv_sweep_h200.md"]),
     "qlora_memory": ("peak memory: 32 layers, 1x2048, checkpointing, eager", "~3 min", [

@@ -7,7 +7,7 @@ from _triton_checks import PoisonedAllocations, _poison_works
 from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
 
 from hf_lowbit.kernels.fp8_gemv import fp8_rowwise_linear_reference, quantize_fp8_rows
-from hf_lowbit.kernels.triton_fp8_gemv import act_quant_triton, fp8_gemv_triton
+from hf_lowbit.kernels.triton_fp8_gemv import DESIGNS, act_quant_triton, fp8_gemv_triton
 
 FP8 = torch.float8_e4m3fn
 U32 = 2.0 ** -24  # float32's unit roundoff
@@ -37,13 +37,29 @@ def _codes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def torch_cuda_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What torch computes for torchao's quantization on a CUDA device, emulated on any device: the scale's
+    division by the Python scalar 448 is ``amax * fl32(1/448)`` (ATen's ``div_true_kernel_cuda`` multiplies by a
+    CPU scalar's reciprocal, Inductor's ``div_prim`` does so off the CPU), rounded to x's dtype; the codes'
+    division by the scale tensor is an IEEE one in both (eagerly; compiled: see the module docstring of
+    hf_lowbit.kernels.triton_fp8_gemv)."""
+    amax = x.abs().amax(-1).float()
+    scale = (amax * torch.tensor(1 / 448, dtype=torch.float32, device=x.device)).to(x.dtype).float()
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = (x.float() / scale[:, None]).clamp(-448, 448).to(FP8)
+    return q, scale
+
+
 def check_fp8_act_quant(device: str) -> int:
-    """The kernels' activation quantization (scales and codes written by ``act_quant_triton``, the jit functions
-    the GEMV quantizes with) bit for bit against torchao's primitives and :func:`quantize_fp8_rows`, every input
-    dtype, both roundings on CUDA (the hardware cast and the soft one the interpreter runs); an all-zero row:
-    ours scale 1 and codes 0, torchao's NaN. Returns the number of checks."""
+    """The kernels' activation quantization (scales and codes written by ``act_quant_triton``: the row kernel of
+    the ``codes`` design and the looped one of the ``fused`` design, the jit functions the GEMVs quantize with)
+    bit for bit against torchao's primitives and :func:`quantize_fp8_rows` run on the same device, every input
+    dtype, both roundings on CUDA (the hardware cast and the soft one the interpreter runs); the scale's other
+    formula (``recip``: CUDA's on the CPU, the CPU's on CUDA) against its emulation; an all-zero row: ours scale
+    1 and codes 0, torchao's NaN. Returns the number of checks."""
     n = 0
     softs = (None, True) if device == "cuda" else (None,)
+    on_cuda = device == "cuda"
     for M, K in ((5, 100), (16, 64), (1, 300)):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             x = _activations(M, K, dtype, device)
@@ -53,29 +69,50 @@ def check_fp8_act_quant(device: str) -> int:
             assert torch.equal(ref_s[live], ao_s[live]) and _codes_equal(ref_q[live], ao_q[live]), (M, K, dtype)
             if M > 2:
                 assert not live[2] and torch.isnan(ao_q[2].float()).all() and ref_s[2] == 1 and (ref_q[2] == 0).all()
-            for soft in softs:
-                with PoisonedAllocations() as poison:  # codes start as NaN, scales as NaN
-                    q, s = act_quant_triton(x, soft=soft)
-                assert ((M, K), FP8) in poison.shapes and ((M,), torch.float32) in poison.shapes
-                assert torch.equal(s, ref_s), f"{(M, K)} {dtype} soft={soft}: scales differ"
-                bad = (q.view(torch.uint8) != ref_q.view(torch.uint8)).sum().item()
-                assert bad == 0, f"{(M, K)} {dtype} soft={soft}: {bad} codes differ from torchao's"
-                n += 1
+            if on_cuda:  # torch's own CUDA division is the emulated one
+                emu_q, emu_s = torch_cuda_codes(x)
+                assert torch.equal(emu_s, ref_s) and _codes_equal(emu_q, ref_q), (M, K, dtype)
+            for recip in (None, not on_cuda):
+                if recip is None:
+                    want_q, want_s = ref_q, ref_s
+                elif recip:  # CUDA's formula, emulated
+                    want_q, want_s = torch_cuda_codes(x)
+                else:  # the CPU's: the IEEE quotient (float64 -> float32 is exact here: 448 = 7 * 64)
+                    s64 = (x.abs().amax(-1).double() / 448).float().to(dtype).float()
+                    want_s = torch.where(s64 == 0, torch.ones_like(s64), s64)
+                    want_q = (x.float() / want_s[:, None]).clamp(-448, 448).to(FP8)
+                for soft in softs:
+                    for rows in (True, False):
+                        with PoisonedAllocations() as poison:  # codes start as NaN, scales as NaN
+                            q, s = act_quant_triton(x, soft=soft, recip=recip, rows=rows)
+                        assert ((M, K), FP8) in poison.shapes and ((M,), torch.float32) in poison.shapes
+                        case = f"{(M, K)} {dtype} soft={soft} recip={recip} rows={rows}"
+                        assert torch.equal(s, want_s), f"{case}: scales differ"
+                        bad = (q.view(torch.uint8) != want_q.view(torch.uint8)).sum().item()
+                        assert bad == 0, f"{case}: {bad} codes differ from torchao's"
+                        n += 1
     return n
 
 
 def gemv_cases(device: str) -> list[tuple]:
-    """``(M, N, K, bias, split_k, pre_scale, x_transposed)``: M in (1, 3, 16); K of several tiles and not a
-    multiple of one; N not a multiple of the tile; split K (a given count and the heuristic's) and not; the
-    activation's absmax in the GEMV's programs and from the scale kernel."""
-    cases = [(M, N, K, bias, split, pre, False)
+    """``(M, N, K, bias, split_k, pre_scale, x_transposed, design, use_dot)``: M in (1, 3, 16); K of several
+    tiles and not a multiple of one; N not a multiple of the tile; split K (a given count and the heuristic's) and
+    not; both designs: ``fused`` with the activation's absmax in the GEMV's programs and from the scale kernel,
+    ``codes`` with its row sums (M = 1) and its dot (every M)."""
+    cases = [(M, N, K, bias, split, pre, False, "fused", None)
              for M in (1, 3, 16) for N, K in ((37, 100), (16, 160))
              for bias in (False, True) for split, pre in ((None, None), (1, False), (3, True))]
-    cases += [(3, 37, 100, True, 2, False, True)]  # x a transposed view
+    cases += [(3, 37, 100, True, 2, False, True, "fused", None)]  # x a transposed view
+    cases += [(M, N, K, bias, split, None, False, "codes", dot)
+              for M, dot in ((1, None), (1, True), (3, None), (16, None)) for N, K in ((37, 100), (16, 160))
+              for bias in (False, True) for split in (None, 1, 3)]
+    cases += [(1, 37, 100, True, 2, None, True, "codes", None), (3, 37, 100, True, 2, None, True, "codes", None)]
     if device == "cuda":  # Llama-8B layer shapes (the H200 tiles and the split-K heuristic)
-        cases += [(M, N, K, False, None, None, False) for M in (1, 8, 16)
-                  for N, K in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336))]
-        cases += [(1, 128256, 4096, False, None, None, False), (5, 1000, 4096, True, None, None, False)]
+        for design in ("fused", "codes"):
+            cases += [(M, N, K, False, None, None, False, design, None) for M in (1, 8, 16)
+                      for N, K in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336))]
+            cases += [(1, 128256, 4096, False, None, None, False, design, None),
+                      (5, 1000, 4096, True, None, None, False, design, None)]
     return cases
 
 
@@ -87,7 +124,7 @@ def check_fp8_gemv(device: str, soft: bool | None = None) -> int:
     the number of checks."""
     _poison_works(device)
     n = 0
-    for M, N, K, has_bias, split, pre, x_t in gemv_cases(device):
+    for M, N, K, has_bias, split, pre, x_t, design, dot in gemv_cases(device):
         w = (torch.randn(N, K, device=device) * 2).to(FP8)
         w[0] = 0  # an all-zero weight row
         w_scale = torch.rand(N, device=device) / 100 + 1e-4
@@ -98,7 +135,8 @@ def check_fp8_gemv(device: str, soft: bool | None = None) -> int:
                 x = x.T.contiguous().T
             b = bias.to(dtype) if has_bias else None
             with PoisonedAllocations() as poison:
-                out = fp8_gemv_triton(x, w, w_scale, b, split_k=split, pre_scale=pre, soft=soft)
+                out = fp8_gemv_triton(x, w, w_scale, b, split_k=split, pre_scale=pre, soft=soft, design=design,
+                                      use_dot=dot)
             assert ((M, N), dtype) in poison.shapes and out.shape == (M, N) and out.dtype == dtype
             assert torch.isfinite(out).all(), f"unwritten or non-finite output at {(M, N, K)}"
             q, sx = quantize_fp8_rows(x)
@@ -111,7 +149,7 @@ def check_fp8_gemv(device: str, soft: bool | None = None) -> int:
             if dtype == torch.bfloat16:
                 tol = tol + 2.0 ** -8 * exact.abs()
             err = (out.double() - exact).abs()
-            case = (M, N, K, has_bias, split, pre, x_t, dtype)
+            case = (M, N, K, has_bias, split, pre, x_t, design, dot, dtype)
             assert (err <= tol).all(), f"{case}: error {(err - tol).max().item():.3g} over the bound"
             if M > 2:  # the all-zero row: the bias (or 0), exactly
                 assert torch.equal(out[2], b if has_bias else torch.zeros_like(out[2])), case
@@ -124,8 +162,8 @@ def check_fp8_gemv(device: str, soft: bool | None = None) -> int:
 
 def check_fp8_gemv_vs_scaled_mm(device: str = "cuda") -> int:
     """CUDA: the GEMV against what the export runs, torchao's ``torch._scaled_mm`` (fast accumulation) on the same
-    codes, Llama-8B layer shapes at M = 1, 8, 16, bf16: the same values within the looser of the two accumulations
-    (cuBLAS's fast FP8 accumulation is not a full float32 one). Returns the number of checks."""
+    codes, Llama-8B layer shapes at M = 1, 8, 16, bf16, both designs: the same values within the looser of the two
+    accumulations (cuBLAS's fast FP8 accumulation is not a full float32 one). Returns the number of checks."""
     n = 0
     for M in (1, 8, 16):
         for N, K in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)):
@@ -136,9 +174,10 @@ def check_fp8_gemv_vs_scaled_mm(device: str = "cuda") -> int:
             q, sx = quantize_fp8_rows(x)
             ref = torch._scaled_mm(q, w.T, scale_a=sx.reshape(-1, 1), scale_b=w_scale.reshape(1, -1),
                                    out_dtype=torch.bfloat16, use_fast_accum=True)
-            out = fp8_gemv_triton(x, w, w_scale)
             exact = (q.double() @ w.double().T) * sx.double()[:, None] * w_scale.double()[None, :]
             rel = lambda y: ((y.double() - exact).norm() / exact.norm()).item()  # noqa: E731
-            assert rel(out) < 4e-3 and rel(out) <= rel(ref) + 1e-3, (M, N, K, rel(out), rel(ref))
-            n += 1
+            for design in DESIGNS:
+                out = fp8_gemv_triton(x, w, w_scale, design=design)
+                assert rel(out) < 4e-3 and rel(out) <= rel(ref) + 1e-3, (M, N, K, design, rel(out), rel(ref))
+                n += 1
     return n

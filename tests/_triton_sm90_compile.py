@@ -61,8 +61,9 @@ def _configs():
                     dict(q_ptr="*i32", sz_ptr="*i32", w_ptr="*bf16", N="i32", K="i32", stride_qn="i32",
                          stride_sg="i32", stride_wn="i32"),
                     dict(GROUP=gs, SOFT=False, BLOCK_N=bn, BLOCK_K=bk), warps, 3))
-    # fp8: the GEMV (x bf16 / fp16 / fp32; absmax in the GEMV or from the scale kernel; split K or not; bias; the
-    # soft rounding the CUDA tests also run), the scale / codes kernel, the split-K reduction
+    # fp8, the "fused" design: the GEMV (x bf16 / fp16 / fp32; absmax in the GEMV or from the scale kernel; split K
+    # or not; bias; the soft rounding the CUDA tests also run), the scale / codes kernel, the split-K reduction.
+    # stride_xk = 1 as a constexpr: a launch on a contiguous x (Triton specializes an int argument equal to 1)
     bn, bk, warps, stages = F.H200_TILES
     for xt in ("*bf16", "*fp16", "*fp32"):
         for pre, split, bias, soft in ((False, 1, True, False), (True, 4, False, False), (False, 4, True, False),
@@ -71,19 +72,54 @@ def _configs():
                        bias_ptr=xt if bias else "*fp32", out_ptr=xt, ws_ptr="*fp32", M="i32", N="i32", K="i32",
                        K_PER_SPLIT="i32", stride_xm="i32", stride_xk="i32", stride_wn="i32", stride_om="i32",
                        stride_on="i32")
-            consts = dict(PRE_SCALE=pre, HAS_BIAS=bias, SPLIT_K=split, SOFT=soft, BLOCK_M=F.BLOCK_M, BLOCK_N=bn,
-                          BLOCK_K=bk)
+            consts = dict(PRE_SCALE=pre, HAS_BIAS=bias, SPLIT_K=split, SOFT=soft, RECIP=True, BLOCK_M=F.BLOCK_M,
+                          BLOCK_N=bn, BLOCK_K=bk)
             out.append((f"fp8_gemv x={xt} pre={pre} split={split} bias={bias} soft={soft}", F._fp8_gemv_kernel,
                         sig, consts, warps, stages))
+        sig = dict(sig, bias_ptr=xt)
+        sig.pop("stride_xk")
+        out.append((f"fp8_gemv x={xt} pre=False split=1 bias=True stride_xk=1", F._fp8_gemv_kernel, sig,
+                    dict(PRE_SCALE=False, HAS_BIAS=True, SPLIT_K=1, SOFT=False, RECIP=True, BLOCK_M=F.BLOCK_M,
+                         BLOCK_N=bn, BLOCK_K=bk, stride_xk=1), warps, stages))
         for codes in (True, False):
             for soft in (False, True):
                 out.append((f"fp8_act_quant x={xt} codes={codes} soft={soft}", F._act_quant_kernel,
                             dict(x_ptr=xt, scale_ptr="*fp32", q_ptr="*fp8e4nv" if codes else "*fp32", M="i32",
                                  K="i32", stride_xm="i32", stride_xk="i32"),
-                            dict(WRITE_CODES=codes, SOFT=soft, BLOCK_M=F.BLOCK_M, BLOCK_K=bk), 4, 3))
+                            dict(WRITE_CODES=codes, SOFT=soft, RECIP=True, BLOCK_M=F.BLOCK_M, BLOCK_K=bk), 4, 3))
         out.append((f"fp8_split_k_reduce x={xt}", F._split_k_reduce_kernel,
                     dict(ws_ptr="*fp32", bias_ptr=xt, out_ptr=xt, M="i32", N="i32", stride_om="i32", stride_on="i32"),
                     dict(HAS_BIAS=True, SPLIT_K=4, SOFT=False, BLOCK=1024), 4, 3))
+        # the "codes" design: the row kernel (K of 4096, 14336 and the largest it takes; x contiguous or not) and
+        # the GEMV at its tiles (row sums at M = 1, the dot above; split K or not; bias; soft) and every tile of
+        # benchmarks/benchmark_fp8_gemv.py's sweep (bf16 only: the x dtype is not in the loop)
+        for K in (4096, 16384, F.ROW_MAX_K):
+            for soft in (False, True):
+                for unit in (True, False):
+                    sig = dict(x_ptr=xt, scale_ptr="*fp32", q_ptr="*fp8e4nv", K="i32", stride_xm="i32",
+                               stride_xk="i32")
+                    consts = dict(SOFT=soft, RECIP=True, BLOCK_K=K)
+                    if unit:
+                        sig.pop("stride_xk")
+                        consts["stride_xk"] = 1
+                    out.append((f"fp8_act_quant_rows x={xt} BLOCK_K={K} soft={soft} stride_xk=1:{unit}",
+                                F._act_quant_rows_kernel, sig, consts, 4 if K <= 4096 else 8, 1))
+        tiles = [(m, *F.H200_CODES_TILES[m]) for m in (1, 16)]
+        if xt == "*bf16":
+            from benchmarks.benchmark_fp8_gemv import CODES_SWEEP
+
+            tiles += [(m, *t) for m, t in CODES_SWEEP]
+        for m, bn_, bk_, warps_, stages_ in tiles:
+            for split, bias, soft in ((1, True, False), (4, False, False), (1, False, True), (4, True, True)):
+                if (bn_, bk_, warps_, stages_) != F.H200_CODES_TILES[m] and (split, bias, soft) != (1, True, False):
+                    continue  # the sweep's tiles: one launch each
+                sig = dict(q_ptr="*fp8e4nv", w_ptr="*fp8e4nv", x_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                           bias_ptr=xt if bias else "*fp32", out_ptr=xt, ws_ptr="*fp32", M="i32", N="i32", K="i32",
+                           K_PER_SPLIT="i32", stride_wn="i32", stride_om="i32", stride_on="i32")
+                consts = dict(HAS_BIAS=bias, SPLIT_K=split, SOFT=soft, USE_DOT=m > 1, BLOCK_M=16 if m > 1 else 1,
+                              BLOCK_N=bn_, BLOCK_K=bk_, NUM_STAGES=stages_)
+                out.append((f"fp8_gemv_codes x={xt} M={m} tile={bn_}x{bk_} w{warps_} s{stages_} split={split} "
+                            f"bias={bias} soft={soft}", F._fp8_gemv_codes_kernel, sig, consts, warps_, stages_))
     return out
 
 

@@ -18,10 +18,11 @@ FP8 = torch.float8_e4m3fn
 
 def test_fp8_gemv_interpreted():
     """The kernels under TRITON_INTERPRET=1 (tests/_fp8_gemv_checks.py): activation codes and scales bit for bit
-    torchao's, and the GEMV for M in (1, 3, 16), K of several tiles, N not a multiple of the tile, with and without
-    bias, split K or not, the absmax in the GEMV or from the scale kernel, an all-zero row, within float32
-    accumulation of the exact product."""
-    assert "checked 9 FP8 activation quantizations and 74 FP8 GEMVs" in run_interpreted("fp8_gemv")
+    torchao's (both quantization kernels, the scale as torch computes it on the CPU and on CUDA), and the GEMV of
+    both designs for M in (1, 3, 16), K of several tiles, N not a multiple of the tile, with and without bias,
+    split K or not, the absmax in the GEMV or from the scale kernel (``fused``), row sums or the dot (``codes``),
+    an all-zero row, within float32 accumulation of the exact product."""
+    assert "checked 36 FP8 activation quantizations and 174 FP8 GEMVs" in run_interpreted("fp8_gemv")
 
 
 def _torchao_weight(w, monkeypatch):
@@ -106,10 +107,12 @@ def test_op_rejects_bad_arguments():
 
 @pytest.mark.cuda
 def test_fp8_act_quant_cuda():
-    """Hardware e4m3 cast and the soft rounding, both bit for bit torchao's codes."""
+    """Hardware e4m3 cast and the soft rounding, both bit for bit torchao's codes, both quantization kernels. The
+    scale is torch's CUDA formula, ``amax * fl32(1/448)`` (session 12 failed "(5, 100) torch.float32: scales
+    differ": the kernels divided exactly, torch on CUDA multiplies by the reciprocal; see ``_scale_of``)."""
     from _fp8_gemv_checks import check_fp8_act_quant
 
-    assert check_fp8_act_quant("cuda") == 18
+    assert check_fp8_act_quant("cuda") == 72
 
 
 @pytest.mark.cuda
@@ -128,13 +131,29 @@ def test_fp8_gemv_vs_scaled_mm_cuda():
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs sm_89+")
-    assert check_fp8_gemv_vs_scaled_mm("cuda") == 12
+    assert check_fp8_gemv_vs_scaled_mm("cuda") == 24
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("M", [1, 16, 17, 64])
 def test_op_cuda_paths_match_reference(M):
-    """The op on CUDA: the GEMV up to 16 rows, _scaled_mm above, both near the float32 reference."""
+    """The op on CUDA, eagerly and compiled.
+
+    M <= 16, our GEMV (float32 sums of exact products): within 4e-3 of the float32 reference (their difference is
+    the bf16 roundings of nearly equal values).
+
+    M > 16, the prefill path is the export's own: eagerly bit for bit torchao's (its quantization primitives and
+    ``addmm_float8_unwrapped_inference``, ``torch._scaled_mm`` with fast accumulation, on the same codes);
+    compiled, as near the float32 reference as torchao's path compiled the same way: ``rel(op) <= 1.1 *
+    rel(torchao) + 2e-4``, and at most 1e-2. Session 12 held this path to 4e-3 of the float32 reference and the
+    compiled M = 17 / 64 gave 4.18e-3 / 4.48e-3 (eagerly under 4e-3): fast FP8 accumulation is not a float32 one
+    (Hopper's fp8 MMA keeps ~14 bits of the running sum; DeepSeek-V3 reports errors to ~2 % per element at K =
+    4096), and under Inductor ``aten._scaled_mm`` may run Inductor's Triton scaled-mm template (autotuned against
+    cuBLAS even without max-autotune: ``use_triton_template(..., check_max_autotune=False)``), another
+    fast-accumulating order. What this path must match is the export, not float32; 1e-2 is ~2x the measured."""
+    from torchao.float8.inference import addmm_float8_unwrapped_inference
+    from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
+
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs sm_89+")
     torch.manual_seed(0)
@@ -142,13 +161,27 @@ def test_op_cuda_paths_match_reference(M):
     s = torch.rand(1024, device="cuda") / 100
     b = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
-    out = fp8_rowwise_linear(x, w, s, b).float()
+
+    def torchao_path(x, w, s, b):
+        sx = _choose_scale_float8(x, block_size=[1, x.shape[1]], float8_dtype=FP8)
+        q = _quantize_affine_float8(x, sx, FP8)
+        return addmm_float8_unwrapped_inference(q, sx.reshape(-1, 1), w.T, s.reshape(1, -1), output_dtype=x.dtype,
+                                                bias=b, use_fast_accum=True)
+
     ref = fp8_rowwise_linear_reference(x, w, s, b).float()
-    assert ((out - ref).norm() / ref.norm()).item() < 4e-3
+    rel = lambda y: ((y.float() - ref).norm() / ref.norm()).item()  # noqa: E731
+    out = fp8_rowwise_linear(x, w, s, b)
     torch._dynamo.reset()
-    compiled = torch.compile(fp8_rowwise_linear, fullgraph=True)(x, w, s, b).float()
-    assert ((compiled - ref).norm() / ref.norm()).item() < 4e-3
+    compiled = torch.compile(fp8_rowwise_linear, fullgraph=True)(x, w, s, b)
     torch._dynamo.reset()
+    if M <= 16:
+        assert rel(out) < 4e-3 and rel(compiled) < 4e-3, (rel(out), rel(compiled))
+    else:
+        assert torch.equal(out, torchao_path(x, w, s, b))
+        ao_compiled = torch.compile(torchao_path, fullgraph=True)(x, w, s, b)
+        torch._dynamo.reset()
+        assert rel(compiled) <= 1.1 * rel(ao_compiled) + 2e-4 and rel(compiled) < 1e-2, (rel(compiled),
+                                                                                         rel(ao_compiled))
 
 
 def test_benchmark_fp8_gemv_on_cpu(tmp_path):
@@ -161,11 +194,14 @@ def test_benchmark_fp8_gemv_on_cpu(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     assert {"commit", "gpu", "torch"} <= set(data["meta"])
     rows = data["rows"]
-    assert len(rows) == len(CPU_SHAPES) * 2 * 4  # shapes x M x (gemv, gemv_alt_amax, scaled_mm, bf16)
-    assert {r["method"] for r in rows} == {"gemv", "gemv_alt_amax", "scaled_mm", "bf16"}
+    # shapes x (M = 1: fused, fused_alt_amax, codes, codes_dot, scaled_mm, bf16; M = 3: the same less codes_dot)
+    assert len(rows) == len(CPU_SHAPES) * (6 + 5)
+    assert {r["method"] for r in rows} == {"fused", "fused_alt_amax", "codes", "codes_dot", "scaled_mm", "bf16"}
+    assert not any(r["method"] == "codes_dot" and r["m"] != 1 for r in rows)
     for r in rows:
         assert set(r) == {"shape", "m", "method", "us", "gb_s", "weight_bytes", "timing", "rel_err_gemv_vs_scaled_mm"}
         assert r["weight_bytes"] == r["shape"][0] * r["shape"][1] * (2 if r["method"] == "bf16" else 1)
         assert r["us"] > 0 and r["rel_err_gemv_vs_scaled_mm"] < 1e-2
     md = (tmp_path / "r.md").read_text()
-    assert "gemv µs (GB/s)" in md and "| 48 x 64 | 3 |" in md
+    assert "| fused µs (GB/s) | fused_alt_amax µs (GB/s) | codes µs (GB/s) | codes_dot µs (GB/s) |" in md
+    assert "| best | best vs bf16 | best vs scaled_mm | codes vs fused |" in md and "| 48 x 64 | 3 |" in md

@@ -5,8 +5,9 @@
 each row of ``x`` quantized to e4m3 with its own scale, the product of codes summed in float32, scaled by both
 scales, the bias added, one rounding to ``x``'s dtype.
 
-* CUDA, M ≤ 16 (decoding): the Triton GEMV of :mod:`.triton_fp8_gemv` (activation quantized inside it, the fp8
-  weight streamed once).
+* CUDA, M ≤ 16 (decoding): the Triton GEMV of :mod:`.triton_fp8_gemv` in its default design
+  (``DEFAULT_DESIGN``, ``"codes"``: the activation quantized once by a row kernel, the fp8 weight streamed once,
+  float32 row sums at M = 1; ``"fused"``, the first design, quantizes inside the GEMV).
 * CUDA, M > 16 (prefill): what the export runs, the rows quantized in plain torch (Inductor fuses it) and
   ``torch._scaled_mm`` with row-wise scales and fast accumulation (torchao's default on sm_89+).
 * Other devices: :func:`fp8_rowwise_linear_reference`, the codes exactly and the matmul in float32 (what the
@@ -15,10 +16,11 @@ scales, the bias added, one rounding to ``x``'s dtype.
 A ``torch.library.triton_op``: under ``torch.compile`` Inductor traces into it and launches the Triton kernels from
 its generated code (no graph break, no Python dispatch per call, CUDA-graph friendly).
 
-The activation codes are torchao's bit for bit (``_choose_scale_float8``: ``amax / 448`` divided in ``x``'s dtype,
-then float32; ``_quantize_affine_float8``: ``e4m3(clamp(x.float() / scale, ±448))``), with one departure: a row
-whose scale is 0 (all zeros) gets scale 1 and codes 0, so the output is the bias, where torchao's 0/0 gives a NaN
-row (:func:`hf_lowbit.kernels.fake_quant.fake_quant_fp8_rowwise` departs the same way).
+The activation codes are torchao's bit for bit as torch runs them on the device (``_choose_scale_float8``:
+``amax / 448`` in ``x``'s dtype, then float32; on CUDA that division by a Python scalar is a multiplication by
+its float32 reciprocal; ``_quantize_affine_float8``: ``e4m3(clamp(x.float() / scale, ±448))``), with one
+departure: a row whose scale is 0 (all zeros) gets scale 1 and codes 0, so the output is the bias, where torchao's
+0/0 gives a NaN row (:func:`hf_lowbit.kernels.fake_quant.fake_quant_fp8_rowwise` departs the same way).
 """
 
 from __future__ import annotations
