@@ -8,9 +8,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import analysis_cache
 from .formats import FORMATS, Format, get_format
 from .quantize_dual import quantize_dual
 from .quantize_t import quantize_t, quantize_t_shared, shares_codes
+
+analysis_cache.install()  # one TTIR analysis per distinct Triton launch when torch.compile traces ours
 
 
 def scaled_matmul(fmt: str, x: Tensor, x_dim: int, w: Tensor, w_dim: int, out_dtype: torch.dtype,
