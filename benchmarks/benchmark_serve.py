@@ -43,6 +43,8 @@ token was AOTAutograd's wrapper around the subclass weights (removed by unwrappi
 ``compiled_int4k``: ``compiled_lean`` after ``hf_lowbit.qat.int4_serving.use_int4_kernels(model)``, which swaps
 every linear with an ``Int4TilePackedTo4dTensor`` weight for ``Int4ServingLinear`` (its own ``qdata`` /
 ``scale_and_zero``, one copy: tinygemm for decode, ``decode="tinygemm"``, our dequantize + cuBLAS for prefill; issue 26); it imports hf_lowbit (the phase says so), so run it last.
+``compiled_int4k_triton``: the same with ``use_int4_kernels(model, decode="triton")``: our tile GEMV decodes too
+(the two decode kernels side by side in one run).
 ``compiled_fp8k``: the same with ``hf_lowbit.qat.fp8_serving.use_fp8_kernels`` (row-wise ``Float8Tensor`` linears:
 a decode GEMV with the activation quantized inside, ``_scaled_mm`` for prefill).
 On a CPU it skips int4_tinygemm checkpoints (tinygemm's layout serves on CUDA); others swap nothing and run as
@@ -70,13 +72,18 @@ import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_fp8k")
+MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_int4k_triton",
+         "compiled_fp8k")
 # a mode after one of these loads the model again
-CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_fp8k")
+CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_int4k_triton", "compiled_fp8k")
 TINYGEMM_WEIGHT = "Int4TilePackedTo4dTensor"
-# compiled_lean after one of hf_lowbit's kernel swaps: mode -> (module, function)
-KERNEL_MODES = {"compiled_int4k": ("hf_lowbit.qat.int4_serving", "use_int4_kernels"),
-                "compiled_fp8k": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels")}
+# compiled_lean after one of hf_lowbit's kernel swaps: mode -> (module, function, its keyword arguments, the phase's
+# key for its report)
+KERNEL_MODES = {"compiled_int4k": ("hf_lowbit.qat.int4_serving", "use_int4_kernels", {"decode": "tinygemm"},
+                                   "int4_kernels"),
+                "compiled_int4k_triton": ("hf_lowbit.qat.int4_serving", "use_int4_kernels", {"decode": "triton"},
+                                          "int4_kernels"),
+                "compiled_fp8k": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels", {}, "fp8_kernels")}
 SERVING_HELPERS = os.path.join(ROOT, "hf_lowbit", "qat", "serving.py")
 DEFAULT_CHECKPOINTS = ("bf16,qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,"
                        "qat_int4_weight_only")
@@ -352,7 +359,7 @@ def measure(a, emit) -> dict:
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             counters.clear()
-            if mode == "compiled_int4k" and row["weight_type"] == TINYGEMM_WEIGHT and device != "cuda":
+            if mode.startswith("compiled_int4k") and row["weight_type"] == TINYGEMM_WEIGHT and device != "cuda":
                 phase["skipped"] = f"{TINYGEMM_WEIGHT} on {device}: tinygemm's layout serves on CUDA"
                 emit(row)
                 continue
@@ -368,10 +375,12 @@ def measure(a, emit) -> dict:
                 if mode in KERNEL_MODES:  # hf_lowbit's int4 / FP8 kernels, then what compiled_lean does
                     import importlib
 
-                    module, fn = KERNEL_MODES[mode]
+                    module, fn, kw, key = KERNEL_MODES[mode]
                     phase["imports_hf_lowbit"] = True
-                    report = getattr(importlib.import_module(module), fn)(model)
-                    phase[f"{mode.removeprefix('compiled_').removesuffix('k')}_kernels"] = {
+                    if kw:
+                        phase["kernel_kwargs"] = kw
+                    report = getattr(importlib.import_module(module), fn)(model, **kw)
+                    phase[key] = {
                         "swapped": len(report.swapped),
                         "skipped": dict(collections.Counter(e.reason for e in report.skipped))}
                 if mode in ("compiled_lean", *KERNEL_MODES):

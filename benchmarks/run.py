@@ -188,13 +188,20 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "38 s measured before the tile GEMV (95d20f0); ~1 min, 5-8 min with --sweep (estimates)", [
         "timeout 580 " + B + "benchmark_int4.py ${SWEEP:-} --json $OUT/int4_mm_h200.json "
         "--markdown $OUT/int4_mm_h200.md"]),
-    "serve_int4k": ("issue 26: the int4_tinygemm export served with hf_lowbit's int4 kernels (compiled_int4k: "
-                    "use_int4_kernels + prepare_for_serving) beside compiled_lean (tinygemm), bf16 in the same call, "
-                    "under the profiler (GPU ms per decoded token, prefill GPU ms). Run int4_mm first: if the "
-                    "kernel is slower than tinygemm there, this call will say the same",
-                    "~5-6 min (estimate: serve_profile's 4.8 min for 3 checkpoints x 1 mode; here 2 x 2)", [
-        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes compiled_lean,compiled_int4k --profile "
-        "--checkpoints qat_int4_tinygemm --json $OUT/serve_int4k_h200.json --markdown $OUT/serve_int4k_h200.md"]),
+    "serve_int4k": ("issue 26: the int4_tinygemm export served with hf_lowbit's int4 kernels beside compiled_lean "
+                    "(torchao's tinygemm weight), bf16 in the same call, under the profiler (GPU ms per decoded token, "
+                    "prefill GPU ms), decode at batch 1 (issue 26's bar; BATCHES=1,8 adds 8): compiled_int4k "
+                    "(use_int4_kernels + prepare_for_serving: tinygemm decode, our tile dequantize + cuBLAS prefill) "
+                    "and compiled_int4k_triton (decode='triton': our tile GEMV decodes too). Run int4_mm first: if "
+                    "a kernel is slower than tinygemm there, this call will say the same. Split if it runs out of "
+                    "time: MODES=compiled_lean,compiled_int4k TAG=a, then MODES=compiled_int4k_triton TAG=b "
+                    "(each with its own bf16 row)",
+                    ("~6-8 min (estimate: serve_profile's 4.8 min for 3 checkpoint x mode pairs at batches 1,8; "
+                     "here 6 pairs at batch 1 only; not yet run)"), [
+        "timeout 580 " + B + ("benchmark_serve.py --timeout 420 --modes "
+                              "${MODES:-compiled_lean,compiled_int4k,compiled_int4k_triton} --batches ${BATCHES:-1} "
+                              "--profile --checkpoints qat_int4_tinygemm --json $OUT/serve_int4k_${TAG:-all}_h200.json "
+                              "--markdown $OUT/serve_int4k_${TAG:-all}_h200.md")]),
     "serve_fp8k": ("issue 26: the fp8_rowwise export served with hf_lowbit's FP8 kernels (compiled_fp8k: "
                    "use_fp8_kernels + prepare_for_serving: a decode GEMV with the activation quantized inside, "
                    "_scaled_mm for prefill) beside compiled_lean (torchao's Float8Tensor), bf16 in the same call, under "

@@ -45,7 +45,7 @@ def _configs():
     # the H200 tiles and the benchmark's sweep tiles (M = 1), every group size, split K or not; the dequantize kernel
     tile_sig = lambda split: dict(  # noqa: E731
         x_ptr="*i32", q_ptr="*i32", sz_ptr="*i32", out_ptr="*bf16" if split == 1 else "*fp32", M="i32", N="i32",
-        NP="i32", KP="i32", K2="i32", stride_xm="i32", stride_qn="i32", stride_sg="i32", stride_om="i32",
+        NP="i32", KP="i32", MAGIC="i32", stride_xm="i32", stride_qn="i32", stride_sg="i32", stride_om="i32",
         stride_split="i32")
     tile_cfgs = [(m, t) for m, t in I.TILE_DECODE_TILES.items()] + [(1, t) for t in I.TILE_SWEEP_TILES]
     for m, (bn, bk, warps, stages) in dict.fromkeys(tile_cfgs):
@@ -126,7 +126,7 @@ def _configs():
 # the int arguments a launch on Llama shapes passes as multiples of 16 (Triton then marks them, as it marks 16-byte
 # aligned pointers, ``tt.divisibility = 16``: vectorized loads and cp.async pipelining, other code than without)
 _ALIGNED_INTS = {"N", "K", "K_PER_SPLIT", "MN", "stride_xm", "stride_pn", "stride_wn", "stride_om", "stride_split",
-                 "NP", "KP", "K2", "stride_qn", "stride_sg"}
+                 "NP", "KP", "stride_qn", "stride_sg"}
 
 
 def _with_hints(configs):

@@ -35,7 +35,7 @@ def test_serve_smoke_on_cpu(tmp_path):
     # timed out once under a CPU hog.
     cmd = [sys.executable, SCRIPT, *TINY, "--checkpoints", "qat_8da4w", "--json", str(out),
            "--markdown", str(tmp_path / "serve.md"), "--timeout", "900", "--profile",
-           "--modes", "eager,compiled,compiled_unwrapped,compiled_lean,compiled_int4k,compiled_fp8k"]
+           "--modes", "eager,compiled,compiled_unwrapped,compiled_lean,compiled_int4k,compiled_int4k_triton,compiled_fp8k"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2700, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -48,7 +48,8 @@ def test_serve_smoke_on_cpu(tmp_path):
     assert len(qat["build"]["qat_losses"]) == 1
     assert 0 < qat["safetensors_bytes"] < bf16["safetensors_bytes"] and qat["size_vs_bf16"] < 1
     for row in (bf16, qat):
-        for mode in ("eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_fp8k"):
+        for mode in ("eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k",
+                     "compiled_int4k_triton", "compiled_fp8k"):
             phase = row[mode]
             assert "error" not in phase, (row["checkpoint"], mode, phase.get("error"))
             assert phase["prefill_ms"] > 0 and len(phase["decode_ms_b1"]) == 2
@@ -79,11 +80,13 @@ def test_serve_smoke_on_cpu(tmp_path):
     assert max(lean["guards"]) < min(compiled["guards"])
     # compiled_int4k: no tinygemm weight here, so hf_lowbit's int4 kernels swap nothing and say why, per linear
     for row, wtype in ((bf16, "Parameter"), (qat, "IntxUnpackedToInt8Tensor")):
-        int4k = row["compiled_int4k"]
-        assert int4k["reloaded"] and int4k["imports_hf_lowbit"]
-        assert int4k["int4_kernels"] == {
-            "swapped": 0, "skipped": {f"weight is {wtype}, not Int4TilePackedTo4dTensor": 8,
-                                      "a lookup, not a matmul": 1}}, int4k["int4_kernels"]
+        # (compiled_int4k_triton: the same swap with decode="triton", our tile GEMV for decode too)
+        for mode, decode in (("compiled_int4k", "tinygemm"), ("compiled_int4k_triton", "triton")):
+            int4k = row[mode]
+            assert int4k["reloaded"] and int4k["imports_hf_lowbit"] and int4k["kernel_kwargs"] == {"decode": decode}
+            assert int4k["int4_kernels"] == {
+                "swapped": 0, "skipped": {f"weight is {wtype}, not Int4TilePackedTo4dTensor": 8,
+                                          "a lookup, not a matmul": 1}}, int4k["int4_kernels"]
         fp8k = row["compiled_fp8k"]  # and no Float8Tensor either (FP8 exports are built on sm_89+ GPUs only)
         assert fp8k["reloaded"] and fp8k["imports_hf_lowbit"]
         assert fp8k["fp8_kernels"] == {
@@ -91,7 +94,7 @@ def test_serve_smoke_on_cpu(tmp_path):
                                       "a lookup, not a matmul": 1}}, fp8k["fp8_kernels"]
     meta = data["meta"]
     assert meta["config"]["modes"] == ["eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k",
-                                       "compiled_fp8k"]
+                                       "compiled_int4k_triton", "compiled_fp8k"]
     import torchao
     import transformers
 

@@ -241,6 +241,11 @@ def int4_dequant_triton(packed: torch.Tensor, scales: torch.Tensor, zeros: torch
 # ``x`` is read as bf16 pairs (int32 ``x2[k/2]``): the pair of those two columns is
 # ``x2[k0/2 + 64·ko + 16·w + c + 4·ab]``, the even column its low half and the odd one its high half, so a code and
 # its activation need no interleaving (the layout is tinygemm's mma fragment: lane ``4r + c`` its own columns).
+# The GEMV gets ``x`` from :func:`_tile_x`: zero-padded to the layout's K and those pairs moved to ``4j + ab``, so
+# its loads of ``x`` have no masks and a word's four pairs are one 16-byte vector. sm_90 code of the M = 1 loop
+# (128 x 128 tiles, per step and thread): before, 65 4-byte cp.async copies of x, 137 selp, 65 setp, 1533 SASS
+# instructions (12.0 a code); now 16 16-byte copies, 9 selp, 1 setp and (the magic constant a register, bf16x2
+# rounding) 1013 SASS (7.9 a code). Not yet measured on a GPU.
 # ``scale_and_zero [K/group, N, 2]`` bf16 is read as int32 (the scale the low half, the zero the high half): one
 # 4-byte load gives both, and each word's 8 columns share a group (groups are >= 32 columns).
 
@@ -285,19 +290,26 @@ def _tile_dequant_words(words, szw, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _tile_dequant_words_t(words, szw, SOFT: tl.constexpr):
+def _tile_dequant_words_t(words, szw, magic, SOFT: tl.constexpr):
     """:func:`_tile_dequant_words` transposed: ``words [KW, BN]``, ``szw`` ``[KW, BN]`` or ``[1, BN]`` ->
     ``[KW, 4, BN]`` each. Rows innermost, so that Triton's default layout gives a thread whole rows (its words,
-    scales and zeros read once, not once per nibble)."""
+    scales and zeros read once, not once per nibble). ``magic`` is ``0x4B000000`` passed at run time: a constant
+    there makes ptxas mask and OR with two LOP3s (one immediate each), a register with one. On the GPU the two
+    roundings to bf16 are one ``cvt.rn.bf16x2.f32`` (the same round-to-nearest-even, two codes an instruction)."""
     ab = tl.arange(0, 4)
     nib = (15 << (ab * 4))[None, :, None]
     off = (8388608.0 + 8.0 * (1 << (ab * 4)).to(tl.float32))[None, :, None]
     inv = ((127 - 4 * ab) << 23).to(tl.float32, bitcast=True)[None, :, None]  # 16**-ab
     s = (szw << 16).to(tl.float32, bitcast=True)[:, None, :] * inv
     z = (szw & -65536).to(tl.float32, bitcast=True)[:, None, :]
-    qe = ((words[:, None, :] & nib) | 0x4B000000).to(tl.float32, bitcast=True) - off
-    qo = (((words >> 16)[:, None, :] & nib) | 0x4B000000).to(tl.float32, bitcast=True) - off
-    return _round_bf16(qe * s + z, SOFT), _round_bf16(qo * s + z, SOFT)
+    qe = ((words[:, None, :] & nib) | magic).to(tl.float32, bitcast=True) - off
+    qo = (((words >> 16)[:, None, :] & nib) | magic).to(tl.float32, bitcast=True) - off
+    if SOFT:
+        return _round_bf16(qe * s + z, SOFT), _round_bf16(qo * s + z, SOFT)
+    else:  # float32 holding the bf16 values: the pair's low half shifted up, its high half masked
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
+            "=r,=r,r,r", [qe * s + z, qo * s + z], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -315,14 +327,16 @@ def _tile_scale_zero(sz_ptr, offs_n, mask_n, k0, stride_sg, GROUP: tl.constexpr,
 @triton.jit
 def _int4_tile_decode_kernel(
     x_ptr, q_ptr, sz_ptr, out_ptr,
-    M, N, NP, KP, K2,
+    M, N, NP, KP, MAGIC,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
     GROUP: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr,
     SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """``x2 [M, K/2]`` int32 (bf16 pairs), ``q`` the tile words, ``sz [K_pad/GROUP, NP]`` int32 -> ``out``: rows
-    ``N`` of ``NP`` (the layout's, a multiple of 8), columns ``KP`` (the layout's; ``x`` read as 0 past ``K2``)."""
+    """``xw [M, KP/2]`` int32 (:func:`_tile_x`: ``x`` zero-padded to ``KP`` columns, bf16 pairs in the words'
+    order), ``q`` the tile words, ``sz [KP/GROUP, NP]`` int32 -> ``out``: rows ``N`` of ``NP`` (the layout's, a
+    multiple of 8), columns ``KP`` (the layout's). ``x`` is loaded without masks: a step's ``BLOCK_K/2`` pairs are
+    contiguous, word ``j``'s four at ``4j``..``4j + 3`` (one 16-byte vector)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     KW: tl.constexpr = BLOCK_K // 8
@@ -331,9 +345,6 @@ def _int4_tile_decode_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     mask_n = offs_n < NP
     mask_m = offs_m < M
-    # x pairs in the words' order: [KW, 4] (M = 1) or [BLOCK_M, HALF] flattened the same way
-    jj = tl.arange(0, HALF) // 4
-    pair = (jj // 16) * 64 + (jj % 4) * 16 + (jj // 4) % 4 + (tl.arange(0, HALF) % 4) * 4
     steps = KP // BLOCK_K
     per = tl.cdiv(steps, SPLIT_K)
     first = pid_k * per
@@ -344,9 +355,8 @@ def _int4_tile_decode_kernel(
             k0 = step * BLOCK_K
             words = tl.load(q_ptr + _tile_words_offsets(offs_n, stride_qn, k0, KW), mask=mask_n[:, None], other=0)
             szw = _tile_scale_zero(sz_ptr, offs_n, mask_n, k0, stride_sg, GROUP, BLOCK_K, KW)
-            p = k0 // 2 + pair
-            x2 = tl.load(x_ptr + offs_m[:, None] * stride_xm + p[None, :],
-                         mask=mask_m[:, None] & (p < K2)[None, :], other=0)
+            x2 = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 // 2 + tl.arange(0, HALF))[None, :],
+                         mask=mask_m[:, None], other=0)
             xe = (x2 << 16).to(tl.float32, bitcast=True)
             xo = (x2 & -65536).to(tl.float32, bitcast=True)
             we, wo = _tile_dequant_words(words, szw, SOFT)
@@ -360,7 +370,6 @@ def _int4_tile_decode_kernel(
                 acc = tl.dot(xo.to(tl.bfloat16), tl.trans(wo), acc, out_dtype=tl.float32)
     else:  # BLOCK_M = 1, transposed ([KW, 4, BN]): elementwise products, summed over the columns after the loop
         j = tl.arange(0, KW)
-        pair_t = (j // 16) * 64 + (j % 4) * 16 + (j // 4) % 4
         row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
         acc3 = tl.zeros((KW, 4, BLOCK_N), dtype=tl.float32)
         for step in tl.range(first, last, num_stages=NUM_STAGES):
@@ -372,11 +381,10 @@ def _int4_tile_decode_kernel(
             else:
                 g = (k0 + (j // 16) * 128 + (j % 4) * 32) // GROUP
                 szw = tl.load(sz_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask_n[None, :], other=0)
-            p = k0 // 2 + pair_t[:, None] + (tl.arange(0, 4) * 4)[None, :]
-            x2 = tl.load(x_ptr + p, mask=p < K2, other=0)
+            x2 = tl.load(x_ptr + k0 // 2 + (4 * j)[:, None] + tl.arange(0, 4)[None, :])
             xe = (x2 << 16).to(tl.float32, bitcast=True)[:, :, None]
             xo = (x2 & -65536).to(tl.float32, bitcast=True)[:, :, None]
-            we, wo = _tile_dequant_words_t(words, szw, SOFT)
+            we, wo = _tile_dequant_words_t(words, szw, MAGIC, SOFT)
             acc3 += we.to(tl.float32) * xe
             acc3 += wo.to(tl.float32) * xo
         acc = tl.sum(tl.sum(acc3, axis=0), axis=0)[None, :]
@@ -413,11 +421,19 @@ def _tile_decode_tiles(M: int, tiles: tuple[int, int, int, int] | None):
     return tiles or table[1 if M == 1 else 16]
 
 
-def _as_pairs(x: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[M, K]`` (K even, columns contiguous) as int32 ``[M, K/2]`` pairs, a view where the strides allow."""
-    if x.stride(0) % 2 or x.storage_offset() % 2:
-        x = x.contiguous()
-    return x.view(torch.int32)
+def _tile_x(x: torch.Tensor, KP: int) -> torch.Tensor:
+    """``x [M, K]`` bf16 as the tile GEMV reads it: int32 ``[M, KP/2]``, zero-padded to the layout's ``KP`` columns
+    and each 128-column block's 64 bf16 pairs reordered to the words' order (word ``j = 4c + w`` of the block holds
+    the pairs ``16w + c + 4ab``, ``ab`` 0..3; they go to ``4j + ab``), so that the kernel's loads of ``x`` need no
+    masks and each word's four pairs are one 16-byte vector. One copy of ``M × KP`` bf16 (16 KB for M = 1 and
+    K = 8192; next to the weight's ``N × K / 2`` bytes, nothing), a pad and a permute that ``torch.compile`` can
+    fuse into whatever writes ``x``."""
+    M, K = x.shape
+    if K != KP:
+        x = torch.nn.functional.pad(x, (0, KP - K))
+    # [M, block, w, ab, c, pair half] -> [M, block, c, w, ab, pair half]
+    x = x.reshape(M, KP // 128, 4, 4, 4, 2).permute(0, 1, 4, 2, 3, 5)
+    return x.reshape(M, KP).view(torch.int32)
 
 
 def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
@@ -426,19 +442,19 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     """``x [M, K]`` bf16 (M ≤ 16) times the int4 weight in tinygemm's tile layout (``qdata``, ``scale_and_zero``:
     torchao's, as stored), bf16 ``[M, out_features]``, with :func:`int4_decode_triton`'s numerics. ``split_k`` /
     ``tiles`` (BLOCK_N, BLOCK_K, warps, stages) override the defaults (tests, benchmarks)."""
-    M, K = x.shape
+    M = x.shape[0]
     NP, KP = qdata.shape[0] * 8, qdata.shape[1] * 128
     bn, bk, warps, stages = _tile_decode_tiles(M, tiles)
     if split_k is None:
         split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device))
     use_dot = M > 1
     block_m = 16 if use_dot else 1
-    x2 = _as_pairs(x)
+    x2 = _tile_x(x, KP)
     sz = scale_and_zero.view(torch.int32).squeeze(-1)  # [G, NP]
     out = torch.empty((M, out_features), dtype=torch.bfloat16, device=x.device)
     dest = out if split_k == 1 else torch.empty((split_k, M, out_features), dtype=torch.float32, device=x.device)
     wrap_triton(_int4_tile_decode_kernel)[(triton.cdiv(NP, bn), split_k)](
-        x2, qdata, sz, dest, M, out_features, NP, KP, K // 2,
+        x2, qdata, sz, dest, M, out_features, NP, KP, _MAGIC_BITS,
         x2.stride(0), qdata.stride(0), sz.stride(0), out_features, M * out_features,
         GROUP=group_size, SPLIT_K=split_k, USE_DOT=use_dot, DOT_IEEE=_INTERPRET, SOFT=_INTERPRET,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=warps, num_stages=stages,
