@@ -195,6 +195,11 @@ QUANT_SWEEP = {
     "quant": [(128, 64, 8), (64, 64, 4), (128, 128, 8), (256, 64, 8), (64, 128, 4)],
     "fused": [(64, 32, 4), (128, 32, 4), (64, 16, 2), (128, 64, 8), (256, 32, 8), (32, 64, 4)],
     "rows": [(16, 128, 4), (32, 128, 8), (8, 256, 4), (16, 256, 8), (32, 64, 4), (64, 64, 8)],
+    # the two-pass variants from the kernels' sm_90 code (triton_quant's docstring): absmax merged by an atomic max
+    # (no partials loop before each quantize tile's load) and, "atomic_rcp", one IEEE division per column instead of
+    # per element; (amax tiles, quant tiles) pairs: today's defaults and the two-kernel sweep's best at 16384 tokens
+    "atomic": [((64, 64, 4), (128, 64, 8)), ((32, 128, 4), (64, 64, 4))],
+    "atomic_rcp": [((64, 64, 4), (128, 64, 8)), ((32, 128, 4), (64, 64, 4))],
 }
 # a Llama-8B layer's quantize_t calls by operand shape (the weight-gradient operands of its 7 linears: X of q, k, v,
 # o, gate, up is [T, 4096], of down [T, 14336]; dY of q, o, down [T, 4096], of k, v [T, 1024], of gate, up
@@ -280,7 +285,9 @@ def quant_candidates(kind: str, grid: dict = QUANT_SWEEP) -> list[tuple[str, str
         cands = [("two_kernel", f"amax {_cfg(a)} / quant {_cfg(q)}", {"amax_tiles": a, "quant_tiles": q})
                  for a in grid["amax"] for q in grid["quant"] if (a, q) != (_AMAX_TILES, _QUANT_TILES)]
         return [("two_kernel", f"default (amax {_cfg(_AMAX_TILES)} / quant {_cfg(_QUANT_TILES)})", {})] + cands + [
-            ("fused", _cfg(t), {"variant": "fused", "tiles": t}) for t in grid["fused"]]
+            ("fused", _cfg(t), {"variant": "fused", "tiles": t}) for t in grid["fused"]] + [
+            (v, f"amax {_cfg(a)} / quant {_cfg(q)}", {"variant": v, "amax_tiles": a, "quant_tiles": q})
+            for v in ("atomic", "atomic_rcp") for a, q in grid.get(v, [])]
     return [("two_kernel", f"default (amax {_cfg(_AMAX_TILES)} / quant {_cfg(_QUANT_TILES)})", {})] + [
         ("rows", _cfg(t), {"variant": "rows", "tiles": t}) for t in grid["rows"]]
 
