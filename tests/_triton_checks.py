@@ -373,6 +373,36 @@ def check_quantize_t_variants(device: str, variants: list[dict] | None = None) -
     return n
 
 
+def check_rcp_binades(device: str) -> int:
+    """``variant="atomic_rcp"`` (the quotient from the column's reciprocal and an fma correction, fp8's rounding
+    step by a multiply) against the default path's bits on columns whose values span every binade bf16 has: each
+    column ``randn * 2**k``, ``k`` from -140 (subnormal bf16, the scale clamp at 1e-30, the 2**64 pre-scaling) to
+    125 (scales near the top of float32), an all-zero column and one with inf (scale inf: codes of finite values 0).
+    int8 and fp8. Returns the number of columns compared."""
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX
+    from hf_lowbit.kernels.int8 import INT8_MAX
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
+
+    g = torch.Generator().manual_seed(3)
+    M, N = 96, 64
+    k = torch.linspace(-140, 125, N).round()
+    x = (torch.randn(M, N, generator=g) * torch.exp2(k)).to(torch.bfloat16)
+    x[:, 0] = 0
+    x[5, 1] = float("inf")
+    x[7, 1] = -3.0
+    x = x.to(device)
+    n = 0
+    for qdtype, qmax in ((torch.int8, INT8_MAX), (FP8_DTYPE, FP8_MAX)):
+        q0, s0 = quantize_t_triton(x, qdtype, qmax)
+        q, s = quantize_t_triton(x, qdtype, qmax, variant="atomic_rcp")
+        assert torch.equal(s.view(torch.int32), s0.view(torch.int32)), (s, s0)
+        ok = ~torch.isnan(x.T.float() / s0[:, None])  # where the codes are defined (inf / inf is not)
+        a, b = q.view(torch.uint8), q0.view(torch.uint8)
+        assert torch.equal(a[ok], b[ok]), [(c, k[c].item()) for c in range(N) if not torch.equal(a[c][ok[c]], b[c][ok[c]])]
+        n += N
+    return n
+
+
 def check_quant_sweep(device: str) -> int:
     """``benchmark_mm.py --quant_sweep``'s code path on tiny shapes with its real grid (every config it will time on
     the GPU), so a device run does not die on a typo: every candidate runs and equals the default path's output,
@@ -787,6 +817,8 @@ MODES = {
     # exact_fma_interpreter: atomic_rcp's bits rest on a fused fma (the interpreter's rounds twice)
     "variants": lambda: ("checked", _with(exact_fma_interpreter(), check_quantize_t_variants, "cpu"),
                          "quantizations of other variants and tiles"),
+    "rcp_binades": lambda: ("checked", _with(exact_fma_interpreter(), check_rcp_binades, "cpu"),
+                            "columns of every binade"),
     "quant_sweep": lambda: ("checked", _with(exact_fma_interpreter(), check_quant_sweep, "cpu"),
                             "quant_sweep candidates"),
     "dual": lambda: ("checked", check_quantize_dual("cpu"), "dual quantizations and", check_quant_dual_bench("cpu"),

@@ -78,12 +78,15 @@ def _encode(x, scale, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr
     """Codes of ``x / scale`` (``scale`` broadcast to ``x``'s shape by the caller). ``rand_offs`` (int64): each
     element's index in ``x`` [M, N], ``m * N + n``, the Philox counter of stochastic rounding, so an element's
     draw depends on the seed and its place only, not on the kernel or its tiles."""
-    return _encode_q(tl.math.div_rn(x, scale), seed, rand_offs, QMAX, IS_INT8, STOCHASTIC)
+    return _encode_q(tl.math.div_rn(x, scale), seed, rand_offs, QMAX, IS_INT8, STOCHASTIC, False)
 
 
 @triton.jit
-def _encode_q(y, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Codes of the quotient ``y = x / scale`` (IEEE-rounded), as :func:`_encode`."""
+def _encode_q(y, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr,
+              POW2: tl.constexpr):
+    """Codes of the quotient ``y = x / scale`` (IEEE-rounded), as :func:`_encode`. ``POW2`` (fp8): ``y / step``
+    as ``y * (1 / step)``, the reciprocal of the power of two built from its exponent bits: the same value (both
+    exact), one multiply instead of an approximate division (MUFU.RCP and its fixups) an element."""
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if STOCHASTIC:  # int8 only: floor(y + u), u ~ U[0, 1), so E[q] = y
         # counter-based, so the random numbers live in registers (no random tensor). The clamp is needed although
@@ -98,7 +101,11 @@ def _encode_q(y, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STO
         # is exact and the result equals torch's single round-to-nearest-even cast bit for bit.
         e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        r = (_rne(y / step) * step).to(tl.int32, bitcast=True)
+        if POW2:  # 1 / step = 2**-(max(e, -6) - 3): exponent field 127 - (max(e, -6) - 3), in [2, 136]
+            inv = ((127 - (tl.maximum(e, -6) - 3)) << 23).to(tl.float32, bitcast=True)
+            r = (_rne(y * inv) * step).to(tl.int32, bitcast=True)
+        else:
+            r = (_rne(y / step) * step).to(tl.int32, bitcast=True)
         # a negative y (or -0) that rounds to zero is -0 in torch's cast (code 0x80) but +0 in the rounding above:
         # y's sign bit copied by hand (Triton's negation is 0 - x, which gives +0 as well)
         sign = y.to(tl.int32, bitcast=True) & -2147483648
@@ -233,7 +240,8 @@ def _quantize_t_amax_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr
     """``variant="atomic"`` / ``"atomic_rcp"``, pass 2: as ``_quantize_t_kernel`` but the tile of ``x`` is loaded
     first (its latency overlaps the scale's, which ``_quantize_t_kernel`` computes before its load from a loop over
     the partials) and the scales come from one load of ``amax_bits``. ``RCP``: the quotients by
-    :func:`_div_rcp` (one IEEE division per column, not per element); the same bits."""
+    :func:`_div_rcp` (one IEEE division per column, not per element) and fp8's rounding step by a multiply
+    (``_encode_q``'s ``POW2``); the same bits."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -249,7 +257,7 @@ def _quantize_t_amax_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr
         y = _div_rcp(x, s[None, :], r[None, :], pre[None, :])
     else:
         y = tl.math.div_rn(x, scale[None, :])
-    q = _encode_q(y, seed, offs_m[:, None].to(tl.int64) * N + offs_n[None, :], QMAX, IS_INT8, STOCHASTIC)
+    q = _encode_q(y, seed, offs_m[:, None].to(tl.int64) * N + offs_n[None, :], QMAX, IS_INT8, STOCHASTIC, RCP)
     _store_col_tile(q, q_ptr, qx_ptr, offs_m, offs_n, M, N, BOTH_LAYOUTS)
 
 
