@@ -23,6 +23,48 @@ rounding included (Philox keyed by the element's index in ``x``, whatever the ti
 
 NaN in a column gives that column a NaN scale (as :func:`hf_lowbit.kernels.int8.quantize_int8` does).
 
+Why the two-kernel path runs at ~1/3 of the H200's bandwidth, from its sm_90 code (``tools/quant_t_sass.py``: bf16
+``x`` 16384 x 4096 launched contiguous, Triton 3.6, ptxas of Triton's wheel; per thread, 32 elements a tile or loop
+iteration in every config below). Least traffic, X read twice and codes written once, is ~0.08 ms at 4.2 TB/s;
+measured 0.155 ms (0.139 at the sweep's best tiles).
+
+- Memory instructions are not it: every load of ``x`` is 16 B a thread (``ld.global.v4.b32``), the transposed store
+  of the codes is 16 B a thread along M (``st.global.v4.b32`` x2 a tile: a warp writes 4 columns x 128 contiguous
+  bytes at BLOCK_M = 128, 8 x 64 at 64); the transpose goes through shared memory on the bf16 tile (4 ``STS.128`` +
+  4 ``LDSM.16.MT88.4``, ldmatrix's transposing load: vector accesses only), 16 KB of smem at 128x64 (8 KB at 64x64),
+  no spills (48 registers).
+- ``_quantize_t_kernel`` is bound by instruction issue: ~31.7 SASS instructions an element (int8; static count of
+  the main body up to its EXIT, prologue and epilogue included) and ~45.4 (fp8), of which the IEEE division
+  ``div_rn(x, scale)`` is ~14 an element (MUFU.RCP, its Newton steps, FCHK and a slow-path branch, per element
+  although the scale is per column) and fp8's rounding step ``y / step`` another approximate division (MUFU.RCP, 32
+  a thread). 67M elements x 31.7 / 32 lanes at 132 SMs x 4 warp-instructions a clock x ~1.98 GHz is ~0.064 ms (fp8
+  ~0.091), above the 0.048 ms its 201 MB take at 4.2 TB/s.
+- Its load of ``x`` waits behind a serial prologue: a loop over the ``n_chunks`` partials (16 here, 4-way unrolled,
+  each thread 1 scalar ``LDG.E`` an iteration: 4 KB of L2 reads a 16 KB tile, 32 MB over the call), then the scale's
+  IEEE division and its store; the tile's 4 ``LDG.E.128`` are instruction 187 of the kernel.
+- ``_col_amax_kernel`` keeps only 2 of its 4 16-B loads in flight (the 3rd and 4th reuse the first two's registers),
+  the loop is not pipelined (no cp.async), 235 SASS instructions an iteration (7.3 an element: bf16 unpack, abs,
+  compare, NaN test, select); 74 registers at 64x64 (6 CTAs a SM: <= 24 KB in flight a SM, below the ~29 KB Little's
+  law asks of 4.8 TB/s at ~0.8 us) and its 1024 CTAs are 1.3 waves of 792; 32x128 spills 36 B at 64 registers. Its
+  partials: 16 x N floats written, the reduction at the end 40 shfl + 22 st.shared + 20 ld.shared + 7 bar.sync (PTX)
+  a CTA (the NaN flag doubles the float max's).
+
+The two candidates against that (``variant="atomic"``, ``"atomic_rcp"``; same bits, checked in the interpreter and
+gated again in the sweep), same tools, same figures:
+
+- absmax (``_col_amax_atomic_kernel``): int32 bits of ``|x|``, one integer max an element (NaN above inf), loop
+  171-188 instructions (5.3-5.9 an element, 4.6 without pipelining), a ``tl.range`` of 3 stages: 8 16-B cp.async
+  (``LDGSTS.128``) in flight a thread (2 tiles ahead), 16 KB smem, 56-59 registers (9 CTAs a SM at 64x64: the 1024
+  CTAs in one wave, ~127 KB in flight a SM), no spills; the chunks merged by one ``red.global.max.s32`` a column a
+  CTA, 20 shfl + 12 st.shared + 10 ld.shared + 4 bar.sync at the end (PTX, the pipeline's own left out); no partials
+  buffer.
+- quantize (``_quantize_t_amax_kernel``): the tile's 4 ``LDG.E.128`` are the kernel's first loads (instruction 48),
+  the scales one 4-B load a column; ``atomic``: 29.1 instructions an element int8, 42.1 fp8 (the division
+  unchanged); ``atomic_rcp``: 21.5 int8 (20.5 at 64x64) and 28.4 fp8 (27.4), MUFU.RCP 3 and FCHK 5 a thread instead
+  of 33-65 and 33, stores unchanged; 64 registers int8, 80 fp8 (3 CTAs of 8 warps a SM at 128x64 instead of 5, still
+  48 KB of x in flight a SM: the one figure that got worse). Issue time at 21.5 / 28.4 an element: ~0.043 / ~0.057
+  ms, under or near the 0.048 ms of memory.
+
 :func:`quantize_dual_triton` (the op ``hf_lowbit::quantize_dual``) quantizes an output gradient both ways at once, per
 row times the weight's scales (dX) and per column transposed (dW), from two reads instead of three (issue 25).
 """
