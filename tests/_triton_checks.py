@@ -412,14 +412,15 @@ def check_quant_sweep(device: str) -> int:
     rows = quant_sweep_rows(40, device, acts={24: ("dY", 2)}, weights={(20, 36): ("W of q, o", 2)})
     bad = [(r["shape"], r["config"], r.get("error")) for r in rows if not r["equal"]]
     assert not bad, bad
-    assert sum(r["default"] for r in rows) == 2
+    assert sum(r["default"] for r in rows) == 3  # int8 and fp8 activations, weights
     assert {r["variant"] for r in rows} == {"two_kernel", "fused", "rows", "atomic", "atomic_rcp"}
     for i, r in enumerate(rows):  # made-up times: the summary's arithmetic and formatting
         r["ms"] = 1.0 / (1 + i % 7)
         r["gb_s"] = 1.0
     table, best = quant_sweep_summary(rows)
     assert set(best) == {"two_kernel (activations)", "fused (activations)", "atomic (activations)",
-                         "atomic_rcp (activations)", "two_kernel (weights)", "rows (weights)"}
+                         "atomic_rcp (activations)", "two_kernel (activations, fp8)", "atomic (activations, fp8)",
+                         "atomic_rcp (activations, fp8)", "two_kernel (weights)", "rows (weights)"}
     assert any(line.startswith("Best overall config per kernel kind") for line in table)
     return len(rows)
 
