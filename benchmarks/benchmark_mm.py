@@ -27,8 +27,9 @@ feeds them (``quantize_t`` on each weight-gradient operand, the weight cache's r
 weight), as the bandwidth of the bytes they must move (read once, write once).
 
 ``--quant_sweep`` (CUDA; ``--tokens`` default 2048): the quantization kernels' tiles and variants (``QUANT_SWEEP``)
-on a Llama-8B layer's shapes, each candidate checked equal to the default path's output before it is timed; the best
-config per shape and the one config per kernel kind with the least time over a layer, to pick defaults from.
+on a Llama-8B layer's shapes, each candidate checked equal to the default path's output before it is timed (int8
+codes; the activations also with fp8 codes, default against the atomic variants only); the best config per shape and
+the one config per kernel kind with the least time over a layer, to pick defaults from.
 
 ``--dual`` (CUDA; ``--tokens`` default 2048): the output gradient's two quantizations on a Llama-8B layer's dY shapes
 (``tokens x 4096 / 1024 / 14336``), today's pair (the compiled plain-torch row quantization of ``g * w_scale``, as
@@ -39,6 +40,7 @@ Inductor runs it for dX, then ``quantize_t_triton(g)`` for dW: three reads of g)
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -195,6 +197,11 @@ QUANT_SWEEP = {
     "quant": [(128, 64, 8), (64, 64, 4), (128, 128, 8), (256, 64, 8), (64, 128, 4)],
     "fused": [(64, 32, 4), (128, 32, 4), (64, 16, 2), (128, 64, 8), (256, 32, 8), (32, 64, 4)],
     "rows": [(16, 128, 4), (32, 128, 8), (8, 256, 4), (16, 256, 8), (32, 64, 4), (64, 64, 8)],
+    # the two-pass variants from the kernels' sm_90 code (triton_quant's docstring): absmax merged by an atomic max
+    # (no partials loop before each quantize tile's load) and, "atomic_rcp", one IEEE division per column instead of
+    # per element; (amax tiles, quant tiles) pairs: today's defaults and the two-kernel sweep's best at 16384 tokens
+    "atomic": [((64, 64, 4), (128, 64, 8)), ((32, 128, 4), (64, 64, 4))],
+    "atomic_rcp": [((64, 64, 4), (128, 64, 8)), ((32, 128, 4), (64, 64, 4))],
 }
 # a Llama-8B layer's quantize_t calls by operand shape (the weight-gradient operands of its 7 linears: X of q, k, v,
 # o, gate, up is [T, 4096], of down [T, 14336]; dY of q, o, down [T, 4096], of k, v [T, 1024], of gate, up
@@ -272,15 +279,20 @@ def _error_lines(rows: list[dict], what: str, describe) -> list[str]:
 
 def quant_candidates(kind: str, grid: dict = QUANT_SWEEP) -> list[tuple[str, str, dict]]:
     """``(variant, config name, quantize_t_triton keywords)`` of every candidate for an activation operand
-    (``kind="act"``: the two-kernel cross and the fused variant) or a weight refresh (``"weight"``: the default
-    and the rows kernel). The first is today's default."""
+    (``kind="act"``: the two-kernel cross, the fused variant and the atomic ones; ``"act_fp8"``, fp8 codes: the
+    default and the atomic ones) or a weight refresh (``"weight"``: the default and the rows kernel). The first is
+    today's default."""
     from hf_lowbit.kernels.triton_quant import _AMAX_TILES, _QUANT_TILES
 
+    atomic = [(v, f"amax {_cfg(a)} / quant {_cfg(q)}", {"variant": v, "amax_tiles": a, "quant_tiles": q})
+              for v in ("atomic", "atomic_rcp") for a, q in grid.get(v, [])]
+    if kind == "act_fp8":
+        return [("two_kernel", f"default (amax {_cfg(_AMAX_TILES)} / quant {_cfg(_QUANT_TILES)})", {})] + atomic
     if kind == "act":
         cands = [("two_kernel", f"amax {_cfg(a)} / quant {_cfg(q)}", {"amax_tiles": a, "quant_tiles": q})
                  for a in grid["amax"] for q in grid["quant"] if (a, q) != (_AMAX_TILES, _QUANT_TILES)]
         return [("two_kernel", f"default (amax {_cfg(_AMAX_TILES)} / quant {_cfg(_QUANT_TILES)})", {})] + cands + [
-            ("fused", _cfg(t), {"variant": "fused", "tiles": t}) for t in grid["fused"]]
+            ("fused", _cfg(t), {"variant": "fused", "tiles": t}) for t in grid["fused"]] + atomic
     return [("two_kernel", f"default (amax {_cfg(_AMAX_TILES)} / quant {_cfg(_QUANT_TILES)})", {})] + [
         ("rows", _cfg(t), {"variant": "rows", "tiles": t}) for t in grid["rows"]]
 
@@ -293,24 +305,28 @@ def quant_sweep_rows(tokens: int, device: str = "cuda", acts=QUANT_ACTS, weights
     ``error``) and no time."""
     from torch._library.triton import set_wrap_triton_enabled
 
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX
     from hf_lowbit.kernels.triton_quant import quantize_t_triton
 
     torch.manual_seed(0)
     rows = []
     jobs = [("act", (tokens, n), what, count) for n, (what, count) in acts.items()]
+    # fp8 codes (their rounding costs the quantize kernel ~14 more instructions an element): default and atomic ones
+    jobs += [("act_fp8", (tokens, n), what + " (fp8)", count) for n, (what, count) in acts.items()]
     jobs += [("weight", shape, what, count) for shape, (what, count) in weights.items()]
     for kind, shape, what, count in jobs:
         t = torch.randn(*shape, device=device, dtype=torch.bfloat16)
-        x = t if kind == "act" else t.T  # the weight refresh quantizes w.T (per row of w, both layouts)
-        extra = {} if kind == "act" else {"both_layouts": True}
-        moved = t.numel() * (3 if kind == "act" else 4)  # bf16 read once, codes written once per layout
+        x = t.T if kind == "weight" else t  # the weight refresh quantizes w.T (per row of w, both layouts)
+        qdtype, qmax = (FP8_DTYPE, FP8_MAX) if kind == "act_fp8" else (torch.int8, 127.0)
+        extra = {"both_layouts": True} if kind == "weight" else {}
+        moved = t.numel() * (4 if kind == "weight" else 3)  # bf16 read once, codes written once per layout
         with set_wrap_triton_enabled(False):  # launch directly: wrap_triton's eager dispatch is slower than these
-            ref = quantize_t_triton(x, torch.int8, 127.0, **extra)
+            ref = quantize_t_triton(x, qdtype, qmax, **extra)
             for i, (variant, config, kw) in enumerate(quant_candidates(kind, grid)):
                 row = {"tokens": tokens, "group": kind, "operand": what, "count": count, "shape": list(shape),
                        "variant": variant, "config": config, "default": i == 0,
                        "ms": None, "gb_s": None}
-                fn = lambda: quantize_t_triton(x, torch.int8, 127.0, **extra, **kw)  # noqa: E731
+                fn = functools.partial(quantize_t_triton, x, qdtype, qmax, **extra, **kw)
                 rows.append(_check_then_time(row, fn, ref, time_fn, moved))
                 if time_fn is not None:
                     print({k: row[k] for k in ("shape", "variant", "config", "ms", "equal")}, flush=True)
@@ -336,7 +352,7 @@ def quant_sweep_summary(rows: list[dict]) -> tuple[list[str], dict]:
             table.append(f"| {'×'.join(map(str, shape))} | {b['operand']} | {d['ms']:.4f} | {d['gb_s']:,.0f} | "
                          f"{variant} | {b['config']} | {b['ms']:.4f} | {b['gb_s']:,.0f} | {d['ms'] / b['ms']:.2f}x |")
     best = {}
-    for group in ("act", "weight"):
+    for group, label in (("act", "activations"), ("act_fp8", "activations, fp8"), ("weight", "weights")):
         need = {key(r): r["count"] for r in rows if r["group"] == group}
         if not all(s in default for s in need):
             continue
@@ -345,7 +361,7 @@ def quant_sweep_summary(rows: list[dict]) -> tuple[list[str], dict]:
             b = _best_layer_config([r for r in timed if r["group"] == group and r["variant"] == variant], need, key,
                                    base, "default_layer_ms")
             if b:
-                best[f"{variant} ({'activations' if group == 'act' else 'weights'})"] = b
+                best[f"{variant} ({label})"] = b
     table += ["", "Best overall config per kernel kind (the least time over a Llama-8B layer's calls, each shape "
               "weighted by its count per layer): " + "; ".join(
                   f"{k}: {v['config']}, {v['layer_ms']:.3f} ms vs the default's {v['default_layer_ms']:.3f} ms "

@@ -54,6 +54,55 @@ class PoisonedAllocations(TorchDispatchMode):
                 out.fill_(torch.iinfo(out.dtype).min)
         return out
 
+def _fma_f32(x, y, z):
+    """fp32 ``x * y + z`` rounded once (to nearest, ties to even), as the GPU's fma: the product is exact in
+    float64, the sum's rounding error exact by TwoSum; float64 -> float32 rounds correctly except where the float64
+    sum lies exactly halfway between two floats and the error says the exact value lies beyond it."""
+    import numpy as np
+
+    with np.errstate(all="ignore"):
+        x, y, z = (np.asarray(a, dtype=np.float64) for a in (x, y, z))
+        p = x * y
+        s = p + z
+        bb = s - p
+        err = (p - (s - bb)) + (z - bb)
+        r = s.astype(np.float32)
+        r64 = r.astype(np.float64)
+        other = np.nextafter(r, np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32))
+        half = np.abs(other.astype(np.float64) - r64) / 2
+        beyond = (r64 != s) & (np.abs(s - r64) == half) & (err != 0) & (np.sign(err) == np.sign(s - r64))
+        return np.where(beyond, other, r).astype(np.float32)
+
+
+class exact_fma_interpreter:
+    """Triton's interpreter computes ``tl.fma`` as ``x * y + z`` in float32 (two roundings); while active, once (as
+    compiled Triton on the GPU), so that kernels whose bits rest on a fused fma (``variant="atomic_rcp"``'s exact
+    division) can be checked on the CPU."""
+
+    def __enter__(self):
+        from triton.runtime import interpreter as I
+
+        self._old = I.InterpreterBuilder.create_fma
+
+        def create_fma(builder, x, y, z):
+            if z.data.dtype.name != "float32":
+                return self._old(builder, x, y, z)
+            return I.TensorHandle(_fma_f32(x.data, y.data, z.data), z.dtype.scalar)
+
+        I.InterpreterBuilder.create_fma = create_fma
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime import interpreter as I
+
+        I.InterpreterBuilder.create_fma = self._old
+
+
+def _with(ctx, fn, *args):
+    with ctx:
+        return fn(*args)
+
+
 CPU_SHAPES = [(33, 17, 70), (16, 48, 32), (5, 40, 129)]
 CUDA_SHAPES = CPU_SHAPES + [(4096, 1536, 4096), (300, 5000, 777)]
 
@@ -177,7 +226,7 @@ def check_quantize_t(device: str, **opts) -> int:
     formats = [("int8", torch.int8, INT8_MAX), ("fp8", FP8_DTYPE, FP8_MAX)]
     n = 0
     chunk = 1024 if device == "cuda" else 64  # several partial-absmax chunks either way (CPU: 64 + 6 rows)
-    if opts.get("variant", "two_kernel") == "two_kernel":
+    if opts.get("variant", "two_kernel") in ("two_kernel", "atomic", "atomic_rcp"):
         opts = {"chunk_m": chunk, **opts}
     # the interpreter runs a kernel's programs one after another: on the CPU, shapes just past the 16x16 tiles
     # and the chunk (70 x 20, as check_quantize_t_stochastic's), not more programs of the same code
@@ -246,10 +295,13 @@ def quantize_t_variants(device: str) -> list[dict]:
     if device == "cuda":
         return [dict(variant="fused"), dict(variant="fused", tiles=(256, 16, 4)), dict(variant="rows"),
                 dict(variant="rows", tiles=(32, 64, 8)), dict(amax_tiles=(128, 128, 8), quant_tiles=(256, 64, 8)),
-                dict(amax_tiles=(32, 128, 4), quant_tiles=(64, 128, 4), chunk_m=256)]
+                dict(amax_tiles=(32, 128, 4), quant_tiles=(64, 128, 4), chunk_m=256), {"variant": "atomic"},
+                {"variant": "atomic_rcp"}, {"variant": "atomic_rcp", "amax_tiles": (32, 128, 4), "quant_tiles": (64, 64, 4)}]
     # the interpreter: few programs (it runs them one after another), tiles still smaller than the shapes
     return [dict(variant="fused"), dict(variant="fused", tiles=(64, 8, 2)), dict(variant="rows"),
-            dict(variant="rows", tiles=(4, 64, 2)), dict(amax_tiles=(32, 8, 2), quant_tiles=(8, 32, 2), chunk_m=32)]
+            dict(variant="rows", tiles=(4, 64, 2)), dict(amax_tiles=(32, 8, 2), quant_tiles=(8, 32, 2), chunk_m=32),
+            {"variant": "atomic"},
+            {"variant": "atomic_rcp", "amax_tiles": (8, 32, 2), "quant_tiles": (32, 8, 2), "chunk_m": 16}]
 
 
 def check_quantize_t_variants(device: str, variants: list[dict] | None = None) -> int:
@@ -303,6 +355,14 @@ def check_quantize_t_variants(device: str, variants: list[dict] | None = None) -
                 torch.manual_seed(7)
                 q0, s0 = quantize_t_triton(xd, torch.int8, INT8_MAX, stochastic=True, row_mul=mul)
                 for opts in variants:
+                    if opts.get("variant") == "atomic_rcp":  # nearest rounding only: refused, nothing launched
+                        try:
+                            quantize_t_triton(xd, torch.int8, INT8_MAX, stochastic=True, row_mul=mul, **opts)
+                        except ValueError as e:
+                            assert "rounds to nearest only" in str(e)
+                        else:
+                            raise AssertionError("atomic_rcp accepted stochastic rounding")
+                        continue
                     torch.manual_seed(7)
                     with PoisonedAllocations():
                         q, s = quantize_t_triton(xd, torch.int8, INT8_MAX, stochastic=True, row_mul=mul, **opts)
@@ -310,6 +370,36 @@ def check_quantize_t_variants(device: str, variants: list[dict] | None = None) -
                     assert torch.equal(q[okd], q0[okd]), f"{(M, N)} weight={weight} {dtype} {opts}: SR codes differ"
                     assert (q[okd] != -128).all() and torch.equal(s[okd], s0[okd]) and torch.isnan(s[2])
                     n += 1
+    return n
+
+
+def check_rcp_binades(device: str) -> int:
+    """``variant="atomic_rcp"`` (the quotient from the column's reciprocal and an fma correction, fp8's rounding
+    step by a multiply) against the default path's bits on columns whose values span every binade bf16 has: each
+    column ``randn * 2**k``, ``k`` from -140 (subnormal bf16, the scale clamp at 1e-30, the 2**64 pre-scaling) to
+    125 (scales near the top of float32), an all-zero column and one with inf (scale inf: codes of finite values 0).
+    int8 and fp8. Returns the number of columns compared."""
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX
+    from hf_lowbit.kernels.int8 import INT8_MAX
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
+
+    g = torch.Generator().manual_seed(3)
+    M, N = 96, 64
+    k = torch.linspace(-140, 125, N).round()
+    x = (torch.randn(M, N, generator=g) * torch.exp2(k)).to(torch.bfloat16)
+    x[:, 0] = 0
+    x[5, 1] = float("inf")
+    x[7, 1] = -3.0
+    x = x.to(device)
+    n = 0
+    for qdtype, qmax in ((torch.int8, INT8_MAX), (FP8_DTYPE, FP8_MAX)):
+        q0, s0 = quantize_t_triton(x, qdtype, qmax)
+        q, s = quantize_t_triton(x, qdtype, qmax, variant="atomic_rcp")
+        assert torch.equal(s.view(torch.int32), s0.view(torch.int32)), (s, s0)
+        ok = ~torch.isnan(x.T.float() / s0[:, None])  # where the codes are defined (inf / inf is not)
+        a, b = q.view(torch.uint8), q0.view(torch.uint8)
+        assert torch.equal(a[ok], b[ok]), [(c, k[c].item()) for c in range(N) if not torch.equal(a[c][ok[c]], b[c][ok[c]])]
+        n += N
     return n
 
 
@@ -322,12 +412,15 @@ def check_quant_sweep(device: str) -> int:
     rows = quant_sweep_rows(40, device, acts={24: ("dY", 2)}, weights={(20, 36): ("W of q, o", 2)})
     bad = [(r["shape"], r["config"], r.get("error")) for r in rows if not r["equal"]]
     assert not bad, bad
-    assert sum(r["default"] for r in rows) == 2 and {r["variant"] for r in rows} == {"two_kernel", "fused", "rows"}
+    assert sum(r["default"] for r in rows) == 3  # int8 and fp8 activations, weights
+    assert {r["variant"] for r in rows} == {"two_kernel", "fused", "rows", "atomic", "atomic_rcp"}
     for i, r in enumerate(rows):  # made-up times: the summary's arithmetic and formatting
         r["ms"] = 1.0 / (1 + i % 7)
         r["gb_s"] = 1.0
     table, best = quant_sweep_summary(rows)
-    assert set(best) == {"two_kernel (activations)", "fused (activations)", "two_kernel (weights)", "rows (weights)"}
+    assert set(best) == {"two_kernel (activations)", "fused (activations)", "atomic (activations)",
+                         "atomic_rcp (activations)", "two_kernel (activations, fp8)", "atomic (activations, fp8)",
+                         "atomic_rcp (activations, fp8)", "two_kernel (weights)", "rows (weights)"}
     assert any(line.startswith("Best overall config per kernel kind") for line in table)
     return len(rows)
 
@@ -722,8 +815,13 @@ MODES = {
     "default": lambda: ("checked", check_int8_scaled_mm("cpu"), "matmuls,", check_int8_scaled_mm_addend("cpu"),
                         "with an addend and", check_quantize_t("cpu"), "quantizations"),
     "stochastic": lambda: ("checked", check_quantize_t_stochastic("cpu"), "stochastic quantizations"),
-    "variants": lambda: ("checked", check_quantize_t_variants("cpu"), "quantizations of other variants and tiles"),
-    "quant_sweep": lambda: ("checked", check_quant_sweep("cpu"), "quant_sweep candidates"),
+    # exact_fma_interpreter: atomic_rcp's bits rest on a fused fma (the interpreter's rounds twice)
+    "variants": lambda: ("checked", _with(exact_fma_interpreter(), check_quantize_t_variants, "cpu"),
+                         "quantizations of other variants and tiles"),
+    "rcp_binades": lambda: ("checked", _with(exact_fma_interpreter(), check_rcp_binades, "cpu"),
+                            "columns of every binade"),
+    "quant_sweep": lambda: ("checked", _with(exact_fma_interpreter(), check_quant_sweep, "cpu"),
+                            "quant_sweep candidates"),
     "dual": lambda: ("checked", check_quantize_dual("cpu"), "dual quantizations and", check_quant_dual_bench("cpu"),
                      "quant_dual candidates"),
     "nf4": lambda: ("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes"),

@@ -1,4 +1,4 @@
-"""Compile the serving kernels for the H200 (sm_90) on a machine without a GPU: ``python tests/_triton_sm90_compile.py``.
+"""Compile the serving kernels (and the atomic column-quantization variants) for the H200 (sm_90) on a machine without a GPU: ``python tests/_triton_sm90_compile.py``.
 
 Triton's interpreter (what the CPU tests run) is Python: it accepts what compiled Triton refuses (non-constexpr
 globals in a jit function, two returns of different types around a constexpr ``if``, ``tl.dot`` shapes and
@@ -120,6 +120,30 @@ def _configs():
                               BLOCK_N=bn_, BLOCK_K=bk_, NUM_STAGES=stages_)
                 out.append((f"fp8_gemv_codes x={xt} M={m} tile={bn_}x{bk_} w{warps_} s{stages_} split={split} "
                             f"bias={bias} soft={soft}", F._fp8_gemv_codes_kernel, sig, consts, warps_, stages_))
+    # column quantization (issue 25), the atomic variants: the absmax pass (bf16 x of a row-major launch: stride_xn
+    # = 1 a constexpr; pipelined loop) and the quantize pass (int8 / fp8, the per-element or per-column division,
+    # int8 stochastic rounding) at today's tiles and the two-kernel sweep's best; bf16 x of 16384 rows
+    from hf_lowbit.kernels import triton_quant as Q
+
+    for bm, bn, warps in (Q._AMAX_TILES, (32, 128, 4)):
+        out.append((f"quant_t amax_atomic {bm}x{bn}w{warps}", Q._col_amax_atomic_kernel,
+                    {"x_ptr": "*bf16", "amax_ptr": "*i32", "mul_ptr": "*fp32", "M": "i32", "N": "i32",
+                     "stride_xm": "i32"},
+                    {"stride_xn": 1, "HAS_MUL": False, "CHUNK_M": 1024, "BLOCK_M": bm, "BLOCK_N": bn,
+                     "NUM_STAGES": Q._AMAX_STAGES},
+                    warps, Q._AMAX_STAGES))
+    for (bm, bn, warps), qt, rcp, sr in ((Q._QUANT_TILES, "*i8", False, False), (Q._QUANT_TILES, "*i8", True, False),
+                                         (Q._QUANT_TILES, "*fp8e4nv", False, False),
+                                         (Q._QUANT_TILES, "*fp8e4nv", True, False), ((64, 64, 4), "*i8", True, False),
+                                         (Q._QUANT_TILES, "*i8", False, True)):
+        out.append((f"quant_t quantize_amax {bm}x{bn}w{warps} q={qt} rcp={rcp} stochastic={sr}",
+                    Q._quantize_t_amax_kernel,
+                    {"x_ptr": "*bf16", "amax_ptr": "*i32", "q_ptr": qt, "scale_ptr": "*fp32",
+                     "seed_ptr": "*i64" if sr else "*fp32", "mul_ptr": "*fp32", "qx_ptr": qt, "M": "i32", "N": "i32",
+                     "stride_xm": "i32"},
+                    {"stride_xn": 1, "QMAX": 127.0 if qt == "*i8" else 448.0, "IS_INT8": qt == "*i8",
+                     "STOCHASTIC": sr, "HAS_MUL": False, "BOTH_LAYOUTS": False, "RCP": rcp, "BLOCK_M": bm,
+                     "BLOCK_N": bn}, warps, 3))
     return out
 
 

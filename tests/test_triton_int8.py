@@ -171,7 +171,7 @@ def test_int8_scaled_mm_cases_one_at_a_time_check_the_whole_run(monkeypatch):
 
 # one test per variant: each compiles its own kernels (minutes over all of them on the device's CPU), so pytest-xdist
 # workers (the cuda_tests stage) share them out
-N_QUANTIZE_T_VARIANTS = 6
+N_QUANTIZE_T_VARIANTS = 9
 
 
 @pytest.mark.cuda
@@ -188,12 +188,25 @@ def test_triton_quantize_t_cuda(i):
 def test_triton_quantize_t_variants_interpreted():
     """The single-kernel variants (fused, rows) and other tiles: the default path's bits (the stochastic ones
     too), against the plain-torch reference."""
-    assert "checked 60 quantizations of other variants and tiles" in run_interpreted("variants")
+    assert "checked 80 quantizations of other variants and tiles" in run_interpreted("variants")
+
+
+def test_quantize_t_atomic_rcp_binades_interpreted():
+    """variant="atomic_rcp"'s division from the reciprocal: the default's bits on columns of every bf16 binade
+    (subnormal to near float32's top), zero and inf columns, int8 and fp8."""
+    assert "checked 128 columns of every binade" in run_interpreted("rcp_binades")
+
+
+@pytest.mark.cuda
+def test_quantize_t_atomic_rcp_binades_cuda():
+    from _triton_checks import check_rcp_binades
+
+    assert check_rcp_binades("cuda") == 128
 
 
 def test_quant_sweep_candidates_interpreted():
     """benchmark_mm.py --quant_sweep's candidates (its real grid) and equality checks on tiny shapes."""
-    assert "checked 38 quant_sweep candidates" in run_interpreted("quant_sweep")
+    assert "checked 47 quant_sweep candidates" in run_interpreted("quant_sweep")
 
 
 @pytest.mark.cuda
@@ -203,7 +216,9 @@ def test_triton_quantize_t_variants_cuda(i):
 
     variants = quantize_t_variants("cuda")
     assert len(variants) == N_QUANTIZE_T_VARIANTS
-    assert check_quantize_t_variants("cuda", variants[i:i + 1]) == 24  # 2 shapes x 2 layouts x 2 dtypes x (2 + 1 SR)
+    # 2 shapes x 2 layouts x 2 dtypes x (2 + 1 SR); atomic_rcp refuses stochastic rounding (checked, not counted)
+    sr = variants[i].get("variant") != "atomic_rcp"
+    assert check_quantize_t_variants("cuda", variants[i:i + 1]) == (24 if sr else 16)
 
 
 def test_triton_quantize_dual_interpreted():
@@ -235,3 +250,34 @@ def test_triton_nf4_to_int8_cuda():
     from _triton_checks import check_nf4_to_int8
 
     assert check_nf4_to_int8("cuda") == 45
+
+
+def test_div_rcp_formula_matches_ieee_division():
+    """triton_quant._div_rcp's arithmetic (numpy, an exact fp32 fma): x / scale from RN(1 / scale) and one fma
+    correction gives the correctly rounded quotient's bits for bf16 x in every binade and the scale of its column
+    (amax / 127 or 448), thanks to the 2**64 pre-scaling of columns of tiny values (without it some differ)."""
+    import numpy as np
+    import torch
+    from _triton_checks import _fma_f32
+
+    rng = np.random.default_rng(1)
+
+    def quotients(x, s, prescale):
+        pre = np.float32(2.0 ** 64) if prescale and s < 2.0 ** -60 else np.float32(1)
+        sp = np.float32(s * pre)
+        r = np.float32(np.float32(1) / sp)
+        xs = (x * pre).astype(np.float32)
+        q0 = (xs * r).astype(np.float32)
+        rem = _fma_f32(-q0, sp, xs)
+        return np.where((rem == 0) | np.isnan(rem), q0, _fma_f32(rem, r, q0))
+
+    bad = {True: 0, False: 0}
+    for qmax in (127.0, 448.0):
+        for e in range(-135, 127, 4):
+            x = torch.from_numpy((rng.standard_normal(4000) * 2.0 ** e).astype(np.float32))
+            x = x.to(torch.bfloat16).float().numpy()
+            s = np.float32(np.float32(max(np.abs(x).max(), 1e-30)) / np.float32(qmax))
+            ref = (x / s).astype(np.float32).view(np.int32)
+            for prescale in (True, False):
+                bad[prescale] += int((quotients(x, s, prescale).view(np.int32) != ref).sum())
+    assert bad[True] == 0 and bad[False] > 0, bad

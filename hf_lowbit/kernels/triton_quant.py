@@ -23,6 +23,48 @@ rounding included (Philox keyed by the element's index in ``x``, whatever the ti
 
 NaN in a column gives that column a NaN scale (as :func:`hf_lowbit.kernels.int8.quantize_int8` does).
 
+Why the two-kernel path runs at ~1/3 of the H200's bandwidth, from its sm_90 code (``tools/quant_t_sass.py``: bf16
+``x`` 16384 x 4096 launched contiguous, Triton 3.6, ptxas of Triton's wheel; per thread, 32 elements a tile or loop
+iteration in every config below). Least traffic, X read twice and codes written once, is ~0.08 ms at 4.2 TB/s;
+measured 0.155 ms (0.139 at the sweep's best tiles).
+
+- Memory instructions are not it: every load of ``x`` is 16 B a thread (``ld.global.v4.b32``), the transposed store
+  of the codes is 16 B a thread along M (``st.global.v4.b32`` x2 a tile: a warp writes 4 columns x 128 contiguous
+  bytes at BLOCK_M = 128, 8 x 64 at 64); the transpose goes through shared memory on the bf16 tile (4 ``STS.128`` +
+  4 ``LDSM.16.MT88.4``, ldmatrix's transposing load: vector accesses only), 16 KB of smem at 128x64 (8 KB at 64x64),
+  no spills (48 registers).
+- ``_quantize_t_kernel`` is bound by instruction issue: ~31.7 SASS instructions an element (int8; static count of
+  the main body up to its EXIT, prologue and epilogue included) and ~45.4 (fp8), of which the IEEE division
+  ``div_rn(x, scale)`` is ~14 an element (MUFU.RCP, its Newton steps, FCHK and a slow-path branch, per element
+  although the scale is per column) and fp8's rounding step ``y / step`` another approximate division (MUFU.RCP, 32
+  a thread). 67M elements x 31.7 / 32 lanes at 132 SMs x 4 warp-instructions a clock x ~1.98 GHz is ~0.064 ms (fp8
+  ~0.091), above the 0.048 ms its 201 MB take at 4.2 TB/s.
+- Its load of ``x`` waits behind a serial prologue: a loop over the ``n_chunks`` partials (16 here, 4-way unrolled,
+  each thread 1 scalar ``LDG.E`` an iteration: 4 KB of L2 reads a 16 KB tile, 32 MB over the call), then the scale's
+  IEEE division and its store; the tile's 4 ``LDG.E.128`` are instruction 187 of the kernel.
+- ``_col_amax_kernel`` keeps only 2 of its 4 16-B loads in flight (the 3rd and 4th reuse the first two's registers),
+  the loop is not pipelined (no cp.async), 235 SASS instructions an iteration (7.3 an element: bf16 unpack, abs,
+  compare, NaN test, select); 74 registers at 64x64 (6 CTAs a SM: <= 24 KB in flight a SM, below the ~29 KB Little's
+  law asks of 4.8 TB/s at ~0.8 us) and its 1024 CTAs are 1.3 waves of 792; 32x128 spills 36 B at 64 registers. Its
+  partials: 16 x N floats written, the reduction at the end 40 shfl + 22 st.shared + 20 ld.shared + 7 bar.sync (PTX)
+  a CTA (the NaN flag doubles the float max's).
+
+The two candidates against that (``variant="atomic"``, ``"atomic_rcp"``; same bits, checked in the interpreter and
+gated again in the sweep), same tools, same figures:
+
+- absmax (``_col_amax_atomic_kernel``): int32 bits of ``|x|``, one integer max an element (NaN above inf), loop
+  171-188 instructions (5.3-5.9 an element, 4.6 without pipelining), a ``tl.range`` of 3 stages: 8 16-B cp.async
+  (``LDGSTS.128``) in flight a thread (2 tiles ahead), 16 KB smem, 56-59 registers (9 CTAs a SM at 64x64: the 1024
+  CTAs in one wave, ~127 KB in flight a SM), no spills; the chunks merged by one ``red.global.max.s32`` a column a
+  CTA, 20 shfl + 12 st.shared + 10 ld.shared + 4 bar.sync at the end (PTX, the pipeline's own left out); no partials
+  buffer.
+- quantize (``_quantize_t_amax_kernel``): the tile's 4 ``LDG.E.128`` are the kernel's first loads (instruction 48),
+  the scales one 4-B load a column; ``atomic``: 29.1 instructions an element int8, 42.1 fp8 (the division
+  unchanged); ``atomic_rcp``: 21.5 int8 (20.5 at 64x64) and 28.4 fp8 (27.4), MUFU.RCP 3 and FCHK 5 a thread instead
+  of 33-65 and 33, stores unchanged; 64 registers int8, 80 fp8 (3 CTAs of 8 warps a SM at 128x64 instead of 5, still
+  48 KB of x in flight a SM: the one figure that got worse). Issue time at 21.5 / 28.4 an element: ~0.043 / ~0.057
+  ms, under or near the 0.048 ms of memory.
+
 :func:`quantize_dual_triton` (the op ``hf_lowbit::quantize_dual``) quantizes an output gradient both ways at once, per
 row times the weight's scales (dX) and per column transposed (dW), from two reads instead of three (issue 25).
 """
@@ -35,7 +77,8 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 _CHUNK_M = 1024  # rows per partial absmax
-VARIANTS = ("two_kernel", "fused", "rows")
+VARIANTS = ("two_kernel", "fused", "rows", "atomic", "atomic_rcp")
+_TWO_PASS = ("two_kernel", "atomic", "atomic_rcp")  # take amax_tiles, quant_tiles, chunk_m
 # (BLOCK_M, BLOCK_N, num_warps) defaults on CUDA; the interpreter (CPU) uses 16x16 tiles
 _AMAX_TILES = (64, 64, 4)  # 64x64 with 4 warps: 0.13 ms mean per call in the bench; 32x256 with 8 warps was 3x slower
 _QUANT_TILES = (128, 64, 8)
@@ -44,6 +87,7 @@ _FUSED_TILES = (64, 32, 4)  # (BLOCK_M, BLOCK_N, num_warps): a first guess, to b
 # docs/results/quant_sweep_h200_t2048.md): 1.45x the two-kernel refresh (4096x4096 1.72x, 14336x4096 1.96x)
 _ROWS_TILES = (16, 256, 8)
 _CPU_TILES = (16, 16, 4)
+_AMAX_STAGES = 3  # the atomic variants' absmax loop: tiles in flight (tl.range num_stages)
 
 
 @triton.jit
@@ -76,7 +120,16 @@ def _encode(x, scale, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr
     """Codes of ``x / scale`` (``scale`` broadcast to ``x``'s shape by the caller). ``rand_offs`` (int64): each
     element's index in ``x`` [M, N], ``m * N + n``, the Philox counter of stochastic rounding, so an element's
     draw depends on the seed and its place only, not on the kernel or its tiles."""
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+    return _encode_q(tl.math.div_rn(x, scale), seed, rand_offs, QMAX, IS_INT8, STOCHASTIC, False)
+
+
+@triton.jit
+def _encode_q(y, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr,
+              POW2: tl.constexpr):
+    """Codes of the quotient ``y = x / scale`` (IEEE-rounded), as :func:`_encode`. ``POW2`` (fp8): ``y / step``
+    as ``y * (1 / step)``, the reciprocal of the power of two built from its exponent bits: the same value (both
+    exact), one multiply instead of an approximate division (MUFU.RCP and its fixups) an element."""
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if STOCHASTIC:  # int8 only: floor(y + u), u ~ U[0, 1), so E[q] = y
         # counter-based, so the random numbers live in registers (no random tensor). The clamp is needed although
         # |y| <= 127 and u < 1: float32's 127 + u rounds to 128.0 for u within 2**-18 of 1, and the int8 cast
@@ -90,7 +143,11 @@ def _encode(x, scale, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr
         # is exact and the result equals torch's single round-to-nearest-even cast bit for bit.
         e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        r = (_rne(y / step) * step).to(tl.int32, bitcast=True)
+        if POW2:  # 1 / step = 2**-(max(e, -6) - 3): exponent field 127 - (max(e, -6) - 3), in [2, 136]
+            inv = ((127 - (tl.maximum(e, -6) - 3)) << 23).to(tl.float32, bitcast=True)
+            r = (_rne(y * inv) * step).to(tl.int32, bitcast=True)
+        else:
+            r = (_rne(y / step) * step).to(tl.int32, bitcast=True)
         # a negative y (or -0) that rounds to zero is -0 in torch's cast (code 0x80) but +0 in the rounding above:
         # y's sign bit copied by hand (Triton's negation is 0 - x, which gives +0 as well)
         sign = y.to(tl.int32, bitcast=True) & -2147483648
@@ -165,6 +222,85 @@ def _store_col_tile(q, q_ptr, qx_ptr, offs_m, offs_n, M, N, BOTH_LAYOUTS: tl.con
     tl.store(q_ptrs, tl.trans(q), mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
     if BOTH_LAYOUTS:
         tl.store(qx_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _abs_bits(x):
+    """``|x|`` (float32) as int32 bits. For non-negative floats the bits order as the values do and every NaN lies
+    above inf, so one integer maximum is an absmax that keeps NaN (the float form needs a NaN flag beside it)."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _col_amax_atomic_kernel(x_ptr, amax_ptr, mul_ptr, M, N, stride_xm, stride_xn, HAS_MUL: tl.constexpr,
+                            CHUNK_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            NUM_STAGES: tl.constexpr):
+    """``variant="atomic"`` / ``"atomic_rcp"``, pass 1: the absmax of a row chunk as int32 bits (:func:`_abs_bits`:
+    one integer max per element instead of compare, NaN test and select), reduced across the tile's rows once and
+    merged into ``amax_bits [N]`` (zeroed by the launcher) by an atomic integer max: no partials buffer, so the
+    quantize pass reads one word per column instead of one per chunk. The loop is a ``tl.range`` with
+    ``NUM_STAGES`` so Triton can keep the next tiles' loads in flight (cp.async) while this one is reduced."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for m0 in tl.range(pid_m * CHUNK_M, tl.minimum(M, (pid_m + 1) * CHUNK_M), BLOCK_M, num_stages=NUM_STAGES):
+        x = _load_x(x_ptr, m0 + tl.arange(0, BLOCK_M), offs_n, M, N, stride_xm, stride_xn, mul_ptr, HAS_MUL)
+        acc = tl.maximum(acc, _abs_bits(x))
+    tl.atomic_max(amax_ptr + offs_n, tl.max(acc, axis=0), mask=offs_n < N, sem="relaxed")
+
+
+@triton.jit
+def _div_rcp(x, scale, rcp, pre):
+    """``x / scale`` correctly rounded (the bits of ``tl.math.div_rn``) from the column's reciprocal: ``q0 = x * r``
+    is within an ulp of the quotient, its remainder ``x - q0 * scale`` is exact in one fma, and (Markstein's
+    theorem) ``fma(rem, r, q0)`` with ``r = RN(1 / scale)`` is the correctly rounded quotient, as long as nothing
+    underflows. ``pre`` (a power of two per column, see :func:`_rcp_of`) scales ``x`` and ``scale`` alike (exact)
+    so that the remainder of a column of tiny values stays a normal float. A zero remainder (``q0`` exact, ``x``
+    = ±0 included: it keeps the sign of zero that the fma would drop) or a NaN one (``scale`` = inf: ``r`` = 0 and
+    ``q0`` = ±0, what the division gives) returns ``q0``. ~5 instructions an element instead of div_rn's ~14
+    (MUFU.RCP, its refinement, FCHK and the slow-path branch, per element)."""
+    xs = x * pre
+    q0 = xs * rcp
+    rem = tl.fma(-q0, scale, xs)
+    return tl.where((rem == 0) | (rem != rem), q0, tl.fma(rem, rcp, q0))  # noqa: PLR0124 - a NaN test
+
+
+@triton.jit
+def _rcp_of(scale):
+    """``(scale * pre, RN(1 / (scale * pre)), pre)`` of a column for :func:`_div_rcp`: ``pre`` = 2**64 where
+    ``scale < 2**-60`` (columns of tiny values), else 1."""
+    pre = tl.where(scale < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)
+    s = scale * pre
+    return s, tl.math.div_rn(1.0, s), pre
+
+
+@triton.jit
+def _quantize_t_amax_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qx_ptr, M, N, stride_xm,
+                            stride_xn, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr,
+                            HAS_MUL: tl.constexpr, BOTH_LAYOUTS: tl.constexpr, RCP: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``variant="atomic"`` / ``"atomic_rcp"``, pass 2: as ``_quantize_t_kernel`` but the tile of ``x`` is loaded
+    first (its latency overlaps the scale's, which ``_quantize_t_kernel`` computes before its load from a loop over
+    the partials) and the scales come from one load of ``amax_bits``. ``RCP``: the quotients by
+    :func:`_div_rcp` (one IEEE division per column, not per element) and fp8's rounding step by a multiply
+    (``_encode_q``'s ``POW2``); the same bits."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    x = _load_x(x_ptr, offs_m, offs_n, M, N, stride_xm, stride_xn, mul_ptr, HAS_MUL)
+    amax = tl.load(amax_ptr + offs_n, mask=mask_n, other=0).to(tl.float32, bitcast=True)
+    scale = _scale_of(amax, QMAX)
+    if pid_m == 0:
+        tl.store(scale_ptr + offs_n, scale, mask=mask_n)
+    seed = tl.load(seed_ptr) if STOCHASTIC else 0
+    if RCP:
+        s, r, pre = _rcp_of(scale)
+        y = _div_rcp(x, s[None, :], r[None, :], pre[None, :])
+    else:
+        y = tl.math.div_rn(x, scale[None, :])
+    q = _encode_q(y, seed, offs_m[:, None].to(tl.int64) * N + offs_n[None, :], QMAX, IS_INT8, STOCHASTIC, RCP)
+    _store_col_tile(q, q_ptr, qx_ptr, offs_m, offs_n, M, N, BOTH_LAYOUTS)
 
 
 @triton.jit
@@ -263,17 +399,24 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     ``VARIANTS``: ``"two_kernel"`` (the default: partial absmax, then quantize; ``amax_tiles`` and ``quant_tiles``
     override their ``(BLOCK_M, BLOCK_N, num_warps)``, ``chunk_m`` the rows per partial), ``"fused"`` (one kernel,
     column strips; meant for a row-major ``x``) or ``"rows"`` (one kernel, rows of ``x.T``; meant for ``x = w.T``
-    with ``w`` row-major, the weight refresh); ``tiles`` overrides the single kernel's ``(BLOCK_M, BLOCK_N,
+    with ``w`` row-major, the weight refresh), ``"atomic"`` (two passes as ``"two_kernel"``, the absmax merged by an
+    atomic max instead of a partials buffer) or ``"atomic_rcp"`` (that, with one IEEE division per column instead of
+    per element; nearest rounding only: ``stochastic`` raises), both taking ``amax_tiles``, ``quant_tiles`` and
+    ``chunk_m``, candidates for the sweep (the module docstring says why); ``tiles`` overrides the single kernel's ``(BLOCK_M, BLOCK_N,
     num_warps)`` (``"rows"``: ``(BLOCK_R, BLOCK_K, num_warps)``, ``R`` along ``N``, ``K`` along ``M``). Block sizes
     and warps are powers of two; on the CPU (Triton's interpreter) the defaults are 16x16 tiles."""
     if stochastic and qdtype != torch.int8:  # checked before anything is launched
         raise ValueError(f"quantize_t_triton: stochastic rounding is implemented for int8, not {qdtype}")
     if variant not in VARIANTS:
         raise ValueError(f"quantize_t_triton: variant must be one of {VARIANTS}, got {variant!r}")
-    if variant == "two_kernel" and tiles is not None:
-        raise ValueError("quantize_t_triton: tiles is for the single-kernel variants; two_kernel takes amax_tiles, "
+    if variant in _TWO_PASS and tiles is not None:
+        raise ValueError(f"quantize_t_triton: tiles is for the single-kernel variants; {variant} takes amax_tiles, "
                          "quant_tiles and chunk_m")
-    if variant != "two_kernel" and (amax_tiles, quant_tiles, chunk_m) != (None, None, None):
+    if variant == "atomic_rcp" and stochastic:
+        raise ValueError("quantize_t_triton: variant 'atomic_rcp' rounds to nearest only (its division is exact "
+                         "for normal quotients; stochastic rounding's floor(y + u) can see a subnormal one's last "
+                         "bit): use 'atomic' or 'two_kernel'")
+    if variant not in _TWO_PASS and (amax_tiles, quant_tiles, chunk_m) != (None, None, None):
         raise ValueError(f"quantize_t_triton: amax_tiles, quant_tiles and chunk_m are the two-kernel path's, not "
                          f"{variant!r}'s (it takes tiles)")
     M, N = x.shape
@@ -308,6 +451,18 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         wrap_triton(_quantize_rows_kernel)[(triton.cdiv(N, br),)](
             x, q, scale, seed, mul, qx_arg, N, M, x.stride(1), x.stride(0), **consts, BLOCK_R=br, BLOCK_K=bk,
             num_warps=warps)
+    elif variant in ("atomic", "atomic_rcp"):
+        bm, bn, warps = _tiles(amax_tiles, _CPU_TILES if small else _AMAX_TILES, "amax_tiles")
+        if chunk_m is None:
+            chunk_m = 64 if small and amax_tiles is None else _chunk_rows(M, N, bn, bm)
+        amax_bits = torch.zeros((N,), dtype=torch.int32, device=x.device)  # |x| >= +0: the max's identity
+        wrap_triton(_col_amax_atomic_kernel)[(triton.cdiv(M, chunk_m), triton.cdiv(N, bn))](
+            x, amax_bits, mul, M, N, x.stride(0), x.stride(1), HAS_MUL=row_mul is not None, CHUNK_M=chunk_m,
+            BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=1 if small else _AMAX_STAGES, num_warps=warps)
+        bm, bn, warps = _tiles(quant_tiles, _CPU_TILES if small else _QUANT_TILES, "quant_tiles")
+        wrap_triton(_quantize_t_amax_kernel)[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            x, amax_bits, q, scale, seed, mul, qx_arg, M, N, x.stride(0), x.stride(1), **consts,
+            RCP=variant == "atomic_rcp", BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     else:
         bm, bn, warps = _tiles(amax_tiles, _CPU_TILES if small else _AMAX_TILES, "amax_tiles")
         if chunk_m is None:
@@ -334,13 +489,6 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
 _DUAL_AMAX_TILES = (64, 64, 4)
 _DUAL_QUANT_TILES = (64, 64, 4)
 _DUAL_REDUCE = (8, 256)
-
-
-@triton.jit
-def _abs_bits(x):
-    """``|x|`` (float32) as int32 bits. For non-negative floats the bits order as the values do and every NaN lies
-    above inf, so one integer maximum is an absmax that keeps NaN (the float form needs a NaN flag beside it)."""
-    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
