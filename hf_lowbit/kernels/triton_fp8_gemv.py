@@ -169,6 +169,23 @@ def _act_quant_kernel(x_ptr, scale_ptr, q_ptr, M, K, stride_xm, stride_xk,
 
 
 @triton.jit
+def _store_tile(acc, sx, sw, offs_m, offs_n, mask_m, mask_n, bias_ptr, out_ptr, ws_ptr, pid_k, M, N, stride_om,
+                stride_on, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SOFT: tl.constexpr):
+    """The GEMVs' epilogue for a ``[BLOCK_N, BLOCK_M]`` float32 sum ``acc``: ``(sum * s_x) * s_w`` as the reference,
+    then (``SPLIT_K = 1``) the bias and one rounding into ``out``, or the split's float32 partial into
+    ``ws [SPLIT_K, M, N]``."""
+    out = acc * sx[None, :] * sw[:, None]
+    mask = mask_n[:, None] & mask_m[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on,
+                 _to_out(out, out_ptr, SOFT), mask=mask)
+    else:
+        tl.store(ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], out, mask=mask)
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, ws_ptr,
     M, N, K, K_PER_SPLIT,
@@ -208,15 +225,8 @@ def _fp8_gemv_kernel(
         x_ptrs += BLOCK_K * stride_xk
 
     sw = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
-    out = acc * sx[None, :] * sw[:, None]  # [BLOCK_N, BLOCK_M]: (sum * s_x) * s_w, as the reference
-    mask = mask_n[:, None] & mask_m[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on,
-                 _to_out(out, out_ptr, SOFT), mask=mask)
-    else:  # the split's float32 partial: ws [SPLIT_K, M, N]
-        tl.store(ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], out, mask=mask)
+    _store_tile(acc, sx, sw, offs_m, offs_n, mask_m, mask_n, bias_ptr, out_ptr, ws_ptr, pid_k, M, N, stride_om,
+                stride_on, HAS_BIAS, SPLIT_K, SOFT)
 
 
 @triton.jit
@@ -278,15 +288,8 @@ def _fp8_gemv_codes_kernel(
             w_ptrs += BLOCK_K
             q_ptrs += BLOCK_K
         sx = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=1.0)
-        out = acc * sx[None, :] * sw[:, None]  # [BLOCK_N, BLOCK_M]: (sum * s_x) * s_w, as the reference
-        mask = mask_n[:, None] & mask_m[None, :]
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on,
-                     _to_out(out, out_ptr, SOFT), mask=mask)
-        else:  # the split's float32 partial: ws [SPLIT_K, M, N]
-            tl.store(ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], out, mask=mask)
+        _store_tile(acc, sx, sw, offs_m, offs_n, mask_m, mask_n, bias_ptr, out_ptr, ws_ptr, pid_k, M, N, stride_om,
+                    stride_on, HAS_BIAS, SPLIT_K, SOFT)
     else:  # M = 1
         q_ptrs = q_ptr + k_start + offs_k
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
