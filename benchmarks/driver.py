@@ -230,14 +230,6 @@ def apply_lora_recipe(model, recipe: str, min_features: int, r: int):
         return prepare_model(model, args, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
 
 
-def _never_share(x) -> bool:
-    return False
-
-
-def _always_share(x) -> bool:
-    return x.device.type == "cuda"
-
-
 def _lift_recompute_ban() -> None:
     import torch._functorch.config as functorch_config
 
@@ -250,36 +242,37 @@ def _recompute_ban_lifted() -> bool:
     return not functorch_config.ban_recompute_materialized_backward
 
 
-def _stop_sharing() -> None:
-    import hf_lowbit.kernels as K
+def _sharing_rule(rule):
+    """(set it, whether it is set) for ``hf_lowbit.kernels.shares_codes`` replaced by ``rule`` for the process
+    (the package imported when called, as the other settings import what they set)."""
 
-    K.shares_codes = _never_share
+    def apply() -> None:
+        import hf_lowbit.kernels as K
+
+        K.shares_codes = rule
+
+    def is_set() -> bool:
+        import hf_lowbit.kernels as K
+
+        return K.shares_codes is rule
+
+    return apply, is_set
 
 
-def _sharing_stopped() -> bool:
-    import hf_lowbit.kernels as K
-
-    return K.shares_codes is _never_share
+def _never_share(x) -> bool:
+    return False
 
 
-def _share_always() -> None:
-    import hf_lowbit.kernels as K
-
-    K.shares_codes = _always_share
-
-
-def _sharing_forced() -> bool:
-    import hf_lowbit.kernels as K
-
-    return K.shares_codes is _always_share
+def _always_share(x) -> bool:
+    return x.device.type == "cuda"
 
 
 # PROCESS_VARIANTS' settings, by family: (set it, whether it is set, what "not active" means)
 _PROCESS_SETTINGS = (
     (RECOMPUTE_VARIANTS, _lift_recompute_ban, _recompute_ban_lifted,
      "the partitioner still bans recomputing materialized activations"),
-    (UNSHARED_VARIANTS, _stop_sharing, _sharing_stopped, "X's column codes are still shared"),
-    (SHARED_VARIANTS, _share_always, _sharing_forced, "X's column codes are shared only from SHARE_MIN_ROWS rows"),
+    (UNSHARED_VARIANTS, *_sharing_rule(_never_share), "X's column codes are still shared"),
+    (SHARED_VARIANTS, *_sharing_rule(_always_share), "X's column codes are shared only from SHARE_MIN_ROWS rows"),
 )
 
 
