@@ -79,28 +79,20 @@ def _jit_function(kernel: Any) -> Any:
     return kernel.fn if hasattr(kernel, "configs") else kernel
 
 
-def _constexprs(kernel: Any) -> set[str]:
-    """The kernel's constexpr parameters; every name if that cannot be told."""
+def _runtime_args(kernel: Any) -> set[str]:
+    """The kernel's parameters that are not constexprs (none known if that cannot be told: all keyed by value)."""
     fn = _jit_function(kernel)
     params, names = getattr(fn, "params", None), getattr(fn, "arg_names", None)
     if params is None or names is None:
-        return _ALL
-    return {name for name, p in zip(names, params) if getattr(p, "is_constexpr", True)}
-
-
-class _All:
-    def __contains__(self, item) -> bool:
-        return True
-
-
-_ALL = _All()
+        return set()
+    return {name for name, p in zip(names, params) if not getattr(p, "is_constexpr", True)}
 
 
 def _key(kernel: Any, kwargs: dict, rest: tuple) -> Any:
     items = []
-    constexprs = _constexprs(kernel)
+    runtime = _runtime_args(kernel)
     for name, value in kwargs.items():
-        k = _arg_key(value, name in constexprs)
+        k = _arg_key(value, constexpr=name not in runtime)
         if k is _UNCACHEABLE:
             return _UNCACHEABLE
         items.append((name, k))
