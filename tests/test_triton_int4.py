@@ -264,15 +264,16 @@ def test_repack_from_torchao_cuda(gs, decode):
 
 @pytest.mark.cuda
 def test_repacked_weight_is_tinygemm_weight_cuda():
-    """The repacked layer's bf16 weight is tinygemm's: its product with the identity (every column of Wᵀ) equal."""
-    from hf_lowbit.kernels.int4 import repack_tinygemm_weight
+    """The bf16 weight our kernels form from an export's tile layout is tinygemm's: its product with the identity
+    (every column of Wᵀ) equal."""
+    from hf_lowbit.kernels.int4 import int4_tile_dequantize
 
     model = _tinygemm_model(128, K=2048)
     weight = model[1].weight  # 520 x 1024: N padded to 528 in torchao's layout
-    packed, scales, zeros, gs = repack_tinygemm_weight(weight)
+    gs = int(weight.block_size[-1])
     eye = torch.eye(1024, device="cuda", dtype=torch.bfloat16)
     tiny = torch.ops.aten._weight_int4pack_mm(eye, weight.qdata, gs, weight.scale_and_zero)[:, :520]
-    ours = int4_dequantize(packed, scales, zeros, gs).T
+    ours = int4_tile_dequantize(weight.qdata, weight.scale_and_zero, gs, (520, 1024)).T
     # equal, unless tinygemm's bf16 FMA (one rounding) and our float32 sum then bf16 (two) differ somewhere: then
     # by one bf16 step, rarely (a float32 sum landing exactly on a bf16 tie); the count says how often
     diff = ours != tiny

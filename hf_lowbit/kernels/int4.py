@@ -12,10 +12,10 @@ The layout (``packed``, ``scales``, ``zeros``):
   ``x @ W.T`` bf16 with float32 accumulation. On CUDA, M ≤ :data:`DECODE_MAX_M`: the split-K decode kernel;
   larger M: the dequantize kernel, then ``F.linear`` (cuBLAS). Every other device: :func:`int4_linear_reference`
   (plain torch: the same bf16 weight, float32 matmul), what the kernels are tested against.
-* Repacking an export's ``Int4TilePackedTo4dTensor`` (torchao's tile-packed int32 layout for
-  ``aten._weight_int4pack_mm``, which has no unpack op) exactly: :func:`unpack_tinygemm_codes` (CUDA: tinygemm
-  itself multiplies the identity by the weight with every scale 1 and zero 8, which gives the codes) and
-  :func:`from_tinygemm` (the layout change, plain torch); :func:`repack_tinygemm_weight` is both.
+* An export's ``Int4TilePackedTo4dTensor`` (torchao's tile-packed int32 layout for ``aten._weight_int4pack_mm``,
+  which has no unpack op) read in plain torch on any device: :func:`unpack_tinygemm_tiles` /
+  :func:`pack_tinygemm_tiles`, :func:`from_tinygemm` (to the layout above); :func:`int4_tile_linear` serves it as
+  stored.
 
 Imports torch; Triton on CUDA only (:mod:`.triton_int4`).
 """
@@ -123,44 +123,10 @@ def from_tinygemm(codes: Tensor, scale_and_zero: Tensor, shape: tuple[int, int],
     return pack_int4(codes[:N, :K]), scales, zeros
 
 
-def unpack_tinygemm_codes(qdata: Tensor, scale_and_zero: Tensor, group_size: int, chunk: int = 4096) -> Tensor:
-    """The codes ``[N_pad, K_pad]`` (uint8, 0..15) of tinygemm's tile-packed int32 ``qdata`` (CUDA only).
-
-    torch has no unpack op for ``_convert_weight_to_int4pack``'s layout, so tinygemm itself unpacks it: with every
-    scale 1 and every zero 8 its weight is ``(q - 8)·1 + 8 = q`` (its bf16 FMA on integers ≤ 15: exact), and
-    ``_weight_int4pack_mm(I, qdata, group_size, that)`` (``I`` rows of the bf16 identity) is ``I @ Wᵀ``, i.e. rows
-    of ``Wᵀ = qᵀ``; each sum has one nonzero term, so it is exact in tinygemm's float32 accumulation. Done
-    ``chunk`` rows of the identity at a time (memory: ``chunk × K_pad`` and ``chunk × N_pad`` bf16)."""
-    G, N_pad, _ = scale_and_zero.shape
-    K_pad = G * group_size
-    ones = torch.empty_like(scale_and_zero)
-    ones[..., 0] = 1.0
-    ones[..., 1] = 8.0
-    out = torch.empty((N_pad, K_pad), dtype=torch.uint8, device=qdata.device)
-    for k0 in range(0, K_pad, chunk):
-        k1 = min(k0 + chunk, K_pad)
-        eye = torch.zeros((k1 - k0, K_pad), dtype=torch.bfloat16, device=qdata.device)
-        eye[:, k0:k1] = torch.eye(k1 - k0, dtype=torch.bfloat16, device=qdata.device)
-        wt = torch.ops.aten._weight_int4pack_mm(eye, qdata, group_size, ones)  # [k1 - k0, N_pad] = q[:, k0:k1].T
-        out[:, k0:k1] = wt.T.to(torch.uint8)
-    return out
-
-
-def repack_tinygemm_weight(weight) -> tuple[Tensor, Tensor, Tensor, int]:
-    """``(packed, scales, zeros, group_size)`` of a loaded ``Int4TilePackedTo4dTensor`` (on CUDA), exactly."""
-    group_size = int(weight.block_size[-1])
-    if getattr(weight, "act_pre_scale", None) is not None:
-        raise ValueError("repack_tinygemm_weight: weights with an act_pre_scale are not supported")
-    if weight.qdata.dim() != 4:
-        raise ValueError(f"repack_tinygemm_weight: qdata of {weight.qdata.dim()} dims (a 2-D weight's is 4-D)")
-    codes = unpack_tinygemm_codes(weight.qdata, weight.scale_and_zero, group_size)
-    N, K = weight.shape
-    return (*from_tinygemm(codes, weight.scale_and_zero, (N, K), group_size), group_size)
-
-
 # ---- tinygemm's tile-packed layout, read directly (one copy of the weight: issue 26's serving path) ----
 
 TILE_INNER_K = 8  # torchao's inner_k_tiles for Int4TilePackedTo4dTensor (fixed there): 16-byte words a lane
+TILE_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes tinygemm takes
 
 
 def pack_tinygemm_tiles(q: Tensor, inner_k_tiles: int = TILE_INNER_K) -> Tensor:
@@ -190,7 +156,7 @@ def pack_tinygemm_tiles(q: Tensor, inner_k_tiles: int = TILE_INNER_K) -> Tensor:
 
 def unpack_tinygemm_tiles(qdata: Tensor) -> Tensor:
     """:func:`pack_tinygemm_tiles`' inverse: the codes ``[N_pad, K_pad]`` uint8 of a tile-packed ``qdata``, in plain
-    torch (any device; what :func:`unpack_tinygemm_codes` gets from tinygemm itself on CUDA)."""
+    torch (any device)."""
     NT, KO, lanes, W2 = qdata.shape
     if lanes != 32:
         raise ValueError(f"unpack_tinygemm_tiles: qdata of shape {tuple(qdata.shape)} is not tile-packed")
@@ -219,7 +185,7 @@ def _check_tile(x: Tensor, qdata: Tensor, scale_and_zero: Tensor, group_size: in
                            f"k tiles 8), got {qdata.dtype} {tuple(qdata.shape)}")
     N_pad, K_pad = qdata.shape[0] * 8, qdata.shape[1] * 16 * TILE_INNER_K
     K = x.shape[-1]
-    if group_size not in (32, 64, 128, 256) or K % group_size or K > K_pad or not 0 < out_features <= N_pad:
+    if group_size not in TILE_GROUP_SIZES or K % group_size or K > K_pad or not 0 < out_features <= N_pad:
         raise RuntimeError(f"int4_tile_linear: group_size {group_size} (32..256), in_features {K} (a multiple of "
                            f"it, <= {K_pad}), out_features {out_features} (<= {N_pad}) do not fit qdata")
     if scale_and_zero.dtype != torch.bfloat16 or tuple(scale_and_zero.shape) != (K_pad // group_size, N_pad, 2):
@@ -263,12 +229,9 @@ def int4_tile_linear(x: Tensor, qdata: Tensor, scale_and_zero: Tensor, group_siz
                 xp = F.pad(x, (0, K_pad - K)) if K_pad != K else x.contiguous()
                 y = torch.ops.aten._weight_int4pack_mm(xp, qdata, group_size, scale_and_zero)
                 return y if y.shape[1] == N else y[:, :N].contiguous()
-            if x.stride(1) != 1:
-                x = x.contiguous()
             return int4_tile_decode_triton(x, qdata, scale_and_zero, group_size, N)
         return F.linear(x, int4_tile_dequant_triton(qdata, scale_and_zero, group_size, (N, K)))
-    w = int4_tile_dequantize(qdata, scale_and_zero, group_size, (N, K))
-    return (x.float() @ w.float().T).to(torch.bfloat16)
+    return int4_linear_reference(x, *tinygemm_operands(qdata, scale_and_zero, (N, K), group_size), group_size)
 
 
 @int4_tile_linear.register_fake

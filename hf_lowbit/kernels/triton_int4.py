@@ -41,7 +41,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # 0x4B000000 is 2**23 as float32: OR-ing a 4-bit code into its mantissa gives 2**23 + q exactly, and subtracting
 # 2**23 + 8 gives q - 8: two integer/float ops a code instead of an int->float conversion (quarter rate on GPUs)
 _MAGIC_BITS = 0x4B000000
-_MAGIC_MINUS_8 = 8388616.0  # 2**23 + 8
 
 # (BLOCK_N, BLOCK_K, num_warps) of the decode kernel for M = 1 and for M in 2..16 (BLOCK_K is capped at the group
 # size). H200 guesses, not tuned: 32 rows x 128 columns = 2 KB of codes a step, 16 B a thread with 4 warps.

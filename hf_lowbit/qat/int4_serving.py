@@ -23,7 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.int4 import DECODE_KERNELS, int4_tile_linear
+from ..kernels.int4 import (
+    DECODE_KERNELS,
+    TILE_GROUP_SIZES,
+    TILE_INNER_K,
+    int4_tile_linear,
+)
 from ..swap import SERVING_FILTER, SwapReport, swap_linears
 
 __all__ = ["Int4ServingLinear", "int4_serving_problem", "use_int4_kernels"]
@@ -84,15 +89,15 @@ def int4_serving_problem(module: nn.Module) -> str | None:
         return f"weight is {wtype}, not {TINYGEMM_WEIGHT}"
     if weight.device.type != "cuda":
         return f"weight on {weight.device}: tinygemm's tile layout serves on CUDA"
-    if weight.qdata.dim() != 4 or weight.qdata.shape[-1] != 4:
+    if weight.qdata.dim() != 4 or weight.qdata.shape[-1] != TILE_INNER_K // 2:
         return f"qdata of shape {tuple(weight.qdata.shape)}, not [N/8, K/128, 32, 4] (inner k tiles 8)"
     if getattr(weight, "act_pre_scale", None) is not None:
         return "weight has an act_pre_scale"
     gs = int(weight.block_size[-1])
     if module.in_features % gs:
         return f"in_features {module.in_features} is not a multiple of group_size {gs}"
-    if gs not in (32, 64, 128, 256):
-        return f"group_size {gs} is not 32, 64, 128 or 256 (tinygemm's)"
+    if gs not in TILE_GROUP_SIZES:
+        return f"group_size {gs} is not one of tinygemm's {TILE_GROUP_SIZES}"
     return None
 
 
