@@ -169,6 +169,17 @@ def _act_quant_kernel(x_ptr, scale_ptr, q_ptr, M, K, stride_xm, stride_xk,
 
 
 @triton.jit
+def _dot_codes(w, q, acc, SOFT: tl.constexpr):
+    """``acc + w @ q.T`` for e4m3 weight ``w`` [BLOCK_N, BLOCK_K] and activation codes ``q`` [BLOCK_M, BLOCK_K]:
+    fp16 tensor cores (every e4m3 value is exact in fp16) accumulating in float32; under ``SOFT`` (the interpreter)
+    float32 operands, IEEE products (exact) and sums."""
+    if SOFT:
+        return tl.dot(w.to(tl.float32), tl.trans(q.to(tl.float32)), acc, input_precision="ieee", out_dtype=tl.float32)
+    else:  # not after the if: compiled Triton then sees both returns
+        return tl.dot(w.to(tl.float16), tl.trans(q.to(tl.float16)), acc, out_dtype=tl.float32)
+
+
+@triton.jit
 def _store_tile(acc, sx, sw, offs_m, offs_n, mask_m, mask_n, bias_ptr, out_ptr, ws_ptr, pid_k, M, N, stride_om,
                 stride_on, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SOFT: tl.constexpr):
     """The GEMVs' epilogue for a ``[BLOCK_N, BLOCK_M]`` float32 sum ``acc``: ``(sum * s_x) * s_w`` as the reference,
@@ -216,11 +227,7 @@ def _fp8_gemv_kernel(
         w = tl.load(w_ptrs, mask=mask_n[:, None] & kmask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=mask_m[:, None] & kmask[None, :], other=0.0)
         q = _encode(x.to(tl.float32), sx, SOFT)
-        if SOFT:  # the interpreter: float32 operands, IEEE products (exact) and sums
-            acc = tl.dot(w.to(tl.float32), tl.trans(q.to(tl.float32)), acc, input_precision="ieee",
-                         out_dtype=tl.float32)
-        else:  # e4m3 values are exact in fp16; fp16 tensor cores accumulate in float32
-            acc = tl.dot(w.to(tl.float16), tl.trans(q.to(tl.float16)), acc, out_dtype=tl.float32)
+        acc = _dot_codes(w, q, acc, SOFT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
 
@@ -271,25 +278,18 @@ def _fp8_gemv_codes_kernel(
     # the weight is [N, K] with K contiguous (the layout of torchao's qdata): each row streams BLOCK_K bytes a step
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
     sw = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
+    offs_m = tl.arange(0, BLOCK_M)  # BLOCK_M = 1 without the dot
+    mask_m = offs_m < M
     if USE_DOT:
-        offs_m = tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
         q_ptrs = q_ptr + offs_m[:, None] * K + (k_start + offs_k)[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
             kmask = (k0 + offs_k) < k_end
             w = tl.load(w_ptrs, mask=mask_n[:, None] & kmask[None, :], other=0.0)
             q = tl.load(q_ptrs, mask=mask_m[:, None] & kmask[None, :], other=0.0)
-            if SOFT:  # the interpreter: float32 operands, IEEE products (exact) and sums
-                acc = tl.dot(w.to(tl.float32), tl.trans(q.to(tl.float32)), acc, input_precision="ieee",
-                             out_dtype=tl.float32)
-            else:
-                acc = tl.dot(w.to(tl.float16), tl.trans(q.to(tl.float16)), acc, out_dtype=tl.float32)
+            acc = _dot_codes(w, q, acc, SOFT)
             w_ptrs += BLOCK_K
             q_ptrs += BLOCK_K
-        sx = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=1.0)
-        _store_tile(acc, sx, sw, offs_m, offs_n, mask_m, mask_n, bias_ptr, out_ptr, ws_ptr, pid_k, M, N, stride_om,
-                    stride_on, HAS_BIAS, SPLIT_K, SOFT)
     else:  # M = 1
         q_ptrs = q_ptr + k_start + offs_k
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -300,14 +300,10 @@ def _fp8_gemv_codes_kernel(
             acc2 += w.to(tl.float32) * q.to(tl.float32)[None, :]  # exact products (an FMA changes nothing)
             w_ptrs += BLOCK_K
             q_ptrs += BLOCK_K
-        sx = tl.load(x_scale_ptr)
-        out1 = tl.sum(acc2, axis=1) * sx * sw  # [BLOCK_N]
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                out1 += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            tl.store(out_ptr + offs_n * stride_on, _to_out(out1, out_ptr, SOFT), mask=mask_n)
-        else:
-            tl.store(ws_ptr + pid_k * N + offs_n, out1, mask=mask_n)
+        acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
+    sx = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=1.0)
+    _store_tile(acc, sx, sw, offs_m, offs_n, mask_m, mask_n, bias_ptr, out_ptr, ws_ptr, pid_k, M, N, stride_om,
+                stride_on, HAS_BIAS, SPLIT_K, SOFT)
 
 
 @triton.jit
