@@ -74,6 +74,7 @@ def use_kernels(kind: str, share_min_rows: int) -> None:
         import triton
         from triton.backends.compiler import GPUTarget
 
+        from hf_lowbit.kernels.quantize_t import _activation_variant as activation_variant
         from hf_lowbit.kernels.triton_int8 import int8_scaled_mm_triton
         from hf_lowbit.kernels.triton_quant import quantize_t_triton
 
@@ -89,8 +90,9 @@ def use_kernels(kind: str, share_min_rows: int) -> None:
         @torch.library.triton_op("probe::quantize_t", mutates_args=())
         def quantize_t(x: torch.Tensor, fmt: str, stochastic: bool = False,
                        row_mul: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-            f = F.FORMATS[fmt]
-            return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic, row_mul=row_mul)
+            f = F.FORMATS[fmt]  # the variant hf_lowbit::quantize_t would take (its ACTIVATION_VARIANT)
+            return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic, row_mul=row_mul,
+                                     variant=activation_variant(stochastic))
 
         @torch.library.triton_op("probe::int8_scaled_mm", mutates_args=())
         def scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,

@@ -16,6 +16,7 @@ adds only what it varies (benchmarks/README.md lists them).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import platform
@@ -113,12 +114,17 @@ RECOMPUTE_VARIANTS = {f"{base}_recompute": base for base in ("bf16", "int8", "fp
 # the default in the same run
 UNSHARED_VARIANTS = {f"{fmt}_unshared": fmt for fmt in ("int8", "fp8")}
 SHARED_VARIANTS = {f"{fmt}_shared": fmt for fmt in ("int8", "fp8")}
-PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS, **SHARED_VARIANTS}  # a base recipe + a process setting
+# INT8 / FP8 with activations and output gradients quantized per column by another of quantize_t_triton's
+# two-pass variants (hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT set for the process; same bits): the atomic
+# column absmax, and that with one correctly rounded reciprocal a column instead of a division an element
+ATOMIC_VARIANTS = {f"{fmt}_{variant}": fmt for fmt in ("int8", "fp8") for variant in ("atomic", "atomic_rcp")}
+PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS, **SHARED_VARIANTS,
+                    **ATOMIC_VARIANTS}  # a base recipe + a process setting
 OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt", "int8_recompute",
-        "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS)  # full fine-tunes, LowBitTrainer
+        "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *ATOMIC_VARIANTS)  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS)
                 + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS)
-                + tuple(SHARED_VARIANTS))  # compared with bf16
+                + tuple(SHARED_VARIANTS) + tuple(ATOMIC_VARIANTS))  # compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
 # INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
@@ -267,12 +273,29 @@ def _always_share(x) -> bool:
     return x.device.type == "cuda"
 
 
+def _quant_variant(recipe: str):
+    """(set it, whether it is set) for an ATOMIC_VARIANTS recipe: ``quantize_t.ACTIVATION_VARIANT`` = the recipe's
+    suffix (``atomic`` or ``atomic_rcp``)."""
+    variant = recipe.split("_", 1)[1]
+    module = "hf_lowbit.kernels.quantize_t"  # imported by name: the package's attribute quantize_t is the op
+
+    def apply() -> None:
+        importlib.import_module(module).ACTIVATION_VARIANT = variant
+
+    def is_set() -> bool:
+        return importlib.import_module(module).ACTIVATION_VARIANT == variant
+
+    return apply, is_set
+
+
 # PROCESS_VARIANTS' settings, by family: (set it, whether it is set, what "not active" means)
 _PROCESS_SETTINGS = (
     (RECOMPUTE_VARIANTS, _lift_recompute_ban, _recompute_ban_lifted,
      "the partitioner still bans recomputing materialized activations"),
     (UNSHARED_VARIANTS, *_sharing_rule(_never_share), "X's column codes are still shared"),
     (SHARED_VARIANTS, *_sharing_rule(_always_share), "X's column codes are shared only from SHARE_MIN_ROWS rows"),
+    *(({recipe: base}, *_quant_variant(recipe), "activations are quantized by another quantize_t variant")
+      for recipe, base in ATOMIC_VARIANTS.items()),
 )
 
 
@@ -282,7 +305,8 @@ def apply_process_setting(recipe: str) -> bool:
     activations that the backward materializes (``torch._functorch.config.ban_recompute_materialized_backward =
     False``); UNSHARED_VARIANTS: every linear quantizes its X per column itself (``hf_lowbit.kernels.shares_codes``
     always False: no ``hf_lowbit::quantize_t_shared``); SHARED_VARIANTS: siblings share X's column codes on CUDA at
-    any number of rows (``shares_codes`` true on CUDA, not only from ``SHARE_MIN_ROWS`` rows)."""
+    any number of rows (``shares_codes`` true on CUDA, not only from ``SHARE_MIN_ROWS`` rows); ATOMIC_VARIANTS:
+    ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT`` set to the recipe's suffix."""
     for family, apply, _, _ in _PROCESS_SETTINGS:
         if recipe in family:
             apply()

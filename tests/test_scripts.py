@@ -333,6 +333,39 @@ def test_benchmark_shared_recipes(monkeypatch):
         assert bench.mixed_precision_args(recipe) == bench.mixed_precision_args(base)
 
 
+def test_benchmark_atomic_recipes(monkeypatch):
+    """int8_atomic / int8_atomic_rcp / fp8_* (issue 25): their base recipe's swap and arguments, with activations
+    quantized by another quantize_t_triton variant (ACTIVATION_VARIANT set for the process; refused as not active
+    without it; atomic_rcp's stochastic rounding falls back to atomic); the regimes blocks that compare them."""
+    import importlib
+
+    from conftest import tiny_model
+
+    from benchmarks import driver as bench
+    from benchmarks.benchmark_regimes import BLOCKS
+
+    Q = importlib.import_module("hf_lowbit.kernels.quantize_t")  # the package's attribute quantize_t is the op
+    monkeypatch.setattr(Q, "ACTIVATION_VARIANT", Q.ACTIVATION_VARIANT)  # restored after the test
+    assert Q.ACTIVATION_VARIANT == "two_kernel"
+    model = tiny_model().bfloat16()
+    bench.apply_recipe(model, "int8_atomic_rcp", min_features=16)
+    with pytest.raises(RuntimeError, match="another quantize_t variant"):
+        bench.check_recipe_active(model, "int8_atomic_rcp", "cpu")
+    assert bench.apply_process_setting("int8_atomic_rcp") and Q.ACTIVATION_VARIANT == "atomic_rcp"
+    bench.check_recipe_active(model, "int8_atomic_rcp", "cpu")
+    assert Q._activation_variant(False) == "atomic_rcp" and Q._activation_variant(True) == "atomic"
+    with pytest.raises(RuntimeError, match="another quantize_t variant"):  # the other variant's setting is not it
+        bench.check_recipe_active(model, "fp8_atomic", "cpu")
+    for fmt in ("int8", "fp8"):
+        for variant in ("atomic", "atomic_rcp"):
+            recipe = f"{fmt}_{variant}"
+            assert recipe in bench.FULL_RECIPES and recipe in bench.OURS
+            assert bench.mixed_precision_args(recipe) == bench.mixed_precision_args(fmt)
+    atomic = "bf16,int8,int8_atomic,int8_atomic_rcp,fp8,fp8_atomic_rcp"
+    assert BLOCKS["layers_b8_atomic"][:5] == ("layers", 8, 1, "default", atomic)
+    assert BLOCKS["layers_b1_atomic"][:5] == ("layers", 1, 1, "default", atomic)
+
+
 def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path):
     """benchmarks/activation_memory_probe.py --mode partition (a tiny layer): compiled, lowbit_save_x_codes keeps the same
     tensors as INT8 without it (the partitioner places X's codes), down_proj's input among them as codes; with the

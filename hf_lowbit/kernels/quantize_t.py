@@ -14,6 +14,17 @@ from torch import Tensor
 
 from .formats import FORMATS
 
+# Which of :func:`hf_lowbit.kernels.triton_quant.quantize_t_triton`'s two-pass variants quantizes activations and
+# output gradients on CUDA (all give the same bits; ``VARIANTS`` there lists them). "two_kernel" until a variant is
+# measured faster over whole training steps (issue 25: ``atomic`` / ``atomic_rcp`` issue fewer instructions an
+# element; benchmarks/driver.py's ``*_atomic`` / ``*_atomic_rcp`` recipes set this for a process to compare them).
+# ``atomic_rcp`` rounds to nearest only: stochastic rounding then takes ``atomic``.
+ACTIVATION_VARIANT = "two_kernel"
+
+
+def _activation_variant(stochastic: bool) -> str:
+    return "atomic" if stochastic and ACTIVATION_VARIANT == "atomic_rcp" else ACTIVATION_VARIANT
+
 
 def _check(x: Tensor, fmt: str) -> None:
     if fmt not in FORMATS:
@@ -39,7 +50,8 @@ def quantize_t(x: Tensor, fmt: str, stochastic: bool = False, row_mul: Tensor | 
     if x.device.type == "cuda":
         from .triton_quant import quantize_t_triton
 
-        return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic, row_mul=row_mul)
+        return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic, row_mul=row_mul,
+                                 variant=_activation_variant(stochastic))
     if row_mul is not None:
         x = x.float() * row_mul.reshape(-1, 1)
     q, scale = f.quantize(x, dim=0, stochastic=True) if stochastic else f.quantize(x, dim=0)
@@ -62,7 +74,7 @@ def quantize_t_shared(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
 
         f = FORMATS[fmt]
         with set_wrap_triton_enabled(False):
-            return quantize_t_triton(x, f.dtype, f.qmax)
+            return quantize_t_triton(x, f.dtype, f.qmax, variant=_activation_variant(False))
     return quantize_t(x, fmt)
 
 
