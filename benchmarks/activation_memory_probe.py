@@ -92,7 +92,7 @@ def use_kernels(kind: str, share_min_rows: int) -> None:
                        row_mul: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
             f = F.FORMATS[fmt]  # the variant hf_lowbit::quantize_t would take (its ACTIVATION_VARIANT)
             return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic, row_mul=row_mul,
-                                     variant=activation_variant(stochastic))
+                                     variant=activation_variant(fmt, stochastic))
 
         @torch.library.triton_op("probe::int8_scaled_mm", mutates_args=())
         def scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
@@ -162,9 +162,13 @@ class _Partitioned(Exception):
     pass
 
 
+QUANTIZE_PASS_KERNELS = ("_quantize_t_kernel", "_quantize_t_amax_kernel")  # quantize_t's encoding pass, per variant
+
+
 def quantize_calls(graph) -> dict:
     """How many column quantizations a graph makes: opaque ``quantize_t*`` ops by name, traced Triton launches by
-    kernel (``_quantize_t_kernel``: one per ``quantize_t`` call)."""
+    kernel (the encoding pass, one per ``quantize_t`` call: ``_quantize_t_kernel`` or, for the atomic variants,
+    ``_quantize_t_amax_kernel``)."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
     counts = {}
@@ -175,7 +179,7 @@ def quantize_calls(graph) -> dict:
         if "triton_kernel_wrapper" in name:
             kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
             name = getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
-            if name != "_quantize_t_kernel":
+            if name not in QUANTIZE_PASS_KERNELS:
                 continue
         elif "quantize_t" not in name:
             continue

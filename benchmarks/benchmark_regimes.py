@@ -33,10 +33,12 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   ``layers_b1_shared``, ``trainer_b1_ga8_shared``: at 1x2048 (where the default does not share) int8 and fp8 beside
   ``int8_shared`` / ``fp8_shared`` (sharing forced): the host cost of the shared op's calls, without and with the
   Trainer's CUDA graphs.
-* ``layers_b8_atomic``, ``layers_b1_atomic`` (issue 25): int8 and fp8 beside ``int8_atomic``, ``int8_atomic_rcp``,
-  ``fp8_atomic_rcp`` (activations and output gradients quantized per column by ``quantize_t_triton``'s ``atomic`` /
-  ``atomic_rcp`` variants, ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT``; the same bits as the default's
-  two kernels): whether fewer instructions an element show over whole steps.
+* ``layers_b8_atomic``, ``layers_b1_atomic``, ``trainer_b1_ga8_atomic`` (issue 25): int8 and fp8 (their default
+  ``quantize_t`` variant for activations and output gradients, ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT``:
+  INT8 ``atomic_rcp``, FP8 ``two_kernel``) beside ``int8_two_kernel`` and ``fp8_atomic_rcp`` (the other one; the
+  same bits): speed over whole steps and, through the Trainer, FP8's loss with ``atomic_rcp``. Recorded at 5600f0c
+  the layers blocks had ``int8``, ``int8_atomic_rcp``, ``fp8``, ``fp8_atomic_rcp`` (both defaults then
+  ``two_kernel``).
 * ``layers_b8_recompute``, ``trainer_b8_recompute`` (issue 25's memory target): bf16, int8, fp8 beside ``bf16_recompute``,
   ``int8_recompute``, ``fp8_recompute`` (Inductor's partitioner free to recompute activations the backward materializes:
   ``torch._functorch.config.ban_recompute_materialized_backward = False``; bf16 with it too, so what it gives apart from
@@ -80,7 +82,8 @@ XCODES = "bf16,int8,int8_xcodes,fp8,fp8_xcodes"  # each format keeping X (today)
 RECOMPUTE = "bf16,bf16_recompute,int8,int8_recompute,fp8_recompute"  # the partitioner's bans as they are, and relaxed
 SHARED = "bf16,int8,int8_unshared,fp8,fp8_unshared"  # X's column codes shared by siblings (the default at 8x2048) and not
 SHARED_B1 = "bf16,int8,int8_shared,fp8,fp8_shared"  # at 1x2048 the default does not share: forced on beside it
-ATOMIC = "bf16,int8,int8_atomic,int8_atomic_rcp,fp8,fp8_atomic_rcp"  # quantize_t's two-pass variants, same bits
+# each format's default quantize_t variant for activations beside the other one (INT8: atomic_rcp, FP8: two_kernel)
+ATOMIC = "bf16,int8,int8_two_kernel,fp8,fp8_atomic_rcp"
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -120,6 +123,7 @@ BLOCKS = {
     # (fewer instructions an element, the same bits) against the two-kernel default, whole steps
     "layers_b8_atomic": ("layers", 8, 1, "default", ATOMIC, []),
     "layers_b1_atomic": ("layers", 1, 1, "default", ATOMIC, []),
+    "trainer_b1_ga8_atomic": ("trainer", 1, 8, "default", ATOMIC, []),  # FP8's loss beside its default's
     # + a kernel profile of two more Trainer steps (where the Trainer path trails the layers path)
     "trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "bf16,int8,fp8", ["--profile"]),
     # + bf16 through LowBitTrainer without a low-bit recipe (bf16_lbt): its loop's gain apart from the low-bit one

@@ -114,17 +114,18 @@ RECOMPUTE_VARIANTS = {f"{base}_recompute": base for base in ("bf16", "int8", "fp
 # the default in the same run
 UNSHARED_VARIANTS = {f"{fmt}_unshared": fmt for fmt in ("int8", "fp8")}
 SHARED_VARIANTS = {f"{fmt}_shared": fmt for fmt in ("int8", "fp8")}
-# INT8 / FP8 with activations and output gradients quantized per column by another of quantize_t_triton's
-# two-pass variants (hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT set for the process; same bits): the atomic
-# column absmax, and that with one correctly rounded reciprocal a column instead of a division an element
-ATOMIC_VARIANTS = {f"{fmt}_{variant}": fmt for fmt in ("int8", "fp8") for variant in ("atomic", "atomic_rcp")}
+# INT8 / FP8 with activations and output gradients quantized per column by a given one of quantize_t_triton's
+# two-pass variants (hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT[fmt] set for the process; same bits): the
+# two-kernel pair, the atomic column absmax, and that with one correctly rounded reciprocal a column instead of a
+# division an element; whichever is the format's default is also its plain recipe
+QUANT_VARIANTS = {f"{fmt}_{variant}": fmt for fmt in ("int8", "fp8") for variant in ("two_kernel", "atomic", "atomic_rcp")}
 PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS, **SHARED_VARIANTS,
-                    **ATOMIC_VARIANTS}  # a base recipe + a process setting
+                    **QUANT_VARIANTS}  # a base recipe + a process setting
 OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt", "int8_recompute",
-        "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *ATOMIC_VARIANTS)  # full fine-tunes, LowBitTrainer
+        "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *QUANT_VARIANTS)  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS)
                 + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS)
-                + tuple(SHARED_VARIANTS) + tuple(ATOMIC_VARIANTS))  # compared with bf16
+                + tuple(SHARED_VARIANTS) + tuple(QUANT_VARIANTS))  # compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
 # INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
@@ -274,16 +275,16 @@ def _always_share(x) -> bool:
 
 
 def _quant_variant(recipe: str):
-    """(set it, whether it is set) for an ATOMIC_VARIANTS recipe: ``quantize_t.ACTIVATION_VARIANT`` = the recipe's
-    suffix (``atomic`` or ``atomic_rcp``)."""
-    variant = recipe.split("_", 1)[1]
+    """(set it, whether it is set) for a QUANT_VARIANTS recipe ``{fmt}_{variant}``:
+    ``quantize_t.ACTIVATION_VARIANT[fmt] = variant``."""
+    fmt, variant = recipe.split("_", 1)
     module = "hf_lowbit.kernels.quantize_t"  # imported by name: the package's attribute quantize_t is the op
 
     def apply() -> None:
-        importlib.import_module(module).ACTIVATION_VARIANT = variant
+        importlib.import_module(module).ACTIVATION_VARIANT[fmt] = variant
 
     def is_set() -> bool:
-        return importlib.import_module(module).ACTIVATION_VARIANT == variant
+        return importlib.import_module(module).ACTIVATION_VARIANT[fmt] == variant
 
     return apply, is_set
 
@@ -295,7 +296,7 @@ _PROCESS_SETTINGS = (
     (UNSHARED_VARIANTS, *_sharing_rule(_never_share), "X's column codes are still shared"),
     (SHARED_VARIANTS, *_sharing_rule(_always_share), "X's column codes are shared only from SHARE_MIN_ROWS rows"),
     *(({recipe: base}, *_quant_variant(recipe), "activations are quantized by another quantize_t variant")
-      for recipe, base in ATOMIC_VARIANTS.items()),
+      for recipe, base in QUANT_VARIANTS.items()),
 )
 
 
@@ -305,8 +306,8 @@ def apply_process_setting(recipe: str) -> bool:
     activations that the backward materializes (``torch._functorch.config.ban_recompute_materialized_backward =
     False``); UNSHARED_VARIANTS: every linear quantizes its X per column itself (``hf_lowbit.kernels.shares_codes``
     always False: no ``hf_lowbit::quantize_t_shared``); SHARED_VARIANTS: siblings share X's column codes on CUDA at
-    any number of rows (``shares_codes`` true on CUDA, not only from ``SHARE_MIN_ROWS`` rows); ATOMIC_VARIANTS:
-    ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT`` set to the recipe's suffix."""
+    any number of rows (``shares_codes`` true on CUDA, not only from ``SHARE_MIN_ROWS`` rows); QUANT_VARIANTS
+    (``{fmt}_{variant}``): ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT[fmt] = variant``."""
     for family, apply, _, _ in _PROCESS_SETTINGS:
         if recipe in family:
             apply()
@@ -595,7 +596,8 @@ def graph_ms(fn: Callable[[], object], reps: int = 10, inner: int = 10) -> float
 # Inductor's generated kernels all start with "triton_", cuBLAS FP8 GEMMs carry "qq" in nvjet names).
 _CATEGORIES = (
     ("int8 matmul (ours, Triton)", ("_int8_scaled_mm_kernel",)),
-    ("quantize_t (ours, Triton)", ("_col_amax_kernel", "_quantize_t_kernel", "_quantize_t_fused_kernel",
+    ("quantize_t (ours, Triton)", ("_col_amax_kernel", "_quantize_t_kernel", "_col_amax_atomic_kernel",
+                                   "_quantize_t_amax_kernel", "_quantize_t_fused_kernel",
                                    "_quantize_rows_kernel")),
     ("nf4 -> int8 (ours, Triton)", ("_nf4_to_int8_kernel",)),
     ("nf4 dequantize (bitsandbytes)", ("kdequantize",)),

@@ -333,10 +333,11 @@ def test_benchmark_shared_recipes(monkeypatch):
         assert bench.mixed_precision_args(recipe) == bench.mixed_precision_args(base)
 
 
-def test_benchmark_atomic_recipes(monkeypatch):
-    """int8_atomic / int8_atomic_rcp / fp8_* (issue 25): their base recipe's swap and arguments, with activations
-    quantized by another quantize_t_triton variant (ACTIVATION_VARIANT set for the process; refused as not active
-    without it; atomic_rcp's stochastic rounding falls back to atomic); the regimes blocks that compare them."""
+def test_benchmark_quant_variant_recipes(monkeypatch):
+    """int8_two_kernel / int8_atomic / int8_atomic_rcp / fp8_* (issue 25): their base recipe's swap and arguments,
+    with activations quantized by the named quantize_t_triton variant (ACTIVATION_VARIANT[fmt] set for the process;
+    refused as not active without it; atomic_rcp's stochastic rounding falls back to atomic); the regimes blocks that
+    compare each format's default with the other variant."""
     import importlib
 
     from conftest import tiny_model
@@ -345,25 +346,28 @@ def test_benchmark_atomic_recipes(monkeypatch):
     from benchmarks.benchmark_regimes import BLOCKS
 
     Q = importlib.import_module("hf_lowbit.kernels.quantize_t")  # the package's attribute quantize_t is the op
-    monkeypatch.setattr(Q, "ACTIVATION_VARIANT", Q.ACTIVATION_VARIANT)  # restored after the test
-    assert Q.ACTIVATION_VARIANT == "two_kernel"
+    monkeypatch.setattr(Q, "ACTIVATION_VARIANT", dict(Q.ACTIVATION_VARIANT))  # restored after the test
+    assert Q.ACTIVATION_VARIANT == {"int8": "atomic_rcp", "fp8": "two_kernel"}
+    assert Q._activation_variant("int8", False) == "atomic_rcp" and Q._activation_variant("int8", True) == "atomic"
     model = tiny_model().bfloat16()
-    bench.apply_recipe(model, "int8_atomic_rcp", min_features=16)
+    bench.apply_recipe(model, "int8_two_kernel", min_features=16)
     with pytest.raises(RuntimeError, match="another quantize_t variant"):
-        bench.check_recipe_active(model, "int8_atomic_rcp", "cpu")
-    assert bench.apply_process_setting("int8_atomic_rcp") and Q.ACTIVATION_VARIANT == "atomic_rcp"
-    bench.check_recipe_active(model, "int8_atomic_rcp", "cpu")
-    assert Q._activation_variant(False) == "atomic_rcp" and Q._activation_variant(True) == "atomic"
-    with pytest.raises(RuntimeError, match="another quantize_t variant"):  # the other variant's setting is not it
-        bench.check_recipe_active(model, "fp8_atomic", "cpu")
+        bench.check_recipe_active(model, "int8_two_kernel", "cpu")
+    assert bench.apply_process_setting("int8_two_kernel") and Q.ACTIVATION_VARIANT["int8"] == "two_kernel"
+    bench.check_recipe_active(model, "int8_two_kernel", "cpu")
+    assert Q.ACTIVATION_VARIANT["fp8"] == "two_kernel"  # the other format's untouched
+    with pytest.raises(RuntimeError, match="another quantize_t variant"):
+        bench.check_recipe_active(model, "fp8_atomic_rcp", "cpu")
+    assert bench.apply_process_setting("fp8_atomic_rcp") and Q._activation_variant("fp8", False) == "atomic_rcp"
     for fmt in ("int8", "fp8"):
-        for variant in ("atomic", "atomic_rcp"):
+        for variant in ("two_kernel", "atomic", "atomic_rcp"):
             recipe = f"{fmt}_{variant}"
             assert recipe in bench.FULL_RECIPES and recipe in bench.OURS
             assert bench.mixed_precision_args(recipe) == bench.mixed_precision_args(fmt)
-    atomic = "bf16,int8,int8_atomic,int8_atomic_rcp,fp8,fp8_atomic_rcp"
-    assert BLOCKS["layers_b8_atomic"][:5] == ("layers", 8, 1, "default", atomic)
-    assert BLOCKS["layers_b1_atomic"][:5] == ("layers", 1, 1, "default", atomic)
+    atomic = "bf16,int8,int8_two_kernel,fp8,fp8_atomic_rcp"
+    assert {name: BLOCKS[name][:5] for name in ("layers_b8_atomic", "layers_b1_atomic", "trainer_b1_ga8_atomic")} == {
+        "layers_b8_atomic": ("layers", 8, 1, "default", atomic), "layers_b1_atomic": ("layers", 1, 1, "default", atomic),
+        "trainer_b1_ga8_atomic": ("trainer", 1, 8, "default", atomic)}
 
 
 def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path):
@@ -373,6 +377,8 @@ def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path
     sibling linears (q/k/v, gate/up) quantize their shared input once (hf_lowbit::quantize_t_shared, merged by CSE)
     when there are --share_min_rows rows (here exactly: 2 x 32)."""
     import importlib.util
+
+    from benchmarks import activation_memory_probe as probe
 
     kernels = "cuda" if importlib.util.find_spec("triton") else "opaque"
     out = tmp_path / "probe.json"
@@ -391,7 +397,7 @@ def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path
         for r in rows:
             calls = r["quantize_calls"]
             shared = sum(c.get("hf_lowbit.quantize_t_shared.default", 0) for c in calls.values())
-            per_call = sum(c.get("_quantize_t_kernel", 0) for c in calls.values())
+            per_call = sum(c.get(k, 0) for c in calls.values() for k in probe.QUANTIZE_PASS_KERNELS)
             assert (shared, per_call) == (4, 7), calls  # 7: each linear's own dY
 
 

@@ -161,7 +161,7 @@ def test_compiled_stochastic_rounding_cuda():
 
     sr, rn = make(True), make(False)
     _, code = run_and_get_code(lambda: step(sr, 1))
-    assert any("_quantize_t_kernel" in c for c in code)
+    assert any("_quantize_t_kernel" in c or "_quantize_t_amax_kernel" in c for c in code)  # per ACTIVATION_VARIANT
     step(rn, 1)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     a, b, c = step(sr, 1), step(sr, 1), step(sr, 2)

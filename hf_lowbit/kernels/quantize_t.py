@@ -15,15 +15,22 @@ from torch import Tensor
 from .formats import FORMATS
 
 # Which of :func:`hf_lowbit.kernels.triton_quant.quantize_t_triton`'s two-pass variants quantizes activations and
-# output gradients on CUDA (all give the same bits; ``VARIANTS`` there lists them). "two_kernel" until a variant is
-# measured faster over whole training steps (issue 25: ``atomic`` / ``atomic_rcp`` issue fewer instructions an
-# element; benchmarks/driver.py's ``*_atomic`` / ``*_atomic_rcp`` recipes set this for a process to compare them).
-# ``atomic_rcp`` rounds to nearest only: stochastic rounding then takes ``atomic``.
-ACTIVATION_VARIANT = "two_kernel"
+# output gradients per column on CUDA, per format (all give the same bits; ``VARIANTS`` there lists them). Measured
+# on the H200 at 5600f0c (docs/results/regimes_h200.json, blocks layers_b8_atomic, layers_b1_atomic, trainer_b1_ga8;
+# quant_sweep_h200_t2048.json): ``atomic_rcp`` (absmax by atomic max on |x|'s bits, one correctly rounded reciprocal
+# a column instead of a division an element) is 1.21x the two-kernel pair over a Llama-8B layer's INT8 activation
+# quantizations and 1.28x over FP8's, and whole INT8 steps went 1.28x -> 1.30x bf16 (8x2048 layers), 1.03x -> 1.04x
+# (1x2048 layers), 1.15x -> 1.18x (Trainer, 1x2048, accumulation 8) with the same losses. FP8 stays on the two
+# kernels until a Trainer run shows its loss beside them: fp8 with atomic_rcp ended that Trainer run at 10.33 against
+# int8's 8.44 (the layers runs matched fp8's losses; the kernels are bit-equal on the GPU's tests). ``atomic_rcp``
+# rounds to nearest only: stochastic rounding then takes ``atomic``. benchmarks/driver.py's ``{fmt}_{variant}``
+# recipes set one for a process, to compare them in one run.
+ACTIVATION_VARIANT = {"int8": "atomic_rcp", "fp8": "two_kernel"}
 
 
-def _activation_variant(stochastic: bool) -> str:
-    return "atomic" if stochastic and ACTIVATION_VARIANT == "atomic_rcp" else ACTIVATION_VARIANT
+def _activation_variant(fmt: str, stochastic: bool) -> str:
+    variant = ACTIVATION_VARIANT[fmt]
+    return "atomic" if stochastic and variant == "atomic_rcp" else variant
 
 
 def _check(x: Tensor, fmt: str) -> None:
@@ -51,7 +58,7 @@ def quantize_t(x: Tensor, fmt: str, stochastic: bool = False, row_mul: Tensor | 
         from .triton_quant import quantize_t_triton
 
         return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic, row_mul=row_mul,
-                                 variant=_activation_variant(stochastic))
+                                 variant=_activation_variant(fmt, stochastic))
     if row_mul is not None:
         x = x.float() * row_mul.reshape(-1, 1)
     q, scale = f.quantize(x, dim=0, stochastic=True) if stochastic else f.quantize(x, dim=0)
@@ -74,7 +81,7 @@ def quantize_t_shared(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
 
         f = FORMATS[fmt]
         with set_wrap_triton_enabled(False):
-            return quantize_t_triton(x, f.dtype, f.qmax, variant=_activation_variant(False))
+            return quantize_t_triton(x, f.dtype, f.qmax, variant=_activation_variant(fmt, False))
     return quantize_t(x, fmt)
 
 

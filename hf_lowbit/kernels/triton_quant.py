@@ -65,6 +65,11 @@ gated again in the sweep), same tools, same figures:
   48 KB of x in flight a SM: the one figure that got worse). Issue time at 21.5 / 28.4 an element: ~0.043 / ~0.057
   ms, under or near the 0.048 ms of memory.
 
+Measured on the H200 (5600f0c, docs/results/quant_sweep_h200_t2048.md): over a Llama-8B layer's activation
+quantizations at 2048 tokens ``atomic_rcp`` is 1.21x the two kernels for int8, 1.28x for fp8 (``atomic`` 1.16x /
+1.18x). Which variant ``hf_lowbit::quantize_t`` launches is ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT``
+(int8: ``atomic_rcp``; fp8: still ``two_kernel``, that module says why).
+
 :func:`quantize_dual_triton` (the op ``hf_lowbit::quantize_dual``) quantizes an output gradient both ways at once, per
 row times the weight's scales (dX) and per column transposed (dW), from two reads instead of three (issue 25).
 """
@@ -396,13 +401,13 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     float32) without writing that product anywhere.
 
     Which kernels, all giving the same bits (the stochastic ones too, for the same seed): ``variant`` one of
-    ``VARIANTS``: ``"two_kernel"`` (the default: partial absmax, then quantize; ``amax_tiles`` and ``quant_tiles``
+    ``VARIANTS``: ``"two_kernel"`` (this function's default: partial absmax, then quantize; ``amax_tiles`` and ``quant_tiles``
     override their ``(BLOCK_M, BLOCK_N, num_warps)``, ``chunk_m`` the rows per partial), ``"fused"`` (one kernel,
     column strips; meant for a row-major ``x``) or ``"rows"`` (one kernel, rows of ``x.T``; meant for ``x = w.T``
     with ``w`` row-major, the weight refresh), ``"atomic"`` (two passes as ``"two_kernel"``, the absmax merged by an
     atomic max instead of a partials buffer) or ``"atomic_rcp"`` (that, with one IEEE division per column instead of
     per element; nearest rounding only: ``stochastic`` raises), both taking ``amax_tiles``, ``quant_tiles`` and
-    ``chunk_m``, candidates for the sweep (the module docstring says why); ``tiles`` overrides the single kernel's ``(BLOCK_M, BLOCK_N,
+    ``chunk_m`` (``hf_lowbit::quantize_t`` picks one per format: ``quantize_t.ACTIVATION_VARIANT``); ``tiles`` overrides the single kernel's ``(BLOCK_M, BLOCK_N,
     num_warps)`` (``"rows"``: ``(BLOCK_R, BLOCK_K, num_warps)``, ``R`` along ``N``, ``K`` along ``M``). Block sizes
     and warps are powers of two; on the CPU (Triton's interpreter) the defaults are 16x16 tiles."""
     if stochastic and qdtype != torch.int8:  # checked before anything is launched
