@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import analysis_cache
 from .formats import FORMATS, Format, get_format
-from .quantize_dual import quantize_dual, quantize_dual_reference
+from .quantize_dual import quantize_dual
 from .quantize_t import quantize_t, quantize_t_shared, shares_codes
 
 analysis_cache.install()  # one TTIR analysis per distinct Triton launch when torch.compile traces ours
@@ -112,10 +112,7 @@ def scaled_matmul_grads(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor, x: T
     per column (``quantize_operand(fmt, x, 0)``: ``(codes [K, M], scales [K])``). The codes of ``g`` in
     both layouts are alive together (``M·N`` bytes more than the split path at the input gradient's matmul)."""
     f = FORMATS[fmt]
-    if f.tensorwise:  # the per-column kernels do not apply: the plain-torch reference, which Inductor fuses
-        qr, sr, qc, sc = quantize_dual_reference(g, fmt, w_scale.reshape(-1).float())
-    else:
-        qr, sr, qc, sc = quantize_dual(g, fmt, w_scale.reshape(-1).float())
+    qr, sr, qc, sc = quantize_dual(g, fmt, w_scale.reshape(-1).float())  # tensorwise: its plain-torch reference
     ones = torch.ones(qw_t.shape[0], dtype=torch.float32, device=qw_t.device)
     dx = f.scaled_mm(qr, qw_t, sr, ones, dx_dtype)
     qx, sx = x if isinstance(x, tuple) else quantize_operand(fmt, x, 0, shared=True)
