@@ -108,7 +108,12 @@ def test_quantize_fp8_tensorwise_extremes():
 def test_tensorwise_codes_are_one_set_in_every_layout():
     """Per row and per column the codes are the same (transposed), so none of the per-column kernels is needed:
     quantize_operand, quantize_t, quantize_dual and quantize_weight all give them."""
-    from hf_lowbit.kernels import quantize_dual, quantize_operand, quantize_t, quantize_weight
+    from hf_lowbit.kernels import (
+        quantize_dual,
+        quantize_operand,
+        quantize_t,
+        quantize_weight,
+    )
 
     x = torch.randn(40, 48, dtype=torch.bfloat16) * torch.logspace(-2, 2, 48).bfloat16()
     rq, rs = _tensorwise_reference(x)
