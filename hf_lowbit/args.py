@@ -51,9 +51,8 @@ class LowBitArgumentsMixin:
         "Like int8_mixed_precision, with float8 e4m3 operands and row-wise scales (Hopper FP8 tensor cores "
         "through torch._scaled_mm). Linears whose features are not multiples of 16 are skipped and reported.")})
     fp8_tensorwise_mixed_precision: bool = field(default=False, metadata={"help": (
-        "Like fp8_mixed_precision with ONE scale per tensor instead of per row: the weight-gradient operands need no "
-        "per-column quantization kernel and cuBLAS runs its plain FP8 GEMM; one outlier then sets the whole tensor's "
-        "scale (coarser than row-wise). Speed not yet measured here. Not with lowbit_fsdp_lowbit_all_gather.")})
+        "fp8_mixed_precision with one scale per tensor, not per row: no per-column quantization, cuBLAS's plain FP8 "
+        "GEMM; one outlier sets the whole tensor's scale (docs/usage.md).")})
     lowbit_output: bool = field(default=True, metadata={"help": (
         "Low-bit (INT8/FP8) forward matmul Y = X·Wᵀ (X per token, W per output channel). --no_lowbit_output runs it "
         "in the compute dtype.")})
