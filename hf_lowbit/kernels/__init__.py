@@ -46,13 +46,13 @@ def quantize_operand(fmt: str, x: Tensor, dim: int, stochastic: bool = False,
         raise ValueError(f"stochastic rounding is implemented for INT8, not {fmt!r}")
     if dim == 0 and FORMATS[fmt].tensorwise:  # the same codes in both layouts: a cast + transpose Inductor fuses
         q, s = FORMATS[fmt].quantize(x, dim=0)
-        return q.T.contiguous(), s.reshape(-1)
+        return q.T.contiguous(), s.reshape(-1).contiguous()
     if dim == 0:
         if shared and not stochastic and shares_codes(x):
             return quantize_t_shared(x, fmt)
         return quantize_t(x, fmt, stochastic)
     q, s = FORMATS[fmt].quantize(x, dim=1, stochastic=True) if stochastic else FORMATS[fmt].quantize(x, dim=1)
-    return q, s.reshape(-1)
+    return q, s.reshape(-1).contiguous()  # a tensorwise scale is an expanded view: callers store and write into it
 
 
 def scaled_matmul_quantized(fmt: str, x: Tensor, x_dim: int, qw: Tensor, sw: Tensor, out_dtype: torch.dtype,
