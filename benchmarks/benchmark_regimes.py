@@ -39,6 +39,10 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   same bits): speed over whole steps and, through the Trainer, FP8's loss with ``atomic_rcp``. Recorded at 5600f0c
   the layers blocks had ``int8``, ``int8_atomic_rcp``, ``fp8``, ``fp8_atomic_rcp`` (both defaults then
   ``two_kernel``).
+* ``layers_b8_tensorwise``, ``layers_b1_tensorwise``, ``trainer_b1_ga8_tensorwise`` (issue 25's directions): fp8
+  (row-wise scales) beside ``fp8_tensorwise`` (one scale per tensor, ``fp8_tensorwise_mixed_precision``: no per-column
+  quantization kernels, cuBLAS's tensorwise FP8 GEMM) and, in the layers blocks, torchao's float8 ``rowwise``
+  (``torchao_float8``) and ``tensorwise`` (``torchao_float8_tensorwise``) recipes: speed and, through the Trainer, loss.
 * ``layers_b8_recompute``, ``trainer_b8_recompute`` (issue 25's memory target): bf16, int8, fp8 beside ``bf16_recompute``,
   ``int8_recompute``, ``fp8_recompute`` (Inductor's partitioner free to recompute activations the backward materializes:
   ``torch._functorch.config.ban_recompute_materialized_backward = False``; bf16 with it too, so what it gives apart from
@@ -84,6 +88,8 @@ SHARED = "bf16,int8,int8_unshared,fp8,fp8_unshared"  # X's column codes shared b
 SHARED_B1 = "bf16,int8,int8_shared,fp8,fp8_shared"  # at 1x2048 the default does not share: forced on beside it
 # each format's default quantize_t variant for activations beside the other one (INT8: atomic_rcp, FP8: two_kernel)
 ATOMIC = "bf16,int8,int8_two_kernel,fp8,fp8_atomic_rcp"
+# FP8 with row-wise scales and with one scale per tensor, ours and torchao's
+TENSORWISE = "bf16,fp8,fp8_tensorwise,torchao_float8,torchao_float8_tensorwise"
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -124,6 +130,11 @@ BLOCKS = {
     "layers_b8_atomic": ("layers", 8, 1, "default", ATOMIC, []),
     "layers_b1_atomic": ("layers", 1, 1, "default", ATOMIC, []),
     "trainer_b1_ga8_atomic": ("trainer", 1, 8, "default", ATOMIC, []),  # FP8's loss beside its default's
+    # issue 25's directions: FP8 with one scale per tensor against row-wise, ours and torchao's; the Trainer block
+    # for its loss beside fp8's (LowBitTrainer's recipes only)
+    "layers_b8_tensorwise": ("layers", 8, 1, "default", TENSORWISE, []),
+    "layers_b1_tensorwise": ("layers", 1, 1, "default", TENSORWISE, []),
+    "trainer_b1_ga8_tensorwise": ("trainer", 1, 8, "default", "bf16,fp8,fp8_tensorwise", []),
     # + a kernel profile of two more Trainer steps (where the Trainer path trails the layers path)
     "trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "bf16,int8,fp8", ["--profile"]),
     # + bf16 through LowBitTrainer without a low-bit recipe (bf16_lbt): its loop's gain apart from the low-bit one

@@ -85,7 +85,10 @@ def llama_config(a, vocab: int | None = None):
 
 
 # ---------------------------------------------------------------------------------------------------- the recipes
-RECIPES = ("bf16", "int8", "fp8", "torchao_int8", "torchao_float8", "qat_8da4w", "torchao_qat_8da4w")
+# fp8_tensorwise: FP8 with one scale per tensor (fp8_tensorwise_mixed_precision); its peer torchao_float8_tensorwise is
+# torchao's "tensorwise" float8 recipe as torchao_float8 is its "rowwise" one
+RECIPES = ("bf16", "int8", "fp8", "fp8_tensorwise", "torchao_int8", "torchao_float8", "torchao_float8_tensorwise",
+           "qat_8da4w", "torchao_qat_8da4w")
 # INT8 with matmuls switched off and/or stochastic rounding (the rows of issue 18's seed table,
 # benchmark_seed_table.py): "fwd" = only Y = X·Wᵀ in INT8, "fwd_gi" = also dX, "_sr" = stochastic rounding
 INT8_VARIANTS = {
@@ -121,7 +124,7 @@ SHARED_VARIANTS = {f"{fmt}_shared": fmt for fmt in ("int8", "fp8")}
 QUANT_VARIANTS = {f"{fmt}_{variant}": fmt for fmt in ("int8", "fp8") for variant in ("two_kernel", "atomic", "atomic_rcp")}
 PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS, **SHARED_VARIANTS,
                     **QUANT_VARIANTS}  # a base recipe + a process setting
-OURS = ("int8", "fp8", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt", "int8_recompute",
+OURS = ("int8", "fp8", "fp8_tensorwise", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt", "int8_recompute",
         "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *QUANT_VARIANTS)  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS)
                 + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS)
@@ -349,10 +352,10 @@ def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = Fal
         # module_swap=True: with torchao 0.18 the default tensor-subclass form leaves F.linear in full
         # precision (outputs equal plain F.linear bit for bit; checked on CPU and seen on the H200)
         quantize_(model, Int8MixedPrecisionTrainingConfig(module_swap=True), filter_fn=not_head)
-    elif recipe == "torchao_float8":
+    elif recipe in TORCHAO_FLOAT8:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(TORCHAO_FLOAT8[recipe]),
                                    module_filter_fn=not_head)
     elif recipe == "torchao_qat_8da4w":
         from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
@@ -364,8 +367,13 @@ def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = Fal
         raise ValueError(f"unknown recipe {recipe!r}; choose from {RECIPES}")
 
 
+# torchao float8 recipe -> its Float8LinearConfig.from_recipe_name name
+TORCHAO_FLOAT8 = {"torchao_float8": "rowwise", "torchao_float8_tensorwise": "tensorwise"}
+
+
 def check_recipe_active(model, recipe: str, device: str) -> None:
-    """Fail loudly if ``recipe`` left the first decoder MLP projection computing plain ``F.linear``."""
+    """Fail loudly if ``recipe`` left the first decoder MLP projection computing plain ``F.linear``, or (our FP8
+    formats, torchao's float8 recipes) computing with the other scaling (row-wise for tensorwise, or the reverse)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -396,6 +404,14 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")
     if recipe in SWITCH_VARIANTS and not getattr(getattr(mod, "lowbit_config", None), SWITCH_VARIANTS[recipe][1], False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's {SWITCH_VARIANTS[recipe][1]} is off")
+    fmt = getattr(getattr(mod, "lowbit_config", None), "format", None)
+    if recipe in ("fp8", "fp8_tensorwise") and fmt != recipe:
+        raise RuntimeError(f"recipe {recipe!r} is not active: up_proj computes in {fmt!r}")
+    if recipe in TORCHAO_FLOAT8:
+        scaling = getattr(getattr(getattr(mod, "config", None), "cast_config_input", None), "scaling_granularity", None)
+        want = {"rowwise": "AXISWISE", "tensorwise": "TENSORWISE"}[TORCHAO_FLOAT8[recipe]]
+        if getattr(scaling, "name", None) != want:
+            raise RuntimeError(f"recipe {recipe!r} is not active: up_proj is {type(mod).__name__} scaling {scaling}")
     weight = getattr(mod.weight, "_data", mod.weight)
     x = torch.randn(256, mod.in_features, device=device, dtype=torch.bfloat16)
     with torch.no_grad():

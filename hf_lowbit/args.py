@@ -16,7 +16,8 @@ from transformers import TrainingArguments
 from .qat import PER_CHANNEL, QAT_SCHEMES
 
 # mixed-precision recipe field -> its number format (a record in hf_lowbit.kernels.formats), in the order applied
-MIXED_PRECISION_RECIPES = {"int8_mixed_precision": "int8", "fp8_mixed_precision": "fp8"}
+MIXED_PRECISION_RECIPES = {"int8_mixed_precision": "int8", "fp8_mixed_precision": "fp8",
+                           "fp8_tensorwise_mixed_precision": "fp8_tensorwise"}
 # how to keep Liger's other kernels but not its fused LM head + loss (hf_lowbit.integrations.liger), in errors
 FLCE_OFF = "liger_kernel_config={'fused_linear_cross_entropy': False}"
 
@@ -49,6 +50,9 @@ class LowBitArgumentsMixin:
     fp8_mixed_precision: bool = field(default=False, metadata={"help": (
         "Like int8_mixed_precision, with float8 e4m3 operands and row-wise scales (Hopper FP8 tensor cores "
         "through torch._scaled_mm). Linears whose features are not multiples of 16 are skipped and reported.")})
+    fp8_tensorwise_mixed_precision: bool = field(default=False, metadata={"help": (
+        "fp8_mixed_precision with one scale per tensor, not per row: no per-column quantization, cuBLAS's plain FP8 "
+        "GEMM; one outlier sets the whole tensor's scale (docs/usage.md).")})
     lowbit_output: bool = field(default=True, metadata={"help": (
         "Low-bit (INT8/FP8) forward matmul Y = X·Wᵀ (X per token, W per output channel). --no_lowbit_output runs it "
         "in the compute dtype.")})
@@ -130,7 +134,7 @@ class LowBitArgumentsMixin:
     def _validate_lowbit(self) -> None:
         """Check the low-bit fields on their own and against each other; each error names its field."""
         cls = type(self).__name__
-        for name in ("int8_mixed_precision", "fp8_mixed_precision", "lowbit_output", "lowbit_grad_input",
+        for name in (*MIXED_PRECISION_RECIPES, "lowbit_output", "lowbit_grad_input",
                      "lowbit_grad_weight", "lora_base_int8_cache", "lowbit_fsdp_lowbit_all_gather"):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -147,7 +151,8 @@ class LowBitArgumentsMixin:
                 raise TypeError(f"{cls}.{name} must be True, False or None (automatic), got {value!r}")
         if self.lowbit_weight_cache and not self.lowbit_recipes:
             raise ValueError(f"{cls}.lowbit_weight_cache=True caches the INT8/FP8 form of trainable "
-                             "weights: it needs int8_mixed_precision or fp8_mixed_precision")
+                             "weights: it needs int8_mixed_precision or fp8_mixed_precision "
+                             "(or fp8_tensorwise_mixed_precision)")
         # how INT8/FP8 linears quantize their backward's operands: (flag, what it does, the matmuls it needs)
         for name, what, needs in (
                 ("lowbit_dual_grad_quant", "quantizes the output gradient for both gradient matmuls at once",
@@ -158,7 +163,7 @@ class LowBitArgumentsMixin:
             flag = f"{cls}.{name}=True"
             if not self.lowbit_recipes:
                 raise ValueError(f"{flag} {what} of INT8/FP8 linears: it needs int8_mixed_precision or "
-                                 "fp8_mixed_precision")
+                                 "fp8_mixed_precision (or fp8_tensorwise_mixed_precision)")
             if self.lowbit_stochastic_rounding:
                 raise ValueError(f"{flag} with lowbit_stochastic_rounding=True: it rounds to nearest only; switch one "
                                  "off")
@@ -204,8 +209,8 @@ class LowBitArgumentsMixin:
             raise ValueError(f"{cls}.qat_scheme={self.qat_scheme!r} with "
                              f"{self.lowbit_recipes[0]}=True: a linear is either fake-quantized for QAT or "
                              "computed in low precision; switch one off")
-        if self.int8_mixed_precision and self.fp8_mixed_precision:
-            raise ValueError(f"{cls}.int8_mixed_precision and fp8_mixed_precision are both True: "
+        if len(self.lowbit_recipes) > 1:
+            raise ValueError(f"{cls}.{self.lowbit_recipes[0]} and {self.lowbit_recipes[1]} are both True: "
                              "each linear computes in one format; choose one")
         if self.lora_base_quant is not None and self.lora_base_quant not in ("nf4", "int8"):
             raise ValueError(f"{cls}.lora_base_quant must be None, 'nf4' or 'int8', "
@@ -215,8 +220,9 @@ class LowBitArgumentsMixin:
                              f"{self.lora_base_quant!r}: QAT fake-quantizes a high-precision base for a later "
                              "export, a QLoRA base is stored quantized already; use one (QAT + LoRA needs no "
                              "lora_base_quant)")
-        if self.lora_base_quant and self.fp8_mixed_precision:
-            raise ValueError(f"{cls}.lora_base_quant with fp8_mixed_precision is not supported: "
+        fp8 = next((r for r in self.lowbit_recipes if r.startswith("fp8")), None)
+        if self.lora_base_quant and fp8:
+            raise ValueError(f"{cls}.lora_base_quant with {fp8} is not supported: "
                              "a quantized base computes in INT8 (int8_mixed_precision) or in the compute dtype")
         if self.lora_base_int8_cache and not (self.lora_base_quant == "nf4" and self.int8_mixed_precision):
             raise ValueError(f"{cls}.lora_base_int8_cache=True needs lora_base_quant='nf4' and "
@@ -236,6 +242,9 @@ class LowBitArgumentsMixin:
             if self.torch_compile:
                 raise ValueError(f"{flag} with torch_compile=True: the gathered low-bit weight is not traceable by "
                                  "torch.compile yet; switch one off")
+            if self.fp8_tensorwise_mixed_precision:
+                raise ValueError(f"{flag} with fp8_tensorwise_mixed_precision=True: each rank would quantize its shard "
+                                 "with its own scale, not the whole weight's; use fp8_mixed_precision (row-wise)")
         peak = self.lowbit_peak_tflops
         if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0):
             raise ValueError(f"{cls}.lowbit_peak_tflops must be a positive number of TFLOP/s or None, got {peak!r}")

@@ -12,6 +12,16 @@ from hf_lowbit import LowBitTrainingArguments
     (dict(lowbit_exclude_modules=["lm_head", ""]), "lowbit_exclude_modules"),
     (dict(int8_mixed_precision="yes"), "int8_mixed_precision"),
     (dict(int8_mixed_precision=True, fp8_mixed_precision=True), "choose one"),
+    ({"fp8_mixed_precision": True, "fp8_tensorwise_mixed_precision": True},
+     "fp8_mixed_precision and fp8_tensorwise_mixed_precision are both True"),
+    ({"fp8_tensorwise_mixed_precision": "yes"}, "fp8_tensorwise_mixed_precision must be True or False"),
+    ({"fp8_tensorwise_mixed_precision": True, "lowbit_stochastic_rounding": True},
+     "lowbit_stochastic_rounding=True needs int8_mixed_precision"),
+    ({"fp8_tensorwise_mixed_precision": True, "lora_base_quant": "nf4"},
+     "lora_base_quant with fp8_tensorwise_mixed_precision is not supported"),
+    ({"fp8_tensorwise_mixed_precision": True, "qat_scheme": "8da4w"}, "with fp8_tensorwise_mixed_precision=True"),
+    ({"fp8_tensorwise_mixed_precision": True, "lowbit_fsdp_lowbit_all_gather": True},
+     "lowbit_fsdp_lowbit_all_gather=True with fp8_tensorwise_mixed_precision=True: each rank"),
     (dict(int8_mixed_precision=True, lowbit_output=False, lowbit_grad_input=False, lowbit_grad_weight=False),
      "quantizes nothing"),
     (dict(qat_scheme="8da4w", lora_base_quant="nf4"), "qat_scheme='8da4w' with lora_base_quant='nf4'"),
@@ -78,6 +88,23 @@ def test_backward_quantization_flags_reach_the_layers(field):
                                                            "--lowbit_min_features", "16", *argv])
         layers = [m for m in prepare_model(tiny_model(), args).modules() if isinstance(m, LowBitLinear)]
         assert layers and all(getattr(m.lowbit_config, field) is on for m in layers), argv
+
+
+def test_fp8_tensorwise_flag():
+    """--fp8_tensorwise_mixed_precision: a CLI flag with its help, the fp8_tensorwise format in every swapped layer,
+    which the backward-quantization switches (FP8's too) accept."""
+    from conftest import tiny_model
+
+    from hf_lowbit import LowBitLinear, prepare_model
+
+    parser = HfArgumentParser(LowBitTrainingArguments)
+    assert "--fp8_tensorwise_mixed_precision" in parser.format_help()
+    (args,) = parser.parse_args_into_dataclasses(args=[
+        "--output_dir", "o", "--report_to", "none", "--lowbit_min_features", "16", "--fp8_tensorwise_mixed_precision",
+        "--lowbit_dual_grad_quant", "True", "--lowbit_save_x_codes", "True", "--lowbit_weight_cache", "True"])
+    assert args.lowbit_recipes == ["fp8_tensorwise_mixed_precision"]
+    layers = [m for m in prepare_model(tiny_model(), args).modules() if isinstance(m, LowBitLinear)]
+    assert layers and all(m.lowbit_config.format == "fp8_tensorwise" and m.weight_cache for m in layers)
 
 
 def test_string_exclude_becomes_list():

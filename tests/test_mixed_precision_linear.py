@@ -19,7 +19,7 @@ def _grads(fn, x, w, b):
     return y, x.grad, w.grad, b.grad
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_matmul_snr_vs_float(device, dtype, fmt):
@@ -34,7 +34,7 @@ def test_each_matmul_snr_vs_float(device, dtype, fmt):
         assert snr_db(r, g) >= 20, f"{name}: {snr_db(r, g):.1f} dB"
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 @pytest.mark.parametrize("which", ["output", "grad_input", "grad_weight"])
 def test_switching_a_matmul_off_makes_it_exact(which, fmt):
     x, w, b = torch.randn(32, 64), torch.randn(48, 64), torch.randn(48)
@@ -57,7 +57,28 @@ def test_nan_input_reaches_output(fmt):
     assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2, 3]]).all()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_nan_anywhere_reaches_the_whole_output_tensorwise():
+    """One scale per tensor: a NaN in X makes X's scale NaN, so every output is NaN (never silently finite)."""
+    lin = LowBitLinear(32, 16, config=MixedPrecisionConfig(format="fp8_tensorwise"))
+    x = torch.randn(4, 32)
+    x[1, 3] = float("nan")
+    assert torch.isnan(lin(x)).all() and torch.isfinite(lin(x[[0, 2, 3]])).all()
+
+
+def test_tensorwise_outlier_sets_the_whole_scale():
+    """What tensorwise gives up: one large outlier in X sets the scale of all of X, flushing the other rows' small
+    codes towards zero (e4m3 keeps 2^-9 of its largest value), where row-wise scaling confines it to its own row."""
+    x, w = torch.randn(64, 128), torch.randn(96, 128) / 11
+    x[0, 0] = 1e5
+    ref = x[1:].double() @ w.double().T
+    snr = {}
+    for fmt in ("fp8", "fp8_tensorwise"):
+        lin = LowBitLinear(128, 96, bias=False, config=MixedPrecisionConfig(format=fmt))
+        snr[fmt] = snr_db(ref, torch.func.functional_call(lin, {"weight": w}, (x,))[1:])
+    assert snr["fp8"] >= 25 and snr["fp8_tensorwise"] < snr["fp8"] - 5, snr  # 28.7 vs 17.9 dB (seed 0)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 def test_all_zero_rows_give_zero_not_nan(fmt):
     lin = LowBitLinear(32, 16, bias=False, config=MixedPrecisionConfig(format=fmt))
     x = torch.zeros(4, 32, requires_grad=True)
@@ -97,7 +118,7 @@ def _swapped_tiny(recipe, **kw):
     return prepare_model(model, args)
 
 
-@pytest.mark.parametrize("recipe", ["int8_mixed_precision", "fp8_mixed_precision"])
+@pytest.mark.parametrize("recipe", ["int8_mixed_precision", "fp8_mixed_precision", "fp8_tensorwise_mixed_precision"])
 def test_compile_fullgraph_no_graph_break(recipe):
     torch._dynamo.reset()
     model = _swapped_tiny(recipe)
@@ -161,12 +182,12 @@ def _assert_dual_equals_split(fmt, monkeypatch, device="cpu", **kw):
 
 
 @pytest.mark.parametrize("cache", [False, True])
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 def test_dual_grad_quant_equals_split_path(fmt, cache, monkeypatch):
     _assert_dual_equals_split(fmt, monkeypatch, cache=cache)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 def test_dual_grad_quant_compiled_equals_split_path_no_graph_break(fmt, monkeypatch):
     from torch._dynamo.utils import counters
 
@@ -179,7 +200,7 @@ def test_dual_grad_quant_compiled_equals_split_path_no_graph_break(fmt, monkeypa
 @pytest.mark.cuda
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("cache", [False, True])
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 def test_dual_grad_quant_equals_split_path_cuda(fmt, cache, compile, monkeypatch):
     """On the GPU: quantize_dual's Triton kernels against Inductor's row quantization + quantize_t's kernels."""
     from torch._dynamo.utils import counters
@@ -233,7 +254,7 @@ def _saved_by_layer(lin, x):
 
 @pytest.mark.parametrize("dual", [False, True])
 @pytest.mark.parametrize("cache", [False, True])
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 def test_save_x_codes_same_gradients_and_keeps_codes_not_x(fmt, cache, dual):
     """The same dX, dW, db bits as keeping X (with the weight cache, with the dual dY op); the forward saves X's
     [K, M] codes (1 byte an element) and K float32 scales, and not X."""
@@ -241,7 +262,7 @@ def test_save_x_codes_same_gradients_and_keeps_codes_not_x(fmt, cache, dual):
     got = _dual_grads(fmt, dual, cache=cache, save_x_codes=True)
     for name, a, b in zip(("dX", "dW", "db"), ref, got):
         assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} of {a.numel()} differ"
-    code = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[fmt]
+    code = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_tensorwise": torch.float8_e4m3fn}[fmt]
     for x_codes in (False, True):
         lin = LowBitLinear(64, 48, dtype=torch.bfloat16, config=MixedPrecisionConfig(format=fmt, save_x_codes=x_codes))
         saved = _saved_by_layer(lin, torch.randn(3, 10, 64, dtype=torch.bfloat16))
@@ -249,7 +270,7 @@ def test_save_x_codes_same_gradients_and_keeps_codes_not_x(fmt, cache, dual):
         assert (((64, 30), code) in saved and ((64,), torch.float32) in saved) is x_codes, saved
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 def test_save_x_codes_compiled_same_gradients_no_graph_break(fmt):
     from torch._dynamo.utils import counters
 
@@ -265,7 +286,7 @@ def test_save_x_codes_compiled_same_gradients_no_graph_break(fmt):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("compile", [False, True])
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 def test_save_x_codes_same_gradients_cuda(fmt, compile):
     torch._dynamo.reset()
     ref = _dual_grads(fmt, False, "cuda", compile=compile)

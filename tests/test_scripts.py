@@ -370,6 +370,40 @@ def test_benchmark_quant_variant_recipes(monkeypatch):
         "trainer_b1_ga8_atomic": ("trainer", 1, 8, "default", atomic)}
 
 
+def test_fp8_tensorwise_recipes_and_blocks():
+    """fp8_tensorwise (ours: fp8_tensorwise_mixed_precision) and torchao_float8_tensorwise (torchao's "tensorwise"
+    float8 recipe) are recipes; check_recipe_active tells each FP8 scaling from the other; the blocks pin them."""
+    import importlib.util
+
+    from conftest import tiny_model
+
+    from benchmarks import driver as bench
+    from benchmarks.benchmark_regimes import BLOCKS
+
+    assert {"fp8_tensorwise", "torchao_float8_tensorwise"} <= set(bench.FULL_RECIPES)
+    assert "fp8_tensorwise" in bench.OURS and bench.mixed_precision_args("fp8_tensorwise") == {
+        "fp8_tensorwise_mixed_precision": True}
+    for ours, other in (("fp8_tensorwise", "fp8"), ("fp8", "fp8_tensorwise")):
+        model = tiny_model().bfloat16()
+        bench.apply_recipe(model, ours, min_features=16)
+        assert model.model.layers[0].mlp.up_proj.lowbit_config.format == ours
+        bench.check_recipe_active(model, ours, "cpu")
+        with pytest.raises(RuntimeError, match=f"computes in {ours!r}"):
+            bench.check_recipe_active(model, other, "cpu")
+    if importlib.util.find_spec("torchao") is not None:  # torchao's recipes (CPU: the module and its config only)
+        for peer, other in (("torchao_float8_tensorwise", "torchao_float8"), ("torchao_float8", "torchao_float8_tensorwise")):
+            model = tiny_model().bfloat16()
+            bench.apply_recipe(model, peer, min_features=16)
+            with pytest.raises(RuntimeError, match="scaling"):
+                bench.check_recipe_active(model, other, "cpu")
+    tensorwise = "bf16,fp8,fp8_tensorwise,torchao_float8,torchao_float8_tensorwise"
+    assert {name: BLOCKS[name][:5] for name in ("layers_b8_tensorwise", "layers_b1_tensorwise",
+                                                "trainer_b1_ga8_tensorwise")} == {
+        "layers_b8_tensorwise": ("layers", 8, 1, "default", tensorwise),
+        "layers_b1_tensorwise": ("layers", 1, 1, "default", tensorwise),
+        "trainer_b1_ga8_tensorwise": ("trainer", 1, 8, "default", "bf16,fp8,fp8_tensorwise")}
+
+
 def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path):
     """benchmarks/activation_memory_probe.py --mode partition (a tiny layer): compiled, lowbit_save_x_codes keeps the same
     tensors as INT8 without it (the partitioner places X's codes), down_proj's input among them as codes; with the

@@ -34,7 +34,8 @@ def _model(arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,recipe", [("llama", "int8_mixed_precision"), ("qwen2", "int8_mixed_precision"),
-                                         ("llama", "fp8_mixed_precision")])
+                                         ("llama", "fp8_mixed_precision"),
+                                         ("llama", "fp8_tensorwise_mixed_precision")])
 def test_lowbit_loss_falls_and_tracks_bf16(tmp_path, arch, recipe):
     ds = _data()
     runs = {}

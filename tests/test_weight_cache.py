@@ -31,7 +31,7 @@ def _run(lin, x):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 def test_quantize_weight_equals_per_call_quantization(fmt, device):
     w = torch.randn(48, 64, device=device, dtype=torch.bfloat16) * torch.logspace(-2, 1, 48, device=device)[:, None].bfloat16()
     q, s, qt = quantize_weight(fmt, w)
@@ -45,7 +45,7 @@ def test_quantize_weight_equals_per_call_quantization(fmt, device):
     assert qt.is_contiguous() and q.is_contiguous()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 def test_cached_layer_is_bit_identical_to_uncached(fmt):
     x = torch.randn(3, 10, 64, dtype=torch.bfloat16)
     got = _run(_layer(fmt, cache=True), x)
@@ -54,12 +54,13 @@ def test_cached_layer_is_bit_identical_to_uncached(fmt):
         assert torch.equal(g, r)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8_tensorwise"])
 @pytest.mark.parametrize("how", ["optimizer", "fused_optimizer", "in_place", "load_state_dict", "to_dtype"])
-def test_cache_is_never_stale(how):
+def test_cache_is_never_stale(how, fmt):
     """After any change of the weight the next forward (eager or through refresh_weight_caches, as a
     compiled run does) and its backward compute with the new weight: output and gradients equal to a fresh
     layer holding the same weight."""
-    lin = _layer("int8")
+    lin = _layer(fmt)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     before = lin(x).detach()
     if how in ("optimizer", "fused_optimizer"):  # fused: no version-counter bump, the hook must not rely on it
@@ -67,9 +68,9 @@ def test_cache_is_never_stale(how):
         lin(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        fresh = _layer("int8", cache=False)
+        fresh = _layer(fmt, cache=False)
         fresh.load_state_dict(lin.state_dict())
-        assert torch.equal(lin._wq, quantize_operand("int8", lin.weight.detach(), 1)[0])  # refreshed by the hook
+        assert torch.equal(lin._wq, quantize_operand(fmt, lin.weight.detach(), 1)[0])  # refreshed by the hook
     elif how == "in_place":
         with torch.no_grad():
             lin.weight.mul_(-2)
@@ -81,7 +82,7 @@ def test_cache_is_never_stale(how):
     else:
         lin = lin.to(torch.float32)
         x = x.float()
-    fresh = _layer("int8", dtype=lin.weight.dtype, cache=False)
+    fresh = _layer(fmt, dtype=lin.weight.dtype, cache=False)
     fresh.load_state_dict(lin.state_dict())
     got, ref = _run(lin, x), _run(fresh, x)  # the backward reads the cache too (scales, transposed codes)
     assert not torch.equal(got[0].to(before.dtype), before)
@@ -100,7 +101,7 @@ def test_refresh_weight_caches_counts_only_stale_layers():
     assert model[0]._wq is None and model[0]._cache_key is None
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 def test_compiled_cached_layer_no_graph_break_and_follows_optimizer(fmt):
     """Compiled, the cached layer computes what the compiled per-call layer computes, step after step."""
     from torch._dynamo.utils import counters
@@ -194,7 +195,7 @@ def test_cuda_graphs_chosen_only_where_measured(monkeypatch):
 
 
 @pytest.mark.parametrize("cast", ["to_bf16", "to_fp32", "bf16_again"])
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_tensorwise"])
 def test_cache_survives_module_dtype_casts(fmt, cast):
     """``Module.to(dtype)`` / ``.bfloat16()`` also cast floating-point buffers: the FP8 codes and the float32
     scales of the cache. The refresh must not write into such cast buffers (FP8: codes held as floats, refused

@@ -224,7 +224,7 @@ def _given(argv: list[str]) -> set[str]:
 
 def _embedded_settings(given: set[str]) -> dict:
     settings = dict(EMBEDDED_DEFAULTS)
-    if given & {"qat_scheme", "fp8_mixed_precision"}:  # each replaces INT8 compute
+    if given & {"qat_scheme", "fp8_mixed_precision", "fp8_tensorwise_mixed_precision"}:  # each replaces INT8 compute
         settings["int8_mixed_precision"] = False
     if "qat_scheme" in given:
         settings["qat_group_size"] = 32  # hidden 128: group 32

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..args import LowBitArgumentsMixin
+from ..kernels import get_format
 from ..mixed_precision import MixedPrecisionLinear
 from ..mixed_precision.fsdp_all_gather import FLAG, LowBitAllGatherWeight, _unwrap_state_dict, lowbit_all_gather_enabled
 from ..prepare import apply_recipes
@@ -114,6 +115,8 @@ def enable_lowbit_all_gather(model: nn.Module) -> list[str]:
                    else "has output or grad_input off (the gathered codes replace the weight in both)"
                    if not (c.output and c.grad_input)
                    else "has its weight cache on (the gathered codes replace it)" if m.weight_cache
+                   else f"computes in {c.format!r}, one scale per tensor (each rank's shard would get its own)"
+                   if get_format(c.format).tensorwise
                    else "shares its weight with another module" if counts[id(m.weight)] > 1 else None)
         if problem:
             raise ValueError(f"{FLAG}: {name or type(m).__name__} {problem}")

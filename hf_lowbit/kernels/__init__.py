@@ -40,15 +40,19 @@ def quantize_operand(fmt: str, x: Tensor, dim: int, stochastic: bool = False,
     through ``quantize_t`` instead, :func:`scaled_matmul_input_grad`). ``shared``: sibling layers quantize
     this same tensor the same way (a layer's input X, per column, for the weight gradient): on CUDA the column
     layout then goes through ``hf_lowbit::quantize_t_shared``, which a compiled graph computes once for all of
-    them (nearest rounding only: stochastic codes are drawn per layer)."""
+    them (nearest rounding only: stochastic codes are drawn per layer). A tensorwise format's column layout is plain
+    torch on every device (the row codes transposed; CSE merges the siblings' identical ones)."""
     if stochastic and fmt != "int8":
         raise ValueError(f"stochastic rounding is implemented for INT8, not {fmt!r}")
+    if dim == 0 and FORMATS[fmt].tensorwise:  # the same codes in both layouts: a cast + transpose Inductor fuses
+        q, s = FORMATS[fmt].quantize(x, dim=0)
+        return q.T.contiguous(), s.reshape(-1).contiguous()
     if dim == 0:
         if shared and not stochastic and shares_codes(x):
             return quantize_t_shared(x, fmt)
         return quantize_t(x, fmt, stochastic)
     q, s = FORMATS[fmt].quantize(x, dim=1, stochastic=True) if stochastic else FORMATS[fmt].quantize(x, dim=1)
-    return q, s.reshape(-1)
+    return q, s.reshape(-1).contiguous()  # a tensorwise scale is an expanded view: callers store and write into it
 
 
 def scaled_matmul_quantized(fmt: str, x: Tensor, x_dim: int, qw: Tensor, sw: Tensor, out_dtype: torch.dtype,
@@ -108,7 +112,7 @@ def scaled_matmul_grads(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor, x: T
     per column (``quantize_operand(fmt, x, 0)``: ``(codes [K, M], scales [K])``). The codes of ``g`` in
     both layouts are alive together (``M·N`` bytes more than the split path at the input gradient's matmul)."""
     f = FORMATS[fmt]
-    qr, sr, qc, sc = quantize_dual(g, fmt, w_scale.reshape(-1).float())
+    qr, sr, qc, sc = quantize_dual(g, fmt, w_scale.reshape(-1).float())  # tensorwise: its plain-torch reference
     ones = torch.ones(qw_t.shape[0], dtype=torch.float32, device=qw_t.device)
     dx = f.scaled_mm(qr, qw_t, sr, ones, dx_dtype)
     qx, sx = x if isinstance(x, tuple) else quantize_operand(fmt, x, 0, shared=True)
@@ -124,8 +128,8 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
     which Triton kernels and tiles (``variant``, ``tiles``, ... of
     :func:`hf_lowbit.kernels.triton_quant.quantize_t_triton`), all giving the same bits; default: the row-wise
     kernel (``variant="rows"``: contiguous loads along each weight row, 1.45x the two-kernel path over a Llama-8B
-    layer on the H200); unused off CUDA (plain torch)."""
-    if w.is_cuda:
+    layer on the H200); unused off CUDA (plain torch) and for a tensorwise format (its codes need no kernel)."""
+    if w.is_cuda and not FORMATS[fmt].tensorwise:
         from torch._library.triton import set_wrap_triton_enabled
 
         from .triton_quant import quantize_t_triton

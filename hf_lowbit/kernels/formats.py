@@ -5,7 +5,7 @@ quantize an operand, which scaled-matmul op multiplies two quantized operands, t
 dtype and largest code of a quantized value, the feature alignment its matmul needs (the swap skips
 layers that do not meet it) and the GPU compute capability whose tensor cores run it.
 ``hf_lowbit.kernels.scaled_matmul``, ``hf_lowbit::quantize_t``, the mixed-precision recipe's filter and
-the setup checks all read it. A new format (e.g. FP8 tensorwise, INT4) is one record here plus its
+the setup checks all read it. A new format (e.g. INT4; FP8 tensorwise was one) is one record here plus its
 kernels in this package.
 """
 
@@ -18,7 +18,15 @@ import torch
 from torch import Tensor
 
 from .fp8 import ALIGN as FP8_ALIGN
-from .fp8 import FP8_DTYPE, FP8_MAX, encode_fp8, fp8_mm, quantize_fp8
+from .fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    encode_fp8,
+    fp8_mm,
+    fp8_tensorwise_mm,
+    quantize_fp8,
+    quantize_fp8_tensorwise,
+)
 from .int8 import INT8_MAX, encode_int8, int8_scaled_mm, quantize_int8
 
 
@@ -32,7 +40,10 @@ class Format:
     out_dtype)``: the op computing ``(a @ b.T) * a_scale[:, None] * b_scale[None, :]``.
     ``dtype``: the storage dtype of ``q``; ``qmax``: its largest magnitude. ``alignment``: in and out
     features must be multiples of it. ``min_capability``: the CUDA compute capability whose tensor
-    cores run the matmul.
+    cores run the matmul. ``tensorwise``: one scale per tensor (``quantize`` returns it expanded to the per-row or
+    per-column shape): the codes are the same in both layouts, so a column quantization is the row one transposed,
+    plain torch that Inductor fuses; the per-column Triton kernels (``hf_lowbit::quantize_t``, ``quantize_dual``,
+    the weight's ``quantize_weight``), which compute one scale per column, are never used for it.
     """
 
     name: str
@@ -44,6 +55,7 @@ class Format:
     alignment: int = 1
     min_capability: tuple[int, int] = (8, 0)
     tensor_cores: str = ""  # how the setup checks name the hardware it needs
+    tensorwise: bool = False
 
 
 FORMATS: dict[str, Format] = {
@@ -51,6 +63,10 @@ FORMATS: dict[str, Format] = {
                    min_capability=(8, 0), tensor_cores="INT8"),
     "fp8": Format("fp8", quantize_fp8, encode_fp8, fp8_mm, FP8_DTYPE, FP8_MAX, alignment=FP8_ALIGN,
                   min_capability=(8, 9), tensor_cores="FP8"),
+    # one scale per tensor: cuBLAS's plain FP8 GEMM, no per-column quantization kernels (issue 25 cites torchtitan:
+    # +25% over bf16 against row-wise's +10% on Llama-3-8B; ours unmeasured); one outlier sets the whole tensor's scale
+    "fp8_tensorwise": Format("fp8_tensorwise", quantize_fp8_tensorwise, encode_fp8, fp8_tensorwise_mm, FP8_DTYPE,
+                             FP8_MAX, alignment=FP8_ALIGN, min_capability=(8, 9), tensor_cores="FP8", tensorwise=True),
 }
 
 

@@ -35,7 +35,7 @@ def quantize_dual_reference(g: Tensor, fmt: str, col_mul: Tensor | None = None) 
     x = g.float() if col_mul is None else g.float() * col_mul.reshape(1, -1)
     qr, sr = f.quantize(x, dim=1)
     qc, sc = f.quantize(g, dim=0)
-    return qr, sr.reshape(-1), qc.T.contiguous(), sc.reshape(-1)
+    return qr, sr.reshape(-1).contiguous(), qc.T.contiguous(), sc.reshape(-1).contiguous()
 
 
 @torch.library.triton_op("hf_lowbit::quantize_dual", mutates_args=())
@@ -49,7 +49,7 @@ def quantize_dual(g: Tensor, fmt: str, col_mul: Tensor | None = None,
     (Inductor launches the kernels from its generated code, no graph break). ``stochastic=True`` raises: nearest
     rounding only."""
     _check(g, fmt, col_mul, stochastic)
-    if g.device.type == "cuda":
+    if g.device.type == "cuda" and not FORMATS[fmt].tensorwise:  # the kernels compute one scale per row / column
         from .triton_quant import quantize_dual_triton
 
         f = FORMATS[fmt]

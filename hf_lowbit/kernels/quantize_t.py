@@ -49,12 +49,14 @@ def quantize_t(x: Tensor, fmt: str, stochastic: bool = False, row_mul: Tensor | 
     stochastic rounding, the random numbers drawn inside the Triton kernel (Philox, seeded from the torch
     generator of ``x``'s device); an argument of this op rather than an op of its own because everything
     but the rounding line is shared, and so is the scale (bit for bit). ``row_mul`` [M] (float32): quantize
-    ``x * row_mul[:, None]`` instead, the product formed in registers (the input gradient's ``dY·diag(s)``)."""
+    ``x * row_mul[:, None]`` instead, the product formed in registers (the input gradient's ``dY·diag(s)``). A
+    tensorwise format takes the plain-torch path on CUDA too (the kernels compute one scale per column);
+    :func:`hf_lowbit.kernels.quantize_operand` does not call this op for one."""
     _check(x, fmt)
     f = FORMATS[fmt]
     if stochastic and fmt != "int8":
         raise ValueError(f"quantize_t: stochastic rounding is implemented for int8, not {fmt!r}")
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" and not f.tensorwise:  # the kernels compute one scale per column
         from .triton_quant import quantize_t_triton
 
         return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic, row_mul=row_mul,
@@ -62,7 +64,7 @@ def quantize_t(x: Tensor, fmt: str, stochastic: bool = False, row_mul: Tensor | 
     if row_mul is not None:
         x = x.float() * row_mul.reshape(-1, 1)
     q, scale = f.quantize(x, dim=0, stochastic=True) if stochastic else f.quantize(x, dim=0)
-    return q.T.contiguous(), scale.reshape(-1)
+    return q.T.contiguous(), scale.reshape(-1).contiguous()  # (a tensorwise scale is an expanded view)
 
 
 @torch.library.custom_op("hf_lowbit::quantize_t_shared", mutates_args=())
@@ -74,7 +76,7 @@ def quantize_t_shared(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     which CSE skips): with this op X is quantized once per sibling group, and its one set of codes is what the
     partitioner may keep. The kernels launch directly (``wrap_triton``'s eager dispatch costs ~1 ms a launch)."""
     _check(x, fmt)
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" and not FORMATS[fmt].tensorwise:
         from torch._library.triton import set_wrap_triton_enabled
 
         from .triton_quant import quantize_t_triton

@@ -1,8 +1,10 @@
-"""Recipe: INT8 / FP8 mixed precision (``int8_mixed_precision`` / ``fp8_mixed_precision``).
+"""Recipe: INT8 / FP8 mixed precision (``int8_mixed_precision`` / ``fp8_mixed_precision`` /
+``fp8_tensorwise_mixed_precision``).
 
 Weights, optimizer state and everything else stay in their precision; each trainable ``nn.Linear``'s three
 matmuls (``Y = X·Wᵀ``, ``dX = dY·W``, ``dW = dYᵀ·X``) quantize both operands row-wise along the reduction dim
-and multiply in the format's kernel (docs/design.md, "INT8 / FP8 mixed precision").
+(``fp8_tensorwise``: one scale per operand) and multiply in the format's kernel (docs/design.md, "INT8 / FP8 mixed
+precision").
 
 * config: :class:`MixedPrecisionConfig`: the format (a record of :mod:`hf_lowbit.kernels.formats`), which
   matmuls are low-bit, the weight cache, stochastic rounding; ``filter(base)`` adds the format's alignment.

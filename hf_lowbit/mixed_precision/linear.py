@@ -37,7 +37,7 @@ from ..swap import LinearFilter, SwapReport, swap_linears
 
 @dataclass(frozen=True)
 class MixedPrecisionConfig:
-    """The number format (``"int8"`` or ``"fp8"``) and which of the three matmuls use it."""
+    """The number format (``"int8"``, ``"fp8"`` or ``"fp8_tensorwise"``) and which of the three matmuls use it."""
 
     format: str = "int8"
     output: bool = True
