@@ -117,6 +117,12 @@ def compare_grads(model, ref) -> dict:
             "params": len(rows)}
 
 
+def _variant_setting(current, fmt: str, variant: str):
+    """``ACTIVATION_VARIANT`` with ``fmt``'s activations quantized by ``variant``: one name for every format, or a
+    ``{fmt: variant}`` mapping (a copy; the module's own is left as it was)."""
+    return {**current, fmt: variant} if isinstance(current, dict) else variant
+
+
 def worker(a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -125,7 +131,7 @@ def worker(a) -> dict:
     cuda = a.device == "cuda"
     Q = importlib.import_module("hf_lowbit.kernels.quantize_t")  # the package's attribute quantize_t is the op
     if variant is not None:
-        Q.ACTIVATION_VARIANT = variant
+        Q.ACTIVATION_VARIANT = _variant_setting(Q.ACTIVATION_VARIANT, fmt, variant)
     if "refresh2k" in switches:  # the weight refresh through the two-kernel path (the refresh's default before 98ac789)
         from functools import partial
 
@@ -182,7 +188,8 @@ def worker(a) -> dict:
             params = dict(self.model.named_parameters())
             scale_by_ga = (not self.model_accepts_loss_kwargs or num_items is None) and self.compute_loss_func is None
             saved = Q.ACTIVATION_VARIANT
-            Q.ACTIVATION_VARIANT = "two_kernel"  # the reference's own activation quantization (eager: read per call)
+            # the reference's own activation quantization (eager: read per call)
+            Q.ACTIVATION_VARIANT = _variant_setting(saved, fmt, "two_kernel")
             try:
                 for key, ref in (("same", ref_same), ("bf16", ref_bf16)):
                     if k == 0:  # the step's weights; no gradient yet
