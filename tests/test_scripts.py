@@ -666,6 +666,52 @@ def _parsed_flags(script: str, argv: list[str]):
     return got.value.args[0]
 
 
+def test_trainer_grad_check_smoke_on_cpu(tmp_path):
+    """benchmarks/trainer_grad_check.py end to end (CPU, eager): inside LowBitTrainer's loop the weight cache equals a
+    fresh quantization and the loss and gradients equal the same recipe's eager uncached run."""
+    out = tmp_path / "check.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "trainer_grad_check.py"), "--device", "cpu", "--no_compile",
+           "--configs", "bf16,fp8:atomic_rcp+refresh2k", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+           "--kv_heads", "2", "--vocab", "96", "--seq", "32", "--batch", "2", "--grad_accum", "2", "--steps", "3",
+           "--min_features", "16", "--lr", "3e-3", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bf16, fp8 = json.loads(out.read_text())["rows"]
+    assert len(bf16["losses"]) == len(fp8["losses"]) == 3 and "steps" not in bf16
+    assert fp8["chosen"]["weight_cache"] is True and len(fp8["steps"]) == 3
+    assert fp8["cache_differ"] == 0 and fp8["steps"][0]["cache"]["layers"] == 14
+    assert fp8["max_loss_rel_diff"] == 0 and min(fp8["min_cos_same"], fp8["min_cos_acc_same"]) > 0.99999
+    assert 0.9 < min(fp8["min_cos_bf16"], fp8["min_cos_acc_bf16"]) < 1  # FP8 is not bf16
+    assert "| fp8:atomic_rcp+refresh2k | 0 |" in proc.stdout
+
+
+def test_trainer_grad_check_sees_a_stale_weight_cache(monkeypatch):
+    """The check's point: a weight cache left stale after the optimizer steps (here: refreshed once only) shows as
+    cache elements that differ from a fresh quantization, a loss and gradients off the same recipe's eager run."""
+    import argparse
+    import importlib
+
+    from benchmarks import trainer_grad_check as check
+    from hf_lowbit.mixed_precision import linear as L
+
+    Q = importlib.import_module("hf_lowbit.kernels.quantize_t")
+    monkeypatch.setattr(Q, "ACTIVATION_VARIANT", Q.ACTIVATION_VARIANT)  # the worker sets it for its process
+    refresh = L.MixedPrecisionLinear.refresh_weight_cache
+
+    def once(self, force=False):
+        return False if self._cache_key is not None else refresh(self, force)
+
+    monkeypatch.setattr(L.MixedPrecisionLinear, "refresh_weight_cache", once)
+    a = argparse.Namespace(config="int8:two_kernel", device="cpu", no_compile=True, hidden=64, intermediate=128,
+                           heads=4, kv_heads=2, vocab=96, layers=2, seq=32, batch=2, grad_accum=2, steps=3,
+                           min_features=16, lr=3e-3)
+    row = check.worker(a)
+    first, *later = row["steps"]
+    assert sum(v for k, v in first["cache"].items() if k != "layers") == 0 and first["loss"] == first["loss_same"]
+    assert all(s["cache"]["q"] > 0 and s["cache"]["q_t"] > 0 and s["cache"]["q_t_vs_q"] == 0 for s in later)
+    assert row["max_loss_rel_diff"] > 1e-4 and row["min_cos_same"] < 0.999 and row["min_cos_acc_same"] < 0.999
+
+
 def test_every_stage_command_runs_its_script_with_flags_it_has():
     """benchmarks/run.py's table: every command names a script that exists, with flags that script parses (each
     committed result's command stays runnable); ``$OUT`` and the stages' variables filled in."""

@@ -124,10 +124,11 @@ def test_compiled_cached_layer_no_graph_break_and_follows_optimizer(fmt):
     assert sum(counters["graph_break"].values()) == 0
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
-def test_trainer_with_gradient_accumulation_caches_and_matches_uncached(tmp_path, optim):
+def test_trainer_with_gradient_accumulation_caches_and_matches_uncached(tmp_path, optim, fmt):
     """LowBitTrainer turns the cache on by itself with gradient accumulation; training is unchanged by it
-    (the same losses as with the cache off, bit for bit on a CPU), also with a fused optimizer."""
+    (the same losses as with the cache off, bit for bit on a CPU), also with a fused optimizer, INT8 and FP8."""
     from conftest import arithmetic_blocks, tiny_model
 
     from hf_lowbit import LowBitTrainer, LowBitTrainingArguments
@@ -137,8 +138,8 @@ def test_trainer_with_gradient_accumulation_caches_and_matches_uncached(tmp_path
         args = LowBitTrainingArguments(output_dir=str(tmp_path / str(cache)), max_steps=6, per_device_train_batch_size=4,
                                        gradient_accumulation_steps=2, learning_rate=3e-3, logging_steps=1,
                                        save_strategy="no", report_to="none", seed=0, lowbit_min_features=16,
-                                       disable_tqdm=True, optim=optim, use_cpu=True, int8_mixed_precision=True,
-                                       lowbit_weight_cache=cache)
+                                       disable_tqdm=True, optim=optim, use_cpu=True, lowbit_weight_cache=cache,
+                                       **{f"{fmt}_mixed_precision": True})
         trainer = LowBitTrainer(tiny_model(vocab_size=96), args=args, train_dataset=arithmetic_blocks(48))
         assert trainer.lowbit_weight_cache is (cache is None)
         trainer.train()
