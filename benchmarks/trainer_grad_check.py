@@ -117,10 +117,10 @@ def compare_grads(model, ref) -> dict:
             "params": len(rows)}
 
 
-def _variant_setting(current, fmt: str, variant: str):
-    """``ACTIVATION_VARIANT`` with ``fmt``'s activations quantized by ``variant``: one name for every format, or a
-    ``{fmt: variant}`` mapping (a copy; the module's own is left as it was)."""
-    return {**current, fmt: variant} if isinstance(current, dict) else variant
+def _variant_setting(current: dict, fmt: str, variant: str) -> dict:
+    """``ACTIVATION_VARIANT`` (``{fmt: variant}``) with ``fmt``'s activations quantized by ``variant`` (a copy; the
+    module's own is left as it was)."""
+    return {**current, fmt: variant}
 
 
 def worker(a) -> dict:
