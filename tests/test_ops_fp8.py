@@ -42,12 +42,13 @@ def test_fp8_scaled_mm_matches_upcast_reference(device, shape):
     assert ((out.double() - ref).norm() / ref.norm()) < tol
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_tensorwise"])
 @pytest.mark.parametrize("x_dim,w_dim", [(1, 1), (1, 0), (0, 0)])
-def test_fp8_matmul_layouts_snr(x_dim, w_dim):
+def test_fp8_matmul_layouts_snr(x_dim, w_dim, fmt):
     x = torch.randn(96, 128) if x_dim == 0 else torch.randn(128, 96)
     w = torch.randn(96, 80) if w_dim == 0 else torch.randn(80, 96)
     ref = (x.T if x_dim == 0 else x).double() @ (w if w_dim == 0 else w.T).double()
-    assert snr_db(ref, scaled_matmul("fp8", x, x_dim, w, w_dim, torch.float32)) > 25
+    assert snr_db(ref, scaled_matmul(fmt, x, x_dim, w, w_dim, torch.float32)) > 25
 
 
 def test_argument_checks_trace_without_graph_break():
@@ -127,14 +128,6 @@ def test_tensorwise_codes_are_one_set_in_every_layout():
     for name, got, n in (("row", sr, 40), ("column", sc, 48), ("quantize_t", ts, 48), ("weight", s, 40),
                          ("dual column", ds, 48)):
         assert got.shape == (n,) and (got == rs).all(), name
-
-
-@pytest.mark.parametrize("x_dim,w_dim", [(1, 1), (1, 0), (0, 0)])
-def test_fp8_tensorwise_matmul_layouts_snr(x_dim, w_dim):
-    x = torch.randn(96, 128) if x_dim == 0 else torch.randn(128, 96)
-    w = torch.randn(96, 80) if w_dim == 0 else torch.randn(80, 96)
-    ref = (x.T if x_dim == 0 else x).double() @ (w if w_dim == 0 else w.T).double()
-    assert snr_db(ref, scaled_matmul("fp8_tensorwise", x, x_dim, w, w_dim, torch.float32)) > 25
 
 
 @pytest.mark.cuda
