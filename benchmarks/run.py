@@ -34,9 +34,13 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "and lowbit_save_x_codes: layers_b8_xcodes, trainer_b8_xcodes; the partitioner's recompute setting: "
                 "layers_b8_recompute, trainer_b8_recompute; X's column codes shared by q/k/v and gate/up against not: "
                 "layers_b8_shared, trainer_b8_shared, and forced at 1x2048: layers_b1_shared, trainer_b1_ga8_shared; "
-                "one a call; EXTRA: flags for benchmark_train.py, e.g. EXTRA='--recipes bf16,fp8_unshared' to run "
-                "part of a block)", "~4-5 min per layers block; a Trainer block of 5 recipes > 9.5 min (trainer_b8_shared "
-                "was cut in its 5th recipe at d88ae55: warm-ups of 85-120 s a recipe)", [
+                "one a call; quantize_t's variants against each format's default: layers_b8_atomic, layers_b1_atomic, "
+                "trainer_b1_ga8_atomic (FP8's loss through the Trainer with atomic_rcp); FP8 tensorwise and torchao's: "
+                "layers_b8_tensorwise, layers_b1_tensorwise, trainer_b1_ga8_tensorwise; EXTRA: flags for "
+                "benchmark_train.py, e.g. EXTRA='--recipes bf16,fp8_unshared' to run part of a block)",
+                "~3.5 min per 5-recipe layers block (5600f0c: 205 s at 8x2048, 158 s at 1x2048); a Trainer block of 4 "
+                "recipes ~6 min (5600f0c: 345 s, warm-ups 32-76 s a recipe with the Triton analysis cache; 85-120 s "
+                "before it)", [
         B + "benchmark_regimes.py --timeout 240 --blocks ${BLOCKS:-all} --keep_dir $OUT --json $OUT/regimes_h200.json "
         "--markdown $OUT/regimes_h200.md ${EXTRA:-}"]),
     "trainer_grad_check": ("FP8's Trainer loss with accumulation (trainer_b1_ga8 at 5600f0c: fp8 with atomic_rcp "
