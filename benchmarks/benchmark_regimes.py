@@ -47,6 +47,9 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   ``int8_recompute``, ``fp8_recompute`` (Inductor's partitioner free to recompute activations the backward materializes:
   ``torch._functorch.config.ban_recompute_materialized_backward = False``; bf16 with it too, so what it gives apart from
   the low-bit compute shows), peak memory and speed at 8x2048 in the same run;
+* ``trainer_b8_head``, ``trainer_b1_ga8_head`` (issue 25's directions): int8 and fp8 (the LM head in bf16) beside
+  ``int8_head`` / ``fp8_head`` (``lowbit_include_lm_head``: the head's three matmuls in the format too), speed and
+  loss; the Trainer path only (the layers path keeps the head bf16 and refuses them);
 * ``trainer_b1_ga8_liger``, ``trainer_b1_ga8_liger_fp8``, ``trainer_b8_liger``: the Trainer path with each
   recipe run without and then with ``use_liger_kernel=True`` (``liger`` in the records; ``vs_bf16`` is to bf16
   without Liger, ``vs_no_liger`` to the same recipe without it): what Liger's kernels (norms, SwiGLU, RoPE,
@@ -90,6 +93,8 @@ SHARED_B1 = "bf16,int8,int8_shared,fp8,fp8_shared"  # at 1x2048 the default does
 ATOMIC = "bf16,int8,int8_two_kernel,fp8,fp8_atomic_rcp"
 # FP8 with row-wise scales and with one scale per tensor, ours and torchao's
 TENSORWISE = "bf16,fp8,fp8_tensorwise,torchao_float8,torchao_float8_tensorwise"
+# each format with the LM head in bf16 (the default) and in the format (lowbit_include_lm_head): the Trainer path only
+HEAD = "bf16,int8,int8_head,fp8,fp8_head"
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -135,6 +140,10 @@ BLOCKS = {
     "layers_b8_tensorwise": ("layers", 8, 1, "default", TENSORWISE, []),
     "layers_b1_tensorwise": ("layers", 1, 1, "default", TENSORWISE, []),
     "trainer_b1_ga8_tensorwise": ("trainer", 1, 8, "default", "bf16,fp8,fp8_tensorwise", []),
+    # issue 25's directions: the LM head (32000 x 4096 here) in INT8 / FP8 beside it in bf16, speed and loss; the Trainer
+    # path only (the layers path keeps the head bf16, outside its compiled layers)
+    "trainer_b8_head": ("trainer", 8, 1, "default", HEAD, []),
+    "trainer_b1_ga8_head": ("trainer", 1, 8, "default", HEAD, []),
     # + a kernel profile of two more Trainer steps (where the Trainer path trails the layers path)
     "trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "bf16,int8,fp8", ["--profile"]),
     # + bf16 through LowBitTrainer without a low-bit recipe (bf16_lbt): its loop's gain apart from the low-bit one

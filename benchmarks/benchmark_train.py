@@ -37,8 +37,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.driver import (FULL_RECIPES, LORA_RECIPES, OURS, OURS_LORA, RECIPES, add_int_flags,  # noqa: E402
-                               build_model, check_recipes, compile_layers, error_cell, load_blocks, meta, plot_results,
+from benchmarks.driver import (FULL_RECIPES, HEAD_VARIANTS, LORA_RECIPES, OURS, OURS_LORA, RECIPES,  # noqa: E402
+                               add_int_flags, build_model, check_recipe_active, check_recipes, compile_layers,
+                               error_cell, load_blocks, meta, plot_results,
                                recipe_args, run_worker, save_json, timed_steps, torchao_version,
                                profile_summary, train_step, write_results)
 
@@ -123,6 +124,8 @@ def trainer_worker(a) -> dict:
 
             peft_config = LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear")
         trainer = LowBitTrainer(model, args=args, train_dataset=data, peft_config=peft_config)
+        if a.recipe in HEAD_VARIANTS:  # the swap happened in the constructor: the head must be low-bit
+            check_recipe_active(trainer.model, a.recipe, a.device)
         chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
                   "cuda_graphs": trainer.lowbit_cuda_graphs, "non_blocking": trainer.accelerator.non_blocking}
     else:

@@ -102,9 +102,13 @@ INT8_VARIANTS = {
 CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
 # INT8 / FP8 with one of MixedPrecisionConfig's backward switches on (its LowBitTrainingArguments flag is
 # lowbit_<field>), to measure against int8 / fp8 in the same run (issue 25): dY quantized for both gradient matmuls by
-# one op (hf_lowbit::quantize_dual); X's weight-gradient codes made in the forward and kept instead of X
+# one op (hf_lowbit::quantize_dual); X's weight-gradient codes made in the forward and kept instead of X; the LM head's
+# three matmuls in the format too (issue 25's directions: the largest matmul at 32k-128k vocab)
 SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
-                   for suffix, field in (("dual", "dual_grad_quant"), ("xcodes", "save_x_codes"))}
+                   for suffix, field in (("dual", "dual_grad_quant"), ("xcodes", "save_x_codes"),
+                                         ("head", "include_lm_head"))}
+# the trainer path only: the layers path keeps the LM head bf16 and compiles only the decoder layers (apply_recipe)
+HEAD_VARIANTS = tuple(r for r, (_, field) in SWITCH_VARIANTS.items() if field == "include_lm_head")
 # bf16 / INT8 / FP8 with Inductor's partitioner free to recompute, in the backward, activations that a matmul or a
 # Triton kernel reads there (torch._functorch.config.ban_recompute_materialized_backward = False, set for the whole
 # process before anything compiles: apply_process_setting): what is kept for the backward then is the layer's input
@@ -327,6 +331,9 @@ def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = Fal
     from torch import nn
 
     recipe = PROCESS_VARIANTS.get(recipe, recipe)
+    if recipe in HEAD_VARIANTS:
+        raise ValueError(f"apply_recipe: {recipe!r} swaps the LM head, which this path keeps bf16 outside its compiled "
+                         "decoder layers; it runs through LowBitTrainer (benchmark_train.py --path trainer)")
     if recipe == "bf16":
         return
     if recipe in OURS:
@@ -404,6 +411,13 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")
     if recipe in SWITCH_VARIANTS and not getattr(getattr(mod, "lowbit_config", None), SWITCH_VARIANTS[recipe][1], False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's {SWITCH_VARIANTS[recipe][1]} is off")
+    if recipe in HEAD_VARIANTS:
+        from hf_lowbit import MixedPrecisionLinear
+
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if not isinstance(inner.get_output_embeddings(), MixedPrecisionLinear):
+            raise RuntimeError(f"recipe {recipe!r} is not active: the LM head is "
+                               f"{type(inner.get_output_embeddings()).__name__} (its vocab a multiple of 16?)")
     fmt = getattr(getattr(mod, "lowbit_config", None), "format", None)
     if recipe in ("fp8", "fp8_tensorwise") and fmt != recipe:
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj computes in {fmt!r}")
@@ -477,12 +491,16 @@ def load_blocks(a):
 
 
 def check_recipes(recipes: list[str], known: tuple[str, ...], path: str) -> None:
-    """Stop with one line on a recipe the script does not know, or a LOOP_ONLY one off the trainer path."""
+    """Stop with one line on a recipe the script does not know, or a LOOP_ONLY or HEAD_VARIANTS one off the trainer
+    path."""
     for recipe in recipes:
         if recipe not in known:
             raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(known)}")
         if recipe in LOOP_ONLY and path != "trainer":
             raise SystemExit(f"--recipes: {recipe} is LowBitTrainer's loop with no low-bit recipe: --path trainer only")
+        if recipe in HEAD_VARIANTS and path != "trainer":
+            raise SystemExit(f"--recipes: {recipe} swaps the LM head, which the {path} path keeps bf16 (it compiles "
+                             "the decoder layers only): --path trainer only")
 
 
 def recipe_args(recipe: str) -> dict:

@@ -62,7 +62,11 @@ class LowBitArgumentsMixin:
         "Low-bit weight-gradient matmul dW = dYᵀ·X (both per feature, across tokens).")})
     lowbit_exclude_modules: list[str] = field(default_factory=lambda: ["lm_head"], metadata={"help": (
         "Module names or glob patterns that keep full-precision matmuls; 'lm_head' also matches "
-        "'model.lm_head'. The model's output embedding is always excluded.")})
+        "'model.lm_head'. The model's output embedding is always excluded (unless lowbit_include_lm_head).")})
+    lowbit_include_lm_head: bool = field(default=False, metadata={"help": (
+        "INT8/FP8 mixed precision: also run the LM head's three matmuls (logits, their input and weight gradients) in "
+        "the recipe's format, whatever lowbit_exclude_modules says of it; speed and loss not yet measured, the logits' "
+        "precision is the risk.")})
     lowbit_min_features: int = field(default=64, metadata={"help": (
         "Skip (and report) linears whose in_features or out_features is below this: such matmuls are "
         "too small for low-bit kernels to pay. Mixed precision and QLoRA bases; not QAT, whose export "
@@ -135,7 +139,8 @@ class LowBitArgumentsMixin:
         """Check the low-bit fields on their own and against each other; each error names its field."""
         cls = type(self).__name__
         for name in (*MIXED_PRECISION_RECIPES, "lowbit_output", "lowbit_grad_input",
-                     "lowbit_grad_weight", "lora_base_int8_cache", "lowbit_fsdp_lowbit_all_gather"):
+                     "lowbit_grad_weight", "lora_base_int8_cache", "lowbit_fsdp_lowbit_all_gather",
+                     "lowbit_include_lm_head"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{cls}.{name} must be True or False, got {value!r}")
@@ -169,6 +174,15 @@ class LowBitArgumentsMixin:
                                  "off")
             if not all(getattr(self, n) for n in needs):
                 raise ValueError(f"{flag} {what}: it needs {' and '.join(needs)} True")
+        if self.lowbit_include_lm_head:
+            flag = f"{cls}.lowbit_include_lm_head=True"
+            if not self.lowbit_recipes:
+                raise ValueError(f"{flag} swaps the LM head for INT8/FP8 matmuls: it needs int8_mixed_precision or "
+                                 "fp8_mixed_precision (or fp8_tensorwise_mixed_precision)")
+            if fused_cross_entropy_requested(self):
+                raise ValueError(f"{flag} with use_liger_kernel=True: Liger's fused linear cross-entropy multiplies "
+                                 "by lm_head.weight directly, bypassing the LM head's low-bit matmuls; pass "
+                                 f"{FLCE_OFF} (Liger's other kernels still apply) or lowbit_include_lm_head=False")
         if self.lowbit_cuda_graphs and self.torch_compile_mode not in (None, "reduce-overhead"):
             raise ValueError(f"{cls}.lowbit_cuda_graphs=True with torch_compile_mode="
                              f"{self.torch_compile_mode!r}: CUDA graphs are torch_compile_mode='reduce-overhead'; "

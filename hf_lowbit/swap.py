@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable
 
 from torch import nn
@@ -104,6 +104,18 @@ def name_matches(name: str, patterns: Iterable[str]) -> str | None:
         if name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p):
             return p
     return None
+
+
+def including_output_embeddings(model: nn.Module, filter: LinearFilter) -> LinearFilter:
+    """``filter`` that also takes ``model``'s output embedding (LM head): ``exclude_output_embeddings`` off, and the
+    exclusion patterns that match the head's name dropped. A recipe's explicit "the head too" (QAT's
+    ``include_lm_head``, mixed precision's ``lowbit_include_lm_head``) wins over a pattern naming it: the default
+    ``lowbit_exclude_modules=["lm_head"]`` names it, so otherwise the switch would need the list edited as well.
+    A dropped pattern is dropped for every module (a glob such as ``"*"`` would stop excluding the others too)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_name = None if head is None else next((n for n, m in model.named_modules() if m is head), None)
+    exclude = tuple(p for p in filter.exclude if head_name is None or name_matches(head_name, [p]) is None)
+    return replace(filter, exclude=exclude, exclude_output_embeddings=False)
 
 
 def _parent_and_attr(model: nn.Module, name: str) -> tuple[nn.Module, str]:

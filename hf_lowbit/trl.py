@@ -22,9 +22,11 @@ class LowBitSFTConfig(LowBitArgumentsMixin, SFTConfig):
 
     def _validate_lowbit(self) -> None:
         # first: whatever use_liger_kernel says, SFTTrainer's own fused LM head bypasses a fake-quantized head
-        if self.qat_include_lm_head is True:
-            raise ValueError("LowBitSFTConfig.qat_include_lm_head=True is not supported: SFTTrainer's fused LM head "
-                             "multiplies by lm_head.weight directly, bypassing the fake quantization")
+        for name, what in (("qat_include_lm_head", "the fake quantization"),
+                           ("lowbit_include_lm_head", "the LM head's low-bit matmuls")):
+            if getattr(self, name) is True:
+                raise ValueError(f"LowBitSFTConfig.{name}=True is not supported: SFTTrainer's fused LM head "
+                                 f"multiplies by lm_head.weight directly, bypassing {what}")
         super()._validate_lowbit()
 
 

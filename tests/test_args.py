@@ -37,6 +37,11 @@ from hf_lowbit import LowBitTrainingArguments
      "lowbit_save_x_codes=True with lowbit_stochastic_rounding=True"),
     ({"int8_mixed_precision": True, "lowbit_save_x_codes": True, "lowbit_grad_weight": False},
      "lowbit_save_x_codes=True .* needs lowbit_grad_weight True"),
+    ({"lowbit_include_lm_head": True}, "lowbit_include_lm_head=True swaps the LM head .* needs int8_mixed_precision"),
+    ({"lowbit_include_lm_head": True, "qat_scheme": "8da4w"}, "lowbit_include_lm_head=True .* needs int8_mixed"),
+    ({"int8_mixed_precision": True, "lowbit_include_lm_head": "yes"}, "lowbit_include_lm_head must be True or False"),
+    ({"fp8_mixed_precision": True, "lowbit_include_lm_head": True, "use_liger_kernel": True},
+     "lowbit_include_lm_head=True with use_liger_kernel=True: .*fused_linear_cross_entropy': False"),
 ])
 def test_bad_arguments_name_the_field(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -52,7 +57,7 @@ def test_cli_flags():
     assert args.lowbit_exclude_modules == ["lm_head", "*.gate_proj"] and args.lowbit_min_features == 256
     assert args.lowbit_recipes == ["int8_mixed_precision"]
     help_text = parser.format_help()
-    for flag in ("--int8_mixed_precision", "--lowbit_grad_input", "--lowbit_exclude_modules"):
+    for flag in ("--int8_mixed_precision", "--lowbit_grad_input", "--lowbit_exclude_modules", "--lowbit_include_lm_head"):
         assert flag in help_text
 
 

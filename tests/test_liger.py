@@ -136,6 +136,15 @@ def test_a_head_liger_would_bypass_is_refused_naming_the_argument(tmp_path):
                             train_dataset=arithmetic_blocks(8))
     assert isinstance(trainer.model.lm_head, QATLinear)
     assert _liger_owns(trainer.model) == LIGER_MODULES - {"lm_head"}
+    # the same for the INT8/FP8 head (lowbit_include_lm_head)
+    with pytest.raises(ValueError, match=r"lowbit_include_lm_head=True with use_liger_kernel=True.*"
+                                         r"liger_kernel_config=\{'fused_linear_cross_entropy': False\}"):
+        _args(tmp_path, int8_mixed_precision=True, lowbit_include_lm_head=True)
+    trainer = LowBitTrainer(tiny_model(), _args(tmp_path, int8_mixed_precision=True, lowbit_include_lm_head=True,
+                                                liger_kernel_config={"fused_linear_cross_entropy": False}),
+                            train_dataset=arithmetic_blocks(8))
+    assert isinstance(trainer.model.lm_head, MixedPrecisionLinear)
+    assert _liger_owns(trainer.model) == LIGER_MODULES - {"lm_head"}
     with pytest.raises(ValueError, match="LoRA adapter on the LM head.*fused_linear_cross_entropy"):
         LowBitTrainer(tiny_model(), _args(tmp_path, int8_mixed_precision=True), train_dataset=arithmetic_blocks(8),
                       peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))

@@ -142,3 +142,22 @@ def test_single_rank_fsdp2_falls_back_to_the_plain_gather():
         assert torch.equal(res[0][0], res[1][0]) and all(torch.equal(a, b) for a, b in zip(res[0][1], res[1][1]))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_included_takes_it_unless_tied(tmp_path, tied):
+    """lowbit_include_lm_head: an untied INT8 head all-gathers its codes like any layer; a tied one shares its weight
+    with the input embedding (which looks rows up in the high-precision weight), so it is refused, naming the flag."""
+    from conftest import tiny_model
+
+    from hf_lowbit.prepare import apply_recipes
+
+    args = _args(tmp_path, int8_mixed_precision=True, lowbit_include_lm_head=True, lowbit_min_features=16)
+    model, _ = apply_recipes(tiny_model(tie_word_embeddings=tied), args)
+    assert isinstance(model.lm_head, MixedPrecisionLinear)
+    if tied:
+        with pytest.raises(ValueError, match=f"{FLAG}: lm_head shares its weight with another module"):
+            enable_lowbit_all_gather(model)
+    else:
+        assert "lm_head" in enable_lowbit_all_gather(model)
+        assert isinstance(model.lm_head.weight, LowBitAllGatherWeight)

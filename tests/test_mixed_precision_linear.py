@@ -390,3 +390,77 @@ def test_siblings_share_x_codes_cuda(fmt, monkeypatch):
     got = _sibling_grads(fmt, "cuda", compile=True, shares=True, monkeypatch=monkeypatch)
     for name, a, b in zip(("Y", "dX", "dWq", "dWk", "dWv"), ref, got):
         assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+def _head_grads(model, ids, embed_grad: bool = True):
+    """Logits, the LM head weight's gradient and the final hidden states' gradient of ``model``'s loss on ``ids``
+    (``embed_grad=False``: the input embedding's output detached, so only the head writes a tied weight's gradient)."""
+    hidden = {}
+    hooks = [model.model.norm.register_forward_hook(lambda m, a, out: hidden.setdefault("h", out).retain_grad())]
+    if not embed_grad:
+        hooks.append(model.model.embed_tokens.register_forward_hook(lambda m, a, out: out.detach()))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    for h in hooks:
+        h.remove()
+    return out.logits.detach(), model.lm_head.weight.grad.clone(), hidden["h"].grad
+
+
+def _head_only_args(**kw):
+    """Only the LM head swapped: every decoder linear excluded by a pattern that does not name the head."""
+    return LowBitTrainingArguments(output_dir="unused", report_to="none", lowbit_min_features=16,
+                                   lowbit_include_lm_head=True, lowbit_exclude_modules=["model.*"], **kw)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_lm_head_logits_and_gradients_vs_bf16(fmt, tied):
+    """The swapped head in bf16 against the same head computing in float32: logits, its weight's gradient and the
+    hidden states' gradient >= 20 dB. Tied: one Parameter shared with the input embedding, whose gradient is the
+    head's and the embedding's (the embedding's share is far from negligible: the reference without it differs)."""
+    from hf_lowbit.prepare import apply_recipes
+
+    ref = tiny_model(tie_word_embeddings=tied)
+    model = tiny_model(tie_word_embeddings=tied).to(torch.bfloat16)
+    model, (report,) = apply_recipes(model, _head_only_args(**{f"{fmt}_mixed_precision": True}))
+    assert [e.name for e in report.swapped] == ["lm_head"] and isinstance(model.lm_head, LowBitLinear)
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    ids = torch.randint(0, 48, (4, 32), generator=torch.Generator().manual_seed(0))  # half the vocab: rows the embedding misses
+    want, got = _head_grads(ref, ids), _head_grads(model, ids)
+    for name, r, g in zip(("logits", "lm_head.weight.grad", "hidden.grad"), want, got):
+        assert snr_db(r, g) >= 20, f"{fmt} {name}: {snr_db(r, g):.1f} dB"
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert sum(p is model.lm_head.weight for p in model.parameters()) == 1
+        ref.zero_grad()
+        head_only = _head_grads(ref, ids, embed_grad=False)[1]
+        assert snr_db(want[1], head_only) < 10  # the embedding's gradient is a real part of the tied weight's
+        assert snr_db(want[1][48:], got[1][48:]) >= 20 and snr_db(want[1][:48], got[1][:48]) >= 20
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_tied_lm_head_weight_cache_follows_the_shared_parameter(fmt):
+    """With the weight cache, the tied head's codes follow the one Parameter: current after an optimizer step (the
+    step hook), and after the embedding's row of it is changed in place (the version counter) before a forward."""
+    from hf_lowbit.kernels import quantize_weight
+    from hf_lowbit.prepare import apply_recipes
+
+    model, _ = apply_recipes(tiny_model(tie_word_embeddings=True),
+                             _head_only_args(lowbit_weight_cache=True, **{f"{fmt}_mixed_precision": True}))
+    head, w = model.lm_head, model.model.embed_tokens.weight
+    assert head.weight is w and head.weight_cache
+
+    def current():
+        return all(torch.equal(c, f) for c, f in zip((head._wq, head._wq_scale, head._wq_t), quantize_weight(fmt, w)))
+
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    before = head._wq.clone()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert current() and not torch.equal(before, head._wq)
+    with torch.no_grad():
+        w[3] *= 4  # through the embedding's name: the same Parameter
+    assert not current()
+    model(input_ids=ids)
+    assert current()

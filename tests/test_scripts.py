@@ -237,6 +237,44 @@ def test_benchmark_switch_recipes_on_both_paths(tmp_path, suffix, field):
         name: (*shape, "default", recipes) for name, shape in blocks.items()}
 
 
+def test_benchmark_head_recipes_trainer_path_only(tmp_path):
+    """int8_head / fp8_head (issue 25's directions): lowbit_include_lm_head on; LowBitTrainer swaps the head and
+    check_recipe_active says so (and refuses the plain recipe's model under the head's name); the layers path, which
+    keeps the head bf16, refuses them (apply_recipe, check_recipes); the regimes blocks pin them."""
+    from conftest import tiny_model
+
+    from benchmarks import driver as bench
+    from benchmarks.benchmark_regimes import BLOCKS
+    from hf_lowbit import LowBitTrainer, LowBitTrainingArguments, MixedPrecisionLinear
+
+    assert bench.HEAD_VARIANTS == ("int8_head", "fp8_head")
+    for recipe, fmt in (("int8_head", "int8"), ("fp8_head", "fp8")):
+        assert recipe in bench.OURS and recipe in bench.FULL_RECIPES
+        assert bench.recipe_args(recipe) == {f"{fmt}_mixed_precision": True, "lowbit_include_lm_head": True}
+        args = LowBitTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                       lowbit_min_features=16, **bench.recipe_args(recipe))
+        model = LowBitTrainer(tiny_model().bfloat16(), args=args).model
+        assert isinstance(model.lm_head, MixedPrecisionLinear) and model.lm_head.lowbit_config.format == fmt
+        bench.check_recipe_active(model, recipe, "cpu")
+        with pytest.raises(ValueError, match=f"apply_recipe: '{recipe}' swaps the LM head"):
+            bench.apply_recipe(tiny_model().bfloat16(), recipe, min_features=16)
+        with pytest.raises(SystemExit, match=f"{recipe} swaps the LM head, which the layers path keeps bf16"):
+            bench.check_recipes(["bf16", recipe], bench.FULL_RECIPES, "layers")
+        bench.check_recipes(["bf16", recipe], bench.FULL_RECIPES, "trainer")
+    model = tiny_model().bfloat16()
+    bench.apply_recipe(model, "int8", min_features=16)
+    with pytest.raises(RuntimeError, match="'int8_head' is not active: up_proj's include_lm_head is off"):
+        bench.check_recipe_active(model, "int8_head", "cpu")
+    args = LowBitTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, lowbit_min_features=16,
+                                   **bench.recipe_args("fp8_head"))
+    model = LowBitTrainer(tiny_model(vocab_size=100).bfloat16(), args=args).model  # FP8 skips a vocab of 100
+    with pytest.raises(RuntimeError, match="'fp8_head' is not active: the LM head is Linear"):
+        bench.check_recipe_active(model, "fp8_head", "cpu")
+    head = "bf16,int8,int8_head,fp8,fp8_head"
+    assert {name: BLOCKS[name][:5] for name in ("trainer_b8_head", "trainer_b1_ga8_head")} == {
+        "trainer_b8_head": ("trainer", 8, 1, "default", head), "trainer_b1_ga8_head": ("trainer", 1, 8, "default", head)}
+
+
 def test_benchmark_recompute_recipes_on_both_paths():
     """bf16_recompute / int8_recompute / fp8_recompute (issue 25): their base recipe's swap and arguments (bf16 through
     the stock Trainer), with the partitioner's ban on recomputing materialized activations lifted by build_model before

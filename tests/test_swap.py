@@ -88,3 +88,30 @@ def test_fp8_skips_layers_its_kernel_cannot_take():
     assert report.recipe == "fp8_mixed_precision"
     assert e["model.layers.0.self_attn.q_proj"].reason == "FP8 matmuls"
     assert e["model.layers.0.mlp.up_proj"].reason == "shape not supported: in and out features must be multiples of 16"
+
+
+def test_lm_head_swapped_only_with_lowbit_include_lm_head():
+    """The head is "excluded" by default (the default pattern), swapped with the flag, which wins over a pattern that
+    names it (as QAT's include_lm_head: the default list names it); other patterns still apply."""
+    _, (without,) = apply_recipes(tiny_model(), _args(lowbit_min_features=16))
+    assert _by_name(without)["lm_head"].reason == "excluded by pattern 'lm_head'"
+    model, (report,) = apply_recipes(tiny_model(), _args(lowbit_min_features=16, lowbit_include_lm_head=True,
+                                                         lowbit_exclude_modules=["lm_head", "*.o_proj"]))
+    e = _by_name(report)
+    assert e["lm_head"].action == "swapped" and e["lm_head"].reason == "INT8 matmuls"
+    assert isinstance(model.lm_head, LowBitLinear) and model.lm_head.lowbit_config.include_lm_head
+    assert e["model.layers.0.self_attn.o_proj"].reason == "excluded by pattern '*.o_proj'"
+    assert "lm_head [Linear 96x64]: INT8 matmuls" in report.summary()
+
+
+def test_lm_head_vocab_not_a_multiple_of_16_is_skipped_by_fp8_and_reported():
+    """FP8's alignment applies to the head as to any linear: a vocab of 100 is skipped with the reason; INT8 takes it."""
+    heads = {}
+    for recipe in ("fp8_mixed_precision", "int8_mixed_precision"):
+        args = LowBitTrainingArguments(output_dir="unused", report_to="none", lowbit_min_features=16,
+                                       lowbit_include_lm_head=True, **{recipe: True})
+        _, (report,) = apply_recipes(tiny_model(vocab_size=100), args)
+        heads[recipe] = _by_name(report)["lm_head"]
+    assert heads["fp8_mixed_precision"].action == "skipped"
+    assert heads["fp8_mixed_precision"].reason == "shape not supported: in and out features must be multiples of 16"
+    assert (heads["int8_mixed_precision"].action, heads["int8_mixed_precision"].reason) == ("swapped", "INT8 matmuls")

@@ -153,6 +153,8 @@ def test_rejects_arguments_without_the_low_bit_fields(tmp_path):
                          train_dataset=_chat(), processing_class=TOKENIZER)
     with pytest.raises(ValueError, match="qat_include_lm_head"):
         _cfg(tmp_path, qat_scheme="8da4w", qat_include_lm_head=True)
+    with pytest.raises(ValueError, match="lowbit_include_lm_head=True is not supported: SFTTrainer's fused LM head"):
+        _cfg(tmp_path, int8_mixed_precision=True, lowbit_include_lm_head=True)
     with pytest.raises(ValueError, match="LowBitSFTConfig.lowbit_peak_tflops"):
         _cfg(tmp_path, lowbit_peak_tflops=0)
 

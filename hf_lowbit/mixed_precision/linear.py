@@ -32,7 +32,7 @@ from ..compute import compute_dtype as _compute_dtype  # the name the Function b
 from ..kernels import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t,
                   scaled_matmul_grads, scaled_matmul_input_grad, scaled_matmul_quantized)
 from .fsdp_all_gather import GatheredLowBitWeight, gathered_operands
-from ..swap import LinearFilter, SwapReport, swap_linears
+from ..swap import LinearFilter, SwapReport, including_output_embeddings, swap_linears
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,9 @@ class MixedPrecisionConfig:
     # for the backward instead of X: 1 byte an element alive between them instead of 2 (issue 25's memory target),
     # the same bits. Where the weight gradient is low-bit, needed, and rounded to nearest (else X is kept)
     save_x_codes: bool = False
+    # also swap the model's output embedding (LM head): the logits' matmul and both its gradients in the format; it is
+    # excluded by default because the logits' precision is the risk (not yet measured for speed and loss at scale)
+    include_lm_head: bool = False
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -327,6 +330,9 @@ def convert_to_mixed_precision(model: nn.Module, config: MixedPrecisionConfig,
     ``filter`` gets the format's alignment (:meth:`MixedPrecisionConfig.filter`). Layers that are
     mixed precision already, and frozen quantized bases given INT8 compute by the QLoRA recipe, are
     reported as such and left alone. ``config.weight_cache`` switches the swapped layers' weight cache on.
+    ``config.include_lm_head``: the output embedding too, patterns that name it dropped
+    (:func:`~hf_lowbit.swap.including_output_embeddings`, as QAT's); a tied head keeps the input embedding's
+    Parameter (the swap shares parameters), so both gradients still accumulate into it.
     """
     def make(name, linear):
         layer = MixedPrecisionLinear.from_linear(linear, config)
@@ -334,8 +340,11 @@ def convert_to_mixed_precision(model: nn.Module, config: MixedPrecisionConfig,
             layer.set_weight_cache(True)
         return layer
 
+    linear_filter = config.filter(filter)
+    if config.include_lm_head:
+        linear_filter = including_output_embeddings(model, linear_filter)
     return swap_linears(model, make, recipe=config.recipe, target=f"{config.format.upper()} matmuls",
-                        filter=config.filter(filter), already=_low_bit_already)
+                        filter=linear_filter, already=_low_bit_already)
 
 
 def _low_bit_already(module: nn.Module) -> bool:

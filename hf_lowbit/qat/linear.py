@@ -44,7 +44,7 @@ from transformers import TrainerCallback
 from ..compute import compute_dtype
 from ..kernels.fake_quant import (fake_quant_fp8_rowwise, fake_quant_int4_tinygemm, fake_quant_per_group_sym,
                                   fake_quant_per_token_asym)
-from ..swap import LinearFilter, SwapReport, name_matches, swap_linears
+from ..swap import LinearFilter, SwapReport, including_output_embeddings, swap_linears
 
 
 PER_CHANNEL = -1
@@ -365,14 +365,12 @@ def convert_to_qat(model: nn.Module, config: QATConfig, filter: LinearFilter = L
     """Swap ``model``'s eligible linears for :class:`QATLinear` in place; return the report.
 
     ``filter`` gets QAT's rules (:meth:`QATConfig.filter`). With ``config.include_lm_head`` the output
-    embedding is swapped too, and exclusion patterns that name it are ignored for it.
+    embedding is swapped too, and exclusion patterns that name it are dropped
+    (:func:`~hf_lowbit.swap.including_output_embeddings`).
     """
     linear_filter = config.filter(filter)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if config.include_lm_head and head is not None:
-        head_name = next((n for n, m in model.named_modules() if m is head), None)
-        linear_filter = replace(linear_filter, exclude=tuple(
-            p for p in linear_filter.exclude if head_name is None or name_matches(head_name, [p]) is None))
+    if config.include_lm_head:
+        linear_filter = including_output_embeddings(model, linear_filter)
 
     def make(name, linear):
         layer = QATLinear.from_linear(linear, config)
