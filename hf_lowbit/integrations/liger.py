@@ -14,9 +14,10 @@
 
 So the two compose when the LM head is a plain ``nn.Linear``, which every recipe leaves it (the output
 embedding is not swapped) except QAT's ``qat_include_lm_head`` and ``lowbit_include_lm_head`` (both refused with
-FLCE in the arguments); a LoRA adapter on the head would be bypassed the same way. ``LowBitTrainerMixin`` applies Liger itself at the end of its ``__init__`` (after our swaps and
-after the base class — trl's ``SFTTrainer`` turns FLCE off there), so ``trainer.model`` shows the result and
-``trainer.lowbit_reports`` ends with :func:`liger_report`; ``train()`` applying it again changes nothing.
+FLCE in the arguments); a LoRA adapter on the head would be bypassed the same way. ``LowBitTrainerMixin`` applies
+Liger itself at the end of its ``__init__`` (after our swaps and after the base class — trl's ``SFTTrainer`` turns
+FLCE off there), so ``trainer.model`` shows the result and ``trainer.lowbit_reports`` ends with
+:func:`liger_report`; ``train()`` applying it again changes nothing.
 """
 
 from __future__ import annotations
