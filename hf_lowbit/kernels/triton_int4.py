@@ -80,6 +80,15 @@ def _dequant_tile(p, s, z, SOFT: tl.constexpr):
 
 
 @triton.jit
+def _split_k_steps(pid_k, steps, SPLIT_K: tl.constexpr):
+    """The ``[first, last)`` of ``steps`` K steps that split ``pid_k`` of ``SPLIT_K`` streams (the last may be
+    shorter, or empty)."""
+    per = tl.cdiv(steps, SPLIT_K)
+    first = pid_k * per
+    return first, tl.minimum(first + per, steps)
+
+
+@triton.jit
 def _int4_decode_kernel(
     x_ptr, p_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K,
@@ -96,10 +105,7 @@ def _int4_decode_kernel(
     mask_n = offs_n < N
     mask_m = offs_m < M
     # this program's K slice, in BLOCK_K steps (K is a multiple of GROUP, GROUP of BLOCK_K)
-    steps = K // BLOCK_K
-    per = tl.cdiv(steps, SPLIT_K)
-    first = pid_k * per
-    last = tl.minimum(first + per, steps)
+    first, last = _split_k_steps(pid_k, K // BLOCK_K, SPLIT_K)
     p_ptrs = p_ptr + offs_n[:, None] * stride_pn + offs_j[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + 2 * offs_j[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -344,10 +350,7 @@ def _int4_tile_decode_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     mask_n = offs_n < NP
     mask_m = offs_m < M
-    steps = KP // BLOCK_K
-    per = tl.cdiv(steps, SPLIT_K)
-    first = pid_k * per
-    last = tl.minimum(first + per, steps)
+    first, last = _split_k_steps(pid_k, KP // BLOCK_K, SPLIT_K)
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in tl.range(first, last, num_stages=NUM_STAGES):
