@@ -139,12 +139,15 @@ def test_bad_format_rejected():
 
 
 # dual_grad_quant: dY's two quantizations from one op (hf_lowbit::quantize_dual), the same bits as the split path
-def _dual_counted(monkeypatch, device="cpu"):
-    """Count the runs of ``hf_lowbit::quantize_dual``'s body (its plain-torch reference, on CUDA its Triton kernels);
-    compiled: when AOTAutograd traces into it (dynamo keeps the op opaque, so the count adds no graph break)."""
+def _dual_counted(monkeypatch, device="cpu", fmt="int8"):
+    """Count the runs of ``hf_lowbit::quantize_dual``'s body (its plain-torch reference; on CUDA its Triton kernels,
+    except for a tensorwise format, whose one scale needs none); compiled: when AOTAutograd traces into it (dynamo
+    keeps the op opaque, so the count adds no graph break)."""
     import importlib
 
-    name, fn = (("triton_quant", "quantize_dual_triton") if device == "cuda" else
+    from hf_lowbit.kernels import get_format
+
+    name, fn = (("triton_quant", "quantize_dual_triton") if device == "cuda" and not get_format(fmt).tensorwise else
                 ("quantize_dual", "quantize_dual_reference"))
     module = importlib.import_module(f"hf_lowbit.kernels.{name}")
     calls = []
@@ -171,7 +174,7 @@ def _dual_grads(fmt, dual, device="cpu", cache=False, compile=False, **config):
 
 
 def _assert_dual_equals_split(fmt, monkeypatch, device="cpu", **kw):
-    calls = _dual_counted(monkeypatch, device)
+    calls = _dual_counted(monkeypatch, device, fmt)
     split = _dual_grads(fmt, False, device, **kw)
     assert not calls
     torch._dynamo.reset()
