@@ -186,30 +186,38 @@ def test_triton_quantize_t_cuda(i):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_weight_refresh_llama_shapes_cuda(fmt):
-    """The weight cache's refresh (quantize_weight: the "rows" kernel, both layouts from one pass) on a Llama-8B
-    layer's weight shapes, in place as every refresh after the first: the codes and scales equal the two-kernel
-    path's, the transposed codes equal the codes transposed. The small shapes of check_quantize_t passed while, at
-    these, the fp8 transposed layout came out wrong on the H200 (trainer_grad_check at 47a45b8: FP8's cache with
-    ~107M of 218M transposed codes differing; FP8 through the Trainer with accumulation diverged)."""
+@pytest.mark.parametrize("fmt,variant", [
+    ("int8", None), ("fp8", None), ("int8", "rows"), ("int8", "two_kernel"), ("fp8", "two_kernel"),
+    pytest.param("fp8", "rows", marks=pytest.mark.xfail(strict=False, reason=(
+        "FP8's transposed codes from the rows kernel differed at Llama shapes on the H200 (trainer_grad_check at "
+        "47a45b8), so quantize_weight uses the two-kernel path for FP8; not yet run standalone on the GPU")))])
+def test_weight_refresh_llama_shapes_cuda(fmt, variant):
+    """The weight cache's refresh (quantize_weight: both layouts from one pass) on a Llama-8B layer's weight
+    shapes, in place as every refresh after the first, by its default kernels (``variant=None``) and by each
+    variant: the codes and scales equal the two-kernel path's, the transposed codes equal the codes transposed.
+    check_quantize_t's small shapes pass for every variant; at these, FP8's transposed codes from the rows kernel
+    came out wrong inside the Trainer (~107M of 218M in 2 layers; FP8 with accumulation diverged)."""
+    import torch
+
     from hf_lowbit.kernels import get_format, quantize_weight
     from hf_lowbit.kernels.triton_quant import quantize_t_triton
 
     f = get_format(fmt)
     torch.manual_seed(0)
+    bits = lambda t: t.view(torch.uint8)  # noqa: E731
     for n, k in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 1, n, device="cuda")[:, None].bfloat16()
         out = (torch.empty(n, k, dtype=f.dtype, device="cuda"), torch.empty(n, dtype=torch.float32, device="cuda"),
                torch.empty(k, n, dtype=f.dtype, device="cuda"))
-        q, s, qt = quantize_weight(fmt, w, out=out)
+        q, s, qt = quantize_weight(fmt, w, out=out, **({} if variant is None else {"variant": variant}))
         assert q is out[0] and qt is out[2]
         rq, rs = quantize_t_triton(w.T, f.dtype, f.qmax, variant="two_kernel")
-        bits = lambda t: t.view(torch.uint8)  # noqa: E731
-        assert torch.equal(s, rs), f"{fmt} {(n, k)}: scales differ"
-        assert torch.equal(bits(q), bits(rq)), f"{fmt} {(n, k)}: {(bits(q) != bits(rq)).sum().item()} codes differ"
-        bad = (bits(qt) != bits(q.T)).sum().item()
-        assert bad == 0, f"{fmt} {(n, k)}: {bad} of {qt.numel()} transposed codes differ from the codes"
+        what = f"{fmt} {variant or 'default'} {(n, k)}"
+        assert torch.equal(s, rs), f"{what}: scales differ"
+        assert torch.equal(bits(q), bits(rq)), f"{what}: {(bits(q) != bits(rq)).sum().item()} codes differ"
+        bad = bits(qt) != bits(q.T)
+        assert not bad.any(), (f"{what}: {bad.sum().item()} of {qt.numel()} transposed codes differ, in "
+                               f"{bad.any(1).sum().item()} of {k} rows and {bad.any(0).sum().item()} of {n} columns")
 
 
 def test_triton_quantize_t_variants_interpreted():

@@ -119,6 +119,13 @@ def scaled_matmul_grads(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor, x: T
     return dx, f.scaled_mm(qc, qx, sc, sx, dw_dtype)
 
 
+# quantize_weight's kernels on CUDA, per format. FP8 stays on the two-kernel path: on the H200 (Triton 3.6) the rows
+# kernel's transposed FP8 codes came out wrong at a Llama layer's shapes (trainer_grad_check at 47a45b8: ~107M of
+# 218M of the cache's transposed codes differing from its codes, FP8 through the Trainer with accumulation
+# diverging; the two-kernel refresh: none differ) while INT8's were exact, and the tests' small shapes passed
+WEIGHT_VARIANT = {"int8": "rows", "fp8": "two_kernel"}
+
+
 @torch.no_grad()
 def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, **kernel: object) -> tuple[Tensor, ...]:
     """Everything a linear's weight ``w [N, K]`` takes part in, from one call: ``(q [N, K], scale [N])`` per
@@ -126,9 +133,9 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
     transposed, ``qt [K, N]`` (the input gradient's, :func:`scaled_matmul_input_grad`). ``out``: three
     preallocated tensors to write into (in place, so CUDA graphs that read them stay valid). ``kernel``: on CUDA,
     which Triton kernels and tiles (``variant``, ``tiles``, ... of
-    :func:`hf_lowbit.kernels.triton_quant.quantize_t_triton`), all giving the same bits; default: the row-wise
-    kernel (``variant="rows"``: contiguous loads along each weight row, 1.45x the two-kernel path over a Llama-8B
-    layer on the H200); unused off CUDA (plain torch) and for a tensorwise format (its codes need no kernel)."""
+    :func:`hf_lowbit.kernels.triton_quant.quantize_t_triton`), all giving the same bits; default: ``WEIGHT_VARIANT[fmt]`` (INT8: the
+    row-wise kernel, ``variant="rows"``: contiguous loads along each weight row, 1.45x the two-kernel path over a
+    Llama-8B layer on the H200; FP8: the two-kernel path, see ``WEIGHT_VARIANT``); unused off CUDA (plain torch) and for a tensorwise format (its codes need no kernel)."""
     if w.is_cuda and not FORMATS[fmt].tensorwise:
         from torch._library.triton import set_wrap_triton_enabled
 
@@ -139,7 +146,8 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
         # wrap_triton's dispatch costs ~1 ms a launch, which made a refresh of 8 Llama-8B layers ~70 ms. Both
         # layouts come from one pass (the transposed codes are stored from the same registers)
         with set_wrap_triton_enabled(False):
-            return quantize_t_triton(w.T, f.dtype, f.qmax, out=out, both_layouts=True, **(kernel or {"variant": "rows"}))
+            return quantize_t_triton(w.T, f.dtype, f.qmax, out=out, both_layouts=True,
+                                     **(kernel or {"variant": WEIGHT_VARIANT[fmt]}))
     q, s = quantize_operand(fmt, w, 1)
     if out is not None:
         q, s = out[0].copy_(q), out[1].copy_(s)
