@@ -196,7 +196,7 @@ def test_weight_refresh_llama_shapes_cuda(fmt, variant):
     shapes, in place as every refresh after the first, by its default kernels (``variant=None``) and by each
     variant: the codes and scales equal the two-kernel path's, the transposed codes equal the codes transposed.
     check_quantize_t's small shapes pass for every variant; at these, FP8's transposed codes from the rows kernel
-    came out wrong inside the Trainer (~107M of 218M in 2 layers; FP8 with accumulation diverged)."""
+    came out wrong inside the Trainer (~107M of 436M in 2 layers; FP8 with accumulation diverged)."""
     import torch
 
     from hf_lowbit.kernels import get_format, quantize_weight

@@ -121,7 +121,7 @@ def scaled_matmul_grads(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor, x: T
 
 # quantize_weight's kernels on CUDA, per format. FP8 stays on the two-kernel path: on the H200 (Triton 3.6) the rows
 # kernel's transposed FP8 codes came out wrong at a Llama layer's shapes (trainer_grad_check at 47a45b8: ~107M of
-# 218M of the cache's transposed codes differing from its codes, FP8 through the Trainer with accumulation
+# 436M of the cache's transposed codes differing from its codes, FP8 through the Trainer with accumulation
 # diverging; the two-kernel refresh: none differ) while INT8's were exact, and the tests' small shapes passed
 WEIGHT_VARIANT = {"int8": "rows", "fp8": "two_kernel"}
 
