@@ -44,16 +44,18 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "before it)", [
         B + "benchmark_regimes.py --timeout 240 --blocks ${BLOCKS:-all} --keep_dir $OUT --json $OUT/regimes_h200.json "
         "--markdown $OUT/regimes_h200.md ${EXTRA:-}"]),
-    "trainer_grad_check": ("FP8's Trainer loss with accumulation (trainer_b1_ga8 at 5600f0c: fp8 with atomic_rcp "
-                           "10.33 against bf16 8.39): LowBitTrainer's own compiled loop (2 Llama-8B-shaped layers, "
+    "trainer_grad_check": ("FP8's Trainer loss with accumulation (trainer_b1_ga8_atomic at 47a45b8: fp8 10.33 "
+                           "against bf16 8.39; this stage placed it in the rows refresh's transposed FP8 codes, so "
+                           "FP8 refreshes through the two-kernel path since; refreshrows: the rows kernel forced): "
+                           "LowBitTrainer's own compiled loop (2 Llama-8B-shaped layers, "
                            "1x2048, accumulation 8, weight cache, CUDA graphs, bf16 autocast), checked at each step's "
                            "first micro-batch: the weight cache against a fresh quantization, the loss and every "
                            "gradient against the same recipe run eagerly uncached and against bf16 (cosines). One "
                            "process per CONFIGS entry (fmt:variant[+nocache|+nographs|+refresh2k|+noanalysis]; the "
                            "JSON is rewritten after each: a cut call keeps what finished)",
-                           "~1 min per config (estimate; not yet run)", [
-        "timeout 570 " + B + "trainer_grad_check.py --timeout 150 --configs ${CONFIGS:-fp8:atomic_rcp,fp8:two_kernel,"
-        "fp8:atomic_rcp+nocache,int8:atomic_rcp,fp8:atomic_rcp+noanalysis,fp8:atomic_rcp+nographs} "
+                           "~50 s per config (47a45b8: 6 configs in 302 s)", [
+        "timeout 570 " + B + "trainer_grad_check.py --timeout 150 --configs ${CONFIGS:-fp8:two_kernel,fp8:atomic_rcp,"
+        "fp8:two_kernel+refreshrows,int8:atomic_rcp} "
         "--json $OUT/trainer_grad_check_h200.json --markdown $OUT/trainer_grad_check_h200.md"]),
     "qlora_regimes": ("issue 24: LoRA r16 over a bf16 base, our NF4+INT8 and INT8+INT8 bases, PEFT + bitsandbytes; hand "
                       "loop and Trainer; BLOCKS: a subset of the qlora_* blocks", "4-5 min per block", [

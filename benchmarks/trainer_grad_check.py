@@ -19,8 +19,10 @@ Every optimizer step:
 
 A configuration is ``fmt:variant`` (``fmt`` int8 / fp8, ``variant`` the activation quantization of
 ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT``) plus ``+``-joined switches: ``nocache``
-(``lowbit_weight_cache=False``), ``nographs`` (``lowbit_cuda_graphs=False``), ``refresh2k`` (the weight refresh through
-the two-kernel path instead of the row kernel), ``noanalysis`` (``HF_LOWBIT_TRITON_ANALYSIS_CACHE=0``); ``bf16`` is
+(``lowbit_weight_cache=False``), ``nographs`` (``lowbit_cuda_graphs=False``), ``refresh2k`` / ``refreshrows`` (the
+weight refresh through the two-kernel path / the row kernel, whatever ``hf_lowbit.kernels.WEIGHT_VARIANT`` picks for the
+format: FP8's rows refresh gave wrong transposed codes on the H200 at 47a45b8), ``noanalysis``
+(``HF_LOWBIT_TRITON_ANALYSIS_CACHE=0``); ``bf16`` is
 the stock ``Trainer`` (losses only). Each row also carries the losses the Trainer logged.
 """
 
@@ -39,7 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.driver import (add_int_flags, error_cell, llama_config, meta, run_worker, save_json,  # noqa: E402
                                write_results)
 
-SWITCHES = ("nocache", "nographs", "refresh2k", "noanalysis")
+SWITCHES = ("nocache", "nographs", "refresh2k", "refreshrows", "noanalysis")
+REFRESH = {"refresh2k": "two_kernel", "refreshrows": "rows"}  # switch: quantize_weight's variant
 DEFAULT_CONFIGS = "bf16,fp8:atomic_rcp,fp8:two_kernel,fp8:atomic_rcp+nocache,int8:atomic_rcp"
 
 
@@ -132,12 +135,15 @@ def worker(a) -> dict:
     Q = importlib.import_module("hf_lowbit.kernels.quantize_t")  # the package's attribute quantize_t is the op
     if variant is not None:
         Q.ACTIVATION_VARIANT = _variant_setting(Q.ACTIVATION_VARIANT, fmt, variant)
-    if "refresh2k" in switches:  # the weight refresh through the two-kernel path (the refresh's default before 98ac789)
+    refresh = [REFRESH[k] for k in switches if k in REFRESH]
+    if len(refresh) > 1:
+        raise SystemExit(f"--config {a.config}: refresh2k and refreshrows exclude each other")
+    if refresh and cuda:  # the weight refresh through one kernel path (off CUDA the refresh is plain torch)
         from functools import partial
 
         import hf_lowbit.mixed_precision.linear as L
 
-        L.quantize_weight = partial(L.quantize_weight, variant="two_kernel") if cuda else L.quantize_weight
+        L.quantize_weight = partial(L.quantize_weight, variant=refresh[0])
     torch.manual_seed(0)
     with torch.device(a.device):
         model = AutoModelForCausalLM.from_config(llama_config(a), dtype=torch.bfloat16, attn_implementation="sdpa")
