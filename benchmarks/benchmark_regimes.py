@@ -39,7 +39,8 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   same bits): speed over whole steps and, through the Trainer, FP8's loss with ``atomic_rcp``. Recorded at 5600f0c
   the layers blocks had ``int8``, ``int8_atomic_rcp``, ``fp8``, ``fp8_atomic_rcp`` (both defaults then
   ``two_kernel``).
-* ``layers_b8_tensorwise``, ``layers_b1_tensorwise``, ``trainer_b1_ga8_tensorwise`` (issue 25's directions): fp8
+* ``layers_b8_tensorwise``, ``layers_b1_tensorwise``, ``trainer_b1_ga8_tensorwise``, ``trainer_b8_tensorwise``
+  (issue 25's directions; the last with int8 too, the Trainer's 8x2048 row): fp8
   (row-wise scales) beside ``fp8_tensorwise`` (one scale per tensor, ``fp8_tensorwise_mixed_precision``: no per-column
   quantization kernels, cuBLAS's tensorwise FP8 GEMM) and, in the layers blocks, torchao's float8 ``rowwise``
   (``torchao_float8``) and ``tensorwise`` (``torchao_float8_tensorwise``) recipes: speed and, through the Trainer, loss.
@@ -140,6 +141,7 @@ BLOCKS = {
     "layers_b8_tensorwise": ("layers", 8, 1, "default", TENSORWISE, []),
     "layers_b1_tensorwise": ("layers", 1, 1, "default", TENSORWISE, []),
     "trainer_b1_ga8_tensorwise": ("trainer", 1, 8, "default", "bf16,fp8,fp8_tensorwise", []),
+    "trainer_b8_tensorwise": ("trainer", 8, 1, "default", "bf16,int8,fp8,fp8_tensorwise", []),
     # issue 25's directions: the LM head (32000 x 4096 here) in INT8 / FP8 beside it in bf16, speed and loss; the Trainer
     # path only (the layers path keeps the head bf16, outside its compiled layers)
     "trainer_b8_head": ("trainer", 8, 1, "default", HEAD, []),

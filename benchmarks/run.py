@@ -36,7 +36,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "layers_b8_shared, trainer_b8_shared, and forced at 1x2048: layers_b1_shared, trainer_b1_ga8_shared; "
                 "one a call; quantize_t's variants against each format's default: layers_b8_atomic, layers_b1_atomic, "
                 "trainer_b1_ga8_atomic (FP8's loss through the Trainer with atomic_rcp); FP8 tensorwise and torchao's: "
-                "layers_b8_tensorwise, layers_b1_tensorwise, trainer_b1_ga8_tensorwise; the LM head in low bit "
+                "layers_b8_tensorwise, layers_b1_tensorwise, trainer_b1_ga8_tensorwise, trainer_b8_tensorwise; the LM head in low bit "
                 "(lowbit_include_lm_head, Trainer path only): trainer_b8_head, trainer_b1_ga8_head; EXTRA: flags for "
                 "benchmark_train.py, e.g. EXTRA='--recipes bf16,fp8_unshared' to run part of a block)",
                 "~3.5 min per 5-recipe layers block (5600f0c: 205 s at 8x2048, 158 s at 1x2048); a Trainer block of 4 "

@@ -436,10 +436,11 @@ def test_fp8_tensorwise_recipes_and_blocks():
                 bench.check_recipe_active(model, other, "cpu")
     tensorwise = "bf16,fp8,fp8_tensorwise,torchao_float8,torchao_float8_tensorwise"
     assert {name: BLOCKS[name][:5] for name in ("layers_b8_tensorwise", "layers_b1_tensorwise",
-                                                "trainer_b1_ga8_tensorwise")} == {
+                                                "trainer_b1_ga8_tensorwise", "trainer_b8_tensorwise")} == {
         "layers_b8_tensorwise": ("layers", 8, 1, "default", tensorwise),
         "layers_b1_tensorwise": ("layers", 1, 1, "default", tensorwise),
-        "trainer_b1_ga8_tensorwise": ("trainer", 1, 8, "default", "bf16,fp8,fp8_tensorwise")}
+        "trainer_b1_ga8_tensorwise": ("trainer", 1, 8, "default", "bf16,fp8,fp8_tensorwise"),
+        "trainer_b8_tensorwise": ("trainer", 8, 1, "default", "bf16,int8,fp8,fp8_tensorwise")}
 
 
 def test_activation_memory_probe_partition_xcodes_keeps_what_int8_keeps(tmp_path):
