@@ -133,9 +133,10 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
     transposed, ``qt [K, N]`` (the input gradient's, :func:`scaled_matmul_input_grad`). ``out``: three
     preallocated tensors to write into (in place, so CUDA graphs that read them stay valid). ``kernel``: on CUDA,
     which Triton kernels and tiles (``variant``, ``tiles``, ... of
-    :func:`hf_lowbit.kernels.triton_quant.quantize_t_triton`), all giving the same bits; default: ``WEIGHT_VARIANT[fmt]`` (INT8: the
-    row-wise kernel, ``variant="rows"``: contiguous loads along each weight row, 1.45x the two-kernel path over a
-    Llama-8B layer on the H200; FP8: the two-kernel path, see ``WEIGHT_VARIANT``); unused off CUDA (plain torch) and for a tensorwise format (its codes need no kernel)."""
+    :func:`hf_lowbit.kernels.triton_quant.quantize_t_triton`), all meant to give the same bits; default:
+    ``WEIGHT_VARIANT[fmt]`` (INT8: the row-wise kernel, ``variant="rows"``: contiguous loads along each weight row,
+    1.45x the two-kernel path over a Llama-8B layer on the H200; FP8: the two-kernel path, see ``WEIGHT_VARIANT``);
+    unused off CUDA (plain torch) and for a tensorwise format (its codes need no kernel)."""
     if w.is_cuda and not FORMATS[fmt].tensorwise:
         from torch._library.triton import set_wrap_triton_enabled
 
