@@ -15,7 +15,7 @@ kernel as it was before its FP8 codes were built with integer ops (``fp8-cvt``: 
 PTX through ptxas 12.8, Triton's, and 12.9, ``ptxas-blackwell``): the fp32 -> fp8 conversions in the TTGIR and the
 PTX, the codes' layouts, and from the SASS the stores of the encode loop whose data comes from the loop's previous
 iteration (a register read before this iteration writes it, not a prefetched load): ptxas's miscompile of the FP8
-transposed store.
+transposed store. Then the same check of the fused column kernel (FP8, one layout and both).
 """
 
 from __future__ import annotations
@@ -159,8 +159,8 @@ def _carried_stores(sass: str) -> tuple[list[tuple], int]:
             regs = [_reg(o) for o in ops]
             if op.startswith(("STS", "STG", "ST.")):
                 n = 4 if op.endswith(".128") else 2 if op.endswith(".64") else 1
-                data = [get(regs[1])[0]] if op.endswith(("U8", ".8")) else \
-                    [b for r in range(regs[1], regs[1] + n) for b in get(r)]
+                data = get(regs[1])[:1] if op.endswith(("U8", ".8")) else get(regs[1])[:2] if op.endswith(
+                    ("U16", ".16")) else [b for r in range(regs[1], regs[1] + n) for b in get(r)]
                 report.append((a, op, ops[0], sorted({f"R{r}.b{b}" for s in data for r, b in s})))
                 continue
             if op.startswith("CALL"):
@@ -273,6 +273,30 @@ def _rows_main(tmp: str, bindir: str) -> int:
                       "iteration's data")
                 for a, op, addr, regs in bad:
                     print(f"    {a:#06x} {op} {addr} <- {' '.join(regs)}")
+    # the other kernel that stores both layouts from one encode in a loop: the fused column kernel (FP8 codes by
+    # the e4m3 cast, in _store_col_tile), M, N divisible by 16 (not in the tests)
+    bm, bn, warps = Q._FUSED_TILES
+    fn = Q._quantize_t_fused_kernel
+    for both in (False, True):
+        sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "seed_ptr": "*fp32", "mul_ptr": "*fp32",
+               "qx_ptr": "*fp8e4nv", "M": "i32", "N": "i32", "stride_xm": "i32"}
+        consts = {"stride_xn": 1, "QMAX": 448.0, "IS_INT8": False, "STOCHASTIC": False, "HAS_MUL": False,
+                  "BOTH_LAYOUTS": both, "BLOCK_M": bm, "BLOCK_N": bn}
+        attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
+                 if t.startswith("*") or k in ("M", "N", "stride_xm")}
+        k = triton.compile(ASTSource(fn, {k: sig.get(k, "constexpr") for k in fn.arg_names}, consts, attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+        base = os.path.join(tmp, f"fused_fp8_both{int(both)}")
+        with open(base + ".cubin", "wb") as f:
+            f.write(k.asm["cubin"])
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", base + ".cubin"], capture_output=True,
+                              text=True, check=True).stdout
+        stores, loop = _carried_stores(sass)
+        bad = [s for s in stores if s[3]]
+        print(f"fused fp8 {bm}x{bn}w{warps}, M, N % 16 == 0, both layouts {both}: F2FP {sass.count('F2FP')}, encode "
+              f"loop stores {len(stores)} ({sum(s[1].startswith('STS') for s in stores)} STS of the transpose): "
+              f"{len(bad)} store the previous iteration's data" + "".join(
+                  f"\n    {a:#06x} {op} {addr} <- {' '.join(regs)}" for a, op, addr, regs in bad))
     return 0
 
 
