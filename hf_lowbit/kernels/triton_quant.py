@@ -18,8 +18,11 @@ twice, absmax then encode, the second pass backwards so that it starts on what t
 - ``"rows"``: ``BLOCK_R`` rows of ``w = x.T`` (the weight cache's refresh, ``x = w.T`` with ``w [N, K]``
   row-major), tiles ``[BLOCK_R, BLOCK_K]`` with contiguous loads, codes stored in ``w``'s layout (and transposed).
   Its FP8 transposed codes (``both_layouts``) came out wrong inside the Trainer on the H200 at a Llama layer's
-  shapes while INT8's were exact and the tests' small shapes pass (session 14, ``trainer_grad_check``): the weight
-  cache refreshes FP8 through the two-kernel path (``hf_lowbit.kernels.WEIGHT_VARIANT``) until that is understood.
+  shapes while INT8's were exact and the tests' small shapes pass (session 14, ``trainer_grad_check``): ptxas's
+  SASS of the fp32 -> e4m3 conversion's transposed store reads 4 of each thread's 16 codes from the previous loop
+  iteration (``_quantize_rows_kernel``'s docstring, ``tools/quant_t_sass.py --rows``); its FP8 codes are now built
+  with integer ops. The weight cache refreshes FP8 through the two-kernel path (``hf_lowbit.kernels.WEIGHT_VARIANT``)
+  until the Llama-shape CUDA test confirms that on the GPU.
 
 All three share the jit helpers below (absmax with NaN, scale, rounding), so they give the same bits, stochastic
 rounding included (Philox keyed by the element's index in ``x``, whatever the tiling).
@@ -147,20 +150,42 @@ def _encode_q(y, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STO
     elif IS_INT8:
         q = _rne(y).to(tl.int8)
     else:
-        # Round to the e4m3 grid in fp32 (spacing 2**(e-3) in binade e, 2**-9 below 2**-6), so the cast
-        # is exact and the result equals torch's single round-to-nearest-even cast bit for bit.
-        e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        if POW2:  # 1 / step = 2**-(max(e, -6) - 3): exponent field 127 - (max(e, -6) - 3), in [2, 136]
-            inv = ((127 - (tl.maximum(e, -6) - 3)) << 23).to(tl.float32, bitcast=True)
-            r = (_rne(y * inv) * step).to(tl.int32, bitcast=True)
-        else:
-            r = (_rne(y / step) * step).to(tl.int32, bitcast=True)
-        # a negative y (or -0) that rounds to zero is -0 in torch's cast (code 0x80) but +0 in the rounding above:
-        # y's sign bit copied by hand (Triton's negation is 0 - x, which gives +0 as well)
-        sign = y.to(tl.int32, bitcast=True) & -2147483648
-        q = (r | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
+        q = _round_e4m3(y, POW2).to(tl.float32, bitcast=True).to(tl.float8e4nv)
     return q
+
+
+@triton.jit
+def _round_e4m3(y, POW2: tl.constexpr):
+    """The float32 bits (int32) of ``y`` (clamped to ±448) rounded to the nearest e4m3 value, ties to even, in
+    fp32: on the e4m3 grid, so the cast to e4m3 is exact and equals torch's single round-to-nearest-even cast bit
+    for bit. ``POW2`` as :func:`_encode_q`'s."""
+    # spacing 2**(e-3) in binade e, 2**-9 below 2**-6
+    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    if POW2:  # 1 / step = 2**-(max(e, -6) - 3): exponent field 127 - (max(e, -6) - 3), in [2, 136]
+        inv = ((127 - (tl.maximum(e, -6) - 3)) << 23).to(tl.float32, bitcast=True)
+        r = (_rne(y * inv) * step).to(tl.int32, bitcast=True)
+    else:
+        r = (_rne(y / step) * step).to(tl.int32, bitcast=True)
+    # a negative y (or -0) that rounds to zero is -0 in torch's cast (code 0x80) but +0 in the rounding above:
+    # y's sign bit copied by hand (Triton's negation is 0 - x, which gives +0 as well)
+    return r | (y.to(tl.int32, bitcast=True) & -2147483648)
+
+
+@triton.jit
+def _e4m3_byte(b):
+    """The e4m3 code (int8 bits) of the float32 with bits ``b`` (int32) from :func:`_round_e4m3`, built with
+    integer ops only (and one fp32 add): no fp32 -> e4m3 conversion instruction (see ``_quantize_rows_kernel``).
+    The value ``v`` lies on the e4m3 grid, ``|v| <= 448``. Normal (``|v| >= 2**-6``, exponent field ``E >= 121``):
+    ``a >> 20`` is ``E << 3 | m`` (``m`` its top 3 mantissa bits, the rest 0) and the code ``(E - 120) << 3 | m``;
+    below, ``|v| = m * 2**-9`` (``m`` = 0..7) and ``|v| + 2**-6`` (exact) is normal with mantissa ``m``, so
+    ``E = 121``. Zero keeps its sign (-0: 0x80); NaN (which the interpreter's clamp keeps) is 0x7F | sign, as
+    torch's cast."""
+    a = b & 0x7FFFFFFF
+    sub = ((a.to(tl.float32, bitcast=True) + 0.015625).to(tl.int32, bitcast=True) >> 20) - (121 << 3)
+    code = tl.where(a >= 121 << 23, (a >> 20) - (120 << 3), sub)
+    code = tl.where(a > 0x7F800000, 0x7F, code)
+    return (code | ((b >> 24) & 0x80)).to(tl.int8)
 
 
 @triton.jit
@@ -342,7 +367,20 @@ def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qt_ptr, R,
     """``variant="rows"``: ``w [R, K]`` (``= x.T``) quantized per row, one program per ``BLOCK_R`` rows, ``K`` read
     twice with loads along ``w``'s rows; codes stored in ``w``'s layout ``q [R, K]`` (row-major: no transpose)
     and, with ``BOTH_LAYOUTS``, transposed into ``qt [K, R]``. In ``x``'s terms ``M = K``, ``N = R``, so the
-    Philox counter of ``w[r, k]`` is ``k * R + r``, as the column kernels'."""
+    Philox counter of ``w[r, k]`` is ``k * R + r``, as the column kernels'.
+
+    FP8 codes are built as int8 bits with integer ops (:func:`_e4m3_byte`) and stored through int8 views: after
+    the encode, the INT8 kernel's code path (the same TTGIR ops and layouts; no fp32 -> e4m3 conversion). With the
+    conversion (``cvt.rn.satfinite.e4m3x2.f32``: two codes in a 16-bit register, each byte then stored to shared
+    memory for the transpose, the odd one by ``shr.u16``) ptxas (12.8, Triton 3.6's, and 12.9) miscompiles the
+    transposed store at the CUDA tiles when ``R``, ``K`` are divisible by 16 (a Llama layer's shapes; the tests' odd
+    shapes get another layout): each thread holds 16 codes along ``k`` and the odd code of the low pair of each
+    32-bit word (``k`` = 1, 5, 9, 13 mod 16) is shifted out of a register (``SHF.R.U32.HI R16, RZ, 0x8, R35``)
+    before the ``PRMT`` that copies this iteration's ``F2FP.PACK_AB_MERGE_C`` pair into it: those 4 of 16 bytes of
+    ``qt`` are the previous iteration's codes (``k + BLOCK_K``; the first iteration's, whatever the register held),
+    ``q`` is right. Session 14 measured 107.6M of 436M (24.7%) transposed codes wrong. Found in the SASS
+    (``tools/quant_t_sass.py --rows``), not yet on the GPU."""
+    q8_ptr, qt8_ptr = q_ptr.to(tl.pointer_type(tl.int8)), qt_ptr.to(tl.pointer_type(tl.int8))  # int8: the same
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
@@ -356,12 +394,18 @@ def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qt_ptr, R,
     for i in range(0, n_blocks):  # backwards: the columns read last in the first pass are the likeliest in L2
         offs_k = (n_blocks - 1 - i) * BLOCK_K + tl.arange(0, BLOCK_K)
         w = _load_w(w_ptr, offs_r, offs_k, R, K, stride_wr, stride_wk, mul_ptr, HAS_MUL)
-        q = _encode(w, scale[:, None], seed, offs_k[None, :].to(tl.int64) * R + offs_r[:, None], QMAX, IS_INT8,
-                    STOCHASTIC)
+        if IS_INT8:
+            q = _encode(w, scale[:, None], seed, offs_k[None, :].to(tl.int64) * R + offs_r[:, None], QMAX, IS_INT8,
+                        STOCHASTIC)
+        else:  # FP8: int8 bits from integer ops (no cvt...e4m3x2: see the docstring), stored through int8 views;
+            # the rounding step's reciprocal from its exponent bits (POW2: the same bits, a multiply a code instead
+            # of MUFU.RCP and its fixups), which keeps the encode loop at the conversion's instruction count
+            y = tl.minimum(tl.maximum(tl.math.div_rn(w, scale[:, None]), -QMAX), QMAX)
+            q = _e4m3_byte(_round_e4m3(y, True))
         mask = mask_r[:, None] & (offs_k[None, :] < K)
-        tl.store(q_ptr + offs_r[:, None] * K + offs_k[None, :], q, mask=mask)
+        tl.store(q8_ptr + offs_r[:, None] * K + offs_k[None, :], q, mask=mask)
         if BOTH_LAYOUTS:
-            tl.store(qt_ptr + offs_k[:, None] * R + offs_r[None, :], tl.trans(q),
+            tl.store(qt8_ptr + offs_k[:, None] * R + offs_r[None, :], tl.trans(q),
                      mask=(offs_k[:, None] < K) & mask_r[None, :])
 
 
