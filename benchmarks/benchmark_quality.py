@@ -57,7 +57,7 @@ from benchmarks.driver import (add_int_flags, compile_layers, llama_config, meta
 from hf_lowbit import LowBitTrainingArguments, prepare_model  # noqa: E402
 from hf_lowbit.data import arithmetic_records, pack  # noqa: E402
 
-RECIPES = ("bf16", "int8", "fp8", "int8_sr")  # full fine-tunes (driver.recipe_args)
+RECIPES = ("bf16", "int8", "fp8", "fp8_tensorwise", "int8_sr")  # full fine-tunes (driver.recipe_args)
 LORA_RECIPES = ("lora_bf16", "lora_nf4", "lora_nf4_int8", "lora_int8_int8")
 
 

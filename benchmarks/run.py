@@ -105,11 +105,12 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         "--plot $OUT/quality_h200.png"]),
     "quality_parity": ("issue 14's loss parity: 143M Llama, 1,500 steps, the recipes at once on one GPU, each layer "
                        "compiled; the corpus adds installed packages' docstrings (~5.6M tokens) so the steps do not "
-                       "repeat it; run it alone in a call", "~9.5 min", [
+                       "repeat it; run it alone in a call; RECIPES: which (default bf16,int8,fp8; e.g. "
+                       "bf16,fp8,fp8_tensorwise for FP8 tensorwise's parity)", "~9.5 min", [
         "timeout 570 " + B + "benchmark_quality.py --compile_layers --parallel --corpus_packages "
         "torch,transformers,sympy,networkx,numpy --layers 12 --hidden 1024 --intermediate 2816 --heads 16 --kv_heads 4 "
         "--seq 256 --batch 8 --steps 1500 --warmup 100 --lr 3e-4 --json $OUT/quality_parity_h200.json "
-        "--markdown $OUT/quality_parity_h200.md --plot $OUT/quality_parity_h200.png"]),
+        "--markdown $OUT/quality_parity_h200.md --plot $OUT/quality_parity_h200.png --recipes ${RECIPES:-bf16,int8,fp8}"]),
     "seed_table": ("issue 18's seed table: TinyLlama-1.1B shape, 16x2048 real-text tokens, bf16 + 5 INT8 rows; BATCH: "
                    "16 as in the seed (if bf16 runs out of memory the script says so: rerun with BATCH=8)", "7-8 min", [
         B + "benchmark_seed_table.py --batch ${BATCH:-16} --timeout 170 --raw $OUT/seed_table_rows.json "
