@@ -14,7 +14,9 @@ Two single-kernel variants (``variant=``; issue 25: the two-kernel path ran at ~
 ~0.9 TB/s on the weight refresh, far from the H200's 4.8) own whole columns of ``x`` per program and read them
 twice, absmax then encode, the second pass backwards so that it starts on what the first left in L2:
 
-- ``"fused"``: a strip of ``BLOCK_N`` columns of a row-major ``x`` (activations), tiles ``[BLOCK_M, BLOCK_N]``;
+- ``"fused"``: a strip of ``BLOCK_N`` columns of a row-major ``x`` (activations), tiles ``[BLOCK_M, BLOCK_N]``
+  (FP8 with ``both_layouts`` where ``M``, ``N`` are multiples of 16: its sm_90 SASS stores 4 of 8 transposed pairs
+  from the previous iteration, as the rows kernel's did, ``tools/quant_t_sass.py --rows``; nothing uses it so);
 - ``"rows"``: ``BLOCK_R`` rows of ``w = x.T`` (the weight cache's refresh, ``x = w.T`` with ``w [N, K]``
   row-major), tiles ``[BLOCK_R, BLOCK_K]`` with contiguous loads, codes stored in ``w``'s layout (and transposed).
   Its FP8 transposed codes (``both_layouts``) came out wrong inside the Trainer on the H200 at a Llama layer's
