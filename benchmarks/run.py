@@ -57,19 +57,19 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         "timeout 570 " + B + "trainer_grad_check.py --timeout 150 --configs ${CONFIGS:-fp8:two_kernel,fp8:atomic_rcp,"
         "fp8:two_kernel+refreshrows,int8:atomic_rcp} "
         "--json $OUT/trainer_grad_check_h200.json --markdown $OUT/trainer_grad_check_h200.md"]),
-    "fp8_cache": ("FP8's weight cache after session 14 (docs/benchmarks.md, 'FP8's weight cache'), one call: the "
-                  "Llama-shape CUDA tests of the refresh and of every quantize_t variant (an XPASS of FP8 'rows' lets "
-                  "WEIGHT_VARIANT['fp8'] go back to 'rows'), trainer_grad_check's default configs (refreshrows among "
-                  "them), then the trainer_b1_ga8_atomic block's bf16 and FP8 recipes (FP8's loss with accumulation)",
-                  "~8.5 min (estimate from session 14's calls: tests ~70 s, 3 configs ~150 s, 3 Trainer recipes ~280 s)", [
+    "fp8_cache": ("FP8's weight cache back on the rows kernel (WEIGHT_VARIANT['fp8'] = 'rows' after the Llama-shape "
+                  "CUDA tests passed for it at cc5925f; docs/benchmarks.md, 'FP8's weight cache'), one call: those tests, "
+                  "trainer_grad_check's FP8 config (its refresh now the rows kernel: the cache against a fresh "
+                  "quantization at each step), then the Trainer at 1x2048 with accumulation 8 (trainer_b1_ga8) for "
+                  "RECIPES (default bf16,int8,fp8,fp8_tensorwise: the README's rows and FP8 tensorwise's loss beside them)",
+                  "~9 min (session 15: tests ~70 s, a grad-check config ~50 s, a Trainer recipe ~95 s)", [
         "timeout 120 python3 -m pytest -q -rfEsxX -p no:cacheprovider -m cuda tests/test_triton_int8.py -k llama "
         "$(python3 -c 'import xdist' 2>/dev/null && echo \"-n ${WORKERS:-8}\") 2>&1 | tee $OUT/pytest_llama_shapes.txt "
         "|| true",
-        "timeout 240 " + B + "trainer_grad_check.py --timeout 100 --configs ${CONFIGS:-fp8:two_kernel,"
-        "fp8:two_kernel+refreshrows,int8:atomic_rcp} --json $OUT/trainer_grad_check_h200.json "
-        "--markdown $OUT/trainer_grad_check_h200.md",
-        B + "benchmark_regimes.py --timeout 150 --blocks trainer_b1_ga8_atomic --keep_dir $OUT "
-        "--json $OUT/regimes_h200.json --markdown $OUT/regimes_h200.md --recipes ${RECIPES:-bf16,fp8,fp8_atomic_rcp}"]),
+        "timeout 150 " + B + "trainer_grad_check.py --timeout 100 --configs ${CONFIGS:-fp8:two_kernel} "
+        "--json $OUT/trainer_grad_check_h200.json --markdown $OUT/trainer_grad_check_h200.md",
+        B + "benchmark_regimes.py --timeout 150 --blocks trainer_b1_ga8 --keep_dir $OUT "
+        "--json $OUT/regimes_h200.json --markdown $OUT/regimes_h200.md --recipes ${RECIPES:-bf16,int8,fp8,fp8_tensorwise}"]),
     "qlora_regimes": ("issue 24: LoRA r16 over a bf16 base, our NF4+INT8 and INT8+INT8 bases, PEFT + bitsandbytes; hand "
                       "loop and Trainer; BLOCKS: a subset of the qlora_* blocks", "4-5 min per block", [
         B + "benchmark_regimes.py --timeout 200 --keep_dir $OUT --blocks "

@@ -185,10 +185,6 @@ def test_triton_quantize_t_cuda(i):
     assert check_quantize_t("cuda", **variants[i]) > 0, variants[i]
 
 
-_ROWS_FP8_XFAIL = pytest.mark.xfail(strict=False, reason=(
-    "FP8's transposed codes from the rows kernel differed at Llama shapes on the H200 (trainer_grad_check at 47a45b8: "
-    "a ptxas miscompile of the e4m3 conversion's transposed store, tools/quant_t_sass.py --rows); its codes are built "
-    "with integer ops since, not yet run on the GPU: an XPASS here lets WEIGHT_VARIANT['fp8'] go back to 'rows'"))
 _FUSED_FP8_XFAIL = pytest.mark.xfail(strict=False, reason=(
     "the fused column kernel's FP8 transposed store with both layouts at sizes divisible by 16 reads 4 of its 8 "
     "16-bit shared stores from the previous iteration in its SASS (tools/quant_t_sass.py --rows); nothing uses that "
@@ -198,7 +194,7 @@ _FUSED_FP8_XFAIL = pytest.mark.xfail(strict=False, reason=(
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt,variant", [
     ("int8", None), ("fp8", None), ("int8", "rows"), ("int8", "two_kernel"), ("fp8", "two_kernel"),
-    pytest.param("fp8", "rows", marks=_ROWS_FP8_XFAIL)])
+    ("fp8", "rows")])
 def test_weight_refresh_llama_shapes_cuda(fmt, variant):
     """The weight cache's refresh (quantize_weight: both layouts from one pass) on a Llama-8B layer's weight
     shapes, in place as every refresh after the first, by its default kernels (``variant=None``) and by each
@@ -239,7 +235,7 @@ def test_weight_refresh_llama_shapes_cuda(fmt, variant):
 @pytest.mark.parametrize("fmt,variant", [
     ("int8", "two_kernel"), ("int8", "fused"), ("int8", "atomic"), ("int8", "atomic_rcp"), ("int8", "rows"),
     ("fp8", "two_kernel"), ("fp8", "atomic"), ("fp8", "atomic_rcp"), pytest.param("fp8", "fused", marks=_FUSED_FP8_XFAIL),
-    pytest.param("fp8", "rows", marks=_ROWS_FP8_XFAIL)])
+    ("fp8", "rows")])
 def test_quantize_t_llama_shapes_cuda(fmt, variant):
     """Every quantize_t_triton variant at a Llama-8B layer's activation shapes (2048 tokens x 4096 / 14336, row-major)
     and on a weight's transposed view, both layouts: against the plain-torch reference on the CPU, bit for bit. The

@@ -119,13 +119,13 @@ def scaled_matmul_grads(fmt: str, g: Tensor, qw_t: Tensor, w_scale: Tensor, x: T
     return dx, f.scaled_mm(qc, qx, sc, sx, dw_dtype)
 
 
-# quantize_weight's kernels on CUDA, per format. FP8 stays on the two-kernel path: on the H200 (Triton 3.6) the rows
-# kernel's transposed FP8 codes came out wrong at a Llama layer's shapes (trainer_grad_check at 47a45b8: ~107M of
-# 436M of the cache's transposed codes differing from its codes, FP8 through the Trainer with accumulation
-# diverging; the two-kernel refresh: none differ) while INT8's were exact, and the tests' small shapes passed.
-# Cause found in the SASS (a ptxas miscompile of the fp32 -> e4m3 conversion's transposed store; see
-# _quantize_rows_kernel) and the kernel changed: back to "rows" once test_weight_refresh_llama_shapes_cuda passes
-WEIGHT_VARIANT = {"int8": "rows", "fp8": "two_kernel"}
+# quantize_weight's kernels on CUDA, per format: the rows kernel for both. Its FP8 transposed codes once came out
+# wrong on the H200 (Triton 3.6) at a Llama layer's shapes (trainer_grad_check at 47a45b8: ~107M of 436M of the
+# cache's transposed codes differing, FP8 through the Trainer with accumulation diverging), from a ptxas miscompile
+# of the fp32 -> e4m3 conversion's transposed store (see _quantize_rows_kernel). Its FP8 codes are built with integer
+# ops since; at cc5925f test_weight_refresh_llama_shapes_cuda and test_quantize_t_llama_shapes_cuda pass for it on the
+# H200 and trainer_grad_check's rows refresh leaves no code differing. "two_kernel" stays selectable here
+WEIGHT_VARIANT = {"int8": "rows", "fp8": "rows"}
 
 
 @torch.no_grad()
@@ -136,8 +136,8 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
     preallocated tensors to write into (in place, so CUDA graphs that read them stay valid). ``kernel``: on CUDA,
     which Triton kernels and tiles (``variant``, ``tiles``, ... of
     :func:`hf_lowbit.kernels.triton_quant.quantize_t_triton`), all meant to give the same bits; default:
-    ``WEIGHT_VARIANT[fmt]`` (INT8: the row-wise kernel, ``variant="rows"``: contiguous loads along each weight row,
-    1.45x the two-kernel path over a Llama-8B layer on the H200; FP8: the two-kernel path, see ``WEIGHT_VARIANT``);
+    ``WEIGHT_VARIANT[fmt]`` (the row-wise kernel, ``variant="rows"``: contiguous loads along each weight row,
+    1.45x the two-kernel path over a Llama-8B layer on the H200 for INT8; see ``WEIGHT_VARIANT``);
     unused off CUDA (plain torch) and for a tensorwise format (its codes need no kernel)."""
     if w.is_cuda and not FORMATS[fmt].tensorwise:
         from torch._library.triton import set_wrap_triton_enabled

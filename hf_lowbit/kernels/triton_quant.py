@@ -23,8 +23,8 @@ twice, absmax then encode, the second pass backwards so that it starts on what t
   shapes while INT8's were exact and the tests' small shapes pass (session 14, ``trainer_grad_check``): ptxas's
   SASS of the fp32 -> e4m3 conversion's transposed store reads 4 of each thread's 16 codes from the previous loop
   iteration (``_quantize_rows_kernel``'s docstring, ``tools/quant_t_sass.py --rows``); its FP8 codes are now built
-  with integer ops. The weight cache refreshes FP8 through the two-kernel path (``hf_lowbit.kernels.WEIGHT_VARIANT``)
-  until the Llama-shape CUDA test confirms that on the GPU.
+  with integer ops, and the Llama-shape CUDA tests pass for it on the H200 (cc5925f): the weight cache refreshes both
+  formats through it (``hf_lowbit.kernels.WEIGHT_VARIANT``).
 
 All three share the jit helpers below (absmax with NaN, scale, rounding), so they give the same bits, stochastic
 rounding included (Philox keyed by the element's index in ``x``, whatever the tiling).
