@@ -46,7 +46,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         "--markdown $OUT/regimes_h200.md ${EXTRA:-}"]),
     "trainer_grad_check": ("FP8's Trainer loss with accumulation (trainer_b1_ga8_atomic at 47a45b8: fp8 10.33 "
                            "against bf16 8.39; this stage placed it in the rows refresh's transposed FP8 codes; fixed "
-                           "since, the rows refresh is FP8's default again at 7fe5e8c; refresh2k / refreshrows: a "
+                           "since, the rows refresh is FP8's default again at de9803d; refresh2k / refreshrows: a "
                            "refresh kernel forced): "
                            "LowBitTrainer's own compiled loop (2 Llama-8B-shaped layers, "
                            "1x2048, accumulation 8, weight cache, CUDA graphs, bf16 autocast), checked at each step's "
