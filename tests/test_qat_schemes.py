@@ -188,6 +188,47 @@ def test_gpu_scheme_qat_linear_compiles_without_graph_break_and_trains(scheme):
         assert torch.equal(y, layer(x))
 
 
+@pytest.mark.parametrize("scheme", ["int4_tinygemm", "int4_weight_only"])
+def test_prepared_model_trains_the_plain_model_at_its_fake_quantized_weights(scheme):
+    """Issue 26 (QAT ended worse than PTQ on the H200): a whole prepared Llama, the LM head quantized too, under bf16
+    autocast as ``eval_qat.py`` trains it. Every parameter after ``prepare_qat`` is the object it was (so the
+    optimizer built on the prepared model updates the weights it exports), and one backward gives every parameter
+    (norms and embeddings too) the gradient of the plain model whose linears hold the fake-quantized weights: the
+    straight-through estimator, unmasked (tinygemm's min-max grid clamps nothing; the symmetric grid clamps only a
+    positive absmax, code 7.5 -> 7, and ``_QATLinearFn`` passes its gradient too). After an AdamW step the
+    fake-quantized weights have moved."""
+    base = tiny_model(hidden_size=64, intermediate_size=128)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    before = {n: p for n, p in base.named_parameters()}
+    qat = prepare_qat(base, QATConfig(scheme, 32), include_lm_head=True)
+    assert qat.swapped and any(n == "lm_head" for n, _ in base.named_modules() if isinstance(_, QATLinear))
+    assert all(p is before[n] for n, p in base.named_parameters()) and len(dict(base.named_parameters())) == len(before)
+    layers = {n: m for n, m in base.named_modules() if isinstance(m, QATLinear)}
+    plain = AutoModelForCausalLM.from_config(base.config)
+    plain.load_state_dict(base.state_dict())
+    fq = QATConfig(scheme, 32).spec.fake_quant_weight
+    with torch.no_grad():
+        for n, m in layers.items():
+            plain.get_submodule(n).weight.copy_(fq(m.weight.to(torch.bfloat16), 32).float())
+    ids = torch.randint(0, base.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for model in (base, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    theirs = dict(plain.named_parameters())
+    for n, p in base.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[n].grad, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+    q0 = {n: fq(m.weight.detach().to(torch.bfloat16), 32) for n, m in layers.items()}
+    torch.optim.AdamW(base.parameters(), lr=1e-3).step()
+    for n, m in layers.items():
+        assert not torch.equal(fq(m.weight.detach().to(torch.bfloat16), 32), q0[n]), n
+
+
 def test_gpu_scheme_shape_and_group_rules():
     with pytest.raises(ValueError, match="group_size=48 with scheme 'int4_tinygemm'.*32, 64, 128, 256"):
         QATConfig("int4_tinygemm", 48)
