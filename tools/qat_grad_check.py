@@ -88,7 +88,7 @@ def main():
             "plain compiled vs eager": cosines(plain_c, plain)}
     losses = {"eager": loss, "compiled": loss_c, "STE (plain at fake-quantized weights)": loss_s, "plain eager": plain_loss,
               "plain compiled": plain_loss_c}
-    print(f"{a.scheme} {QATConfig(a.scheme, a.group_size).granularity}, shape {a.shape}, {a.tokens} tokens, {a.device}")
+    print(f"{a.scheme} {qc.granularity}, shape {a.shape}, {a.tokens} tokens, {a.device}")
     print("losses: " + ", ".join(f"{k} {v:.6f}" for k, v in losses.items()))
     for label, cos in rows.items():
         worst = sorted(cos.items(), key=lambda kv: kv[1])[: a.show]
