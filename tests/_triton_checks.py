@@ -373,6 +373,83 @@ def check_quantize_t_variants(device: str, variants: list[dict] | None = None) -
     return n
 
 
+def check_quantize_tensorwise(device: str) -> int:
+    """``quantize_t_triton(w.T, ..., variant="rows", tensorwise=True, both_layouts=True)``, the weight cache's
+    refresh of an ``fp8_tensorwise`` layer (``quantize_weight``), against the plain-torch reference bit for bit: FP8
+    against ``quantize_fp8_tensorwise``, INT8 (the kernel takes it too) against its ``encode`` with the tensor's
+    scale; shapes no tile divides, a row of tiny values (FP8 codes of -0), an all-zero weight (the scale's floor),
+    bf16 and float32, into preallocated buffers that start as poison; a NaN anywhere makes every scale NaN (the
+    codes then are not compared: the reference's are undefined); the options it does not take are refused before
+    anything is launched. Returns the number of checks."""
+    from hf_lowbit.kernels import get_format, quantize_weight
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8_tensorwise
+    from hf_lowbit.kernels.int8 import INT8_MAX
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
+
+    def reference(w, fmt):  # per output row of w [R, K]: (codes [R, K], scales [R])
+        if fmt == "fp8":
+            q, s = quantize_fp8_tensorwise(w, dim=1)
+            return q, s.reshape(-1)
+        scale = w.float().abs().amax().clamp(min=1e-30) / INT8_MAX
+        return get_format("int8").encode(w.float(), scale), scale.expand(w.shape[0])
+
+    bits = lambda t: t.view(torch.uint8) if t.dtype == FP8_DTYPE else t  # noqa: E731
+    shapes = [(70, 300), (4099, 33), (1024, 4096)] if device == "cuda" else [(37, 24), (20, 70)]
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    for R, K in shapes:
+        for case in ("mixed", "zeros", "nan"):
+            w = torch.randn(R, K, generator=g) * torch.logspace(-3, 1, R)[:, None] * 3
+            w[0] *= 1e-9  # a row of tiny values: fp8 codes of +-0
+            if case == "zeros":
+                w.zero_()
+            if case == "nan":
+                w[R // 2, K // 3] = float("nan")
+            for dtype in ((torch.bfloat16, torch.float32) if device == "cuda" or case == "mixed" else (torch.bfloat16,)):
+                wd = w.to(dtype).to(device)
+                for fmt, qdtype, qmax in (("fp8", FP8_DTYPE, FP8_MAX), ("int8", torch.int8, INT8_MAX)):
+                    with PoisonedAllocations():
+                        bufs = (torch.empty(R, K, dtype=qdtype, device=device),
+                                torch.empty(R, dtype=torch.float32, device=device),
+                                torch.empty(K, R, dtype=qdtype, device=device))
+                    got = quantize_t_triton(wd.T, qdtype, qmax, out=bufs, both_layouts=True, variant="rows",
+                                            tensorwise=True)
+                    assert all(a is b for a, b in zip(got, bufs))
+                    q, s, qt = (t.cpu() for t in got)
+                    rq, rs = reference(wd.cpu(), fmt)
+                    what = f"{(R, K)} {case} {dtype} {fmt}"
+                    if case == "nan":
+                        assert torch.isnan(s).all(), f"{what}: a NaN in w must make every scale NaN"
+                    else:
+                        assert torch.equal(s, rs), f"{what}: scales differ ({s[:3]} vs {rs[:3]})"
+                        bad = (bits(q) != bits(rq)).sum().item()
+                        assert bad == 0, f"{what}: {bad} of {q.numel()} codes differ"
+                    assert torch.equal(bits(qt), bits(q.T)), f"{what}: the transposed codes are not q.T"
+                    n += 1
+    # the format's own entry point: quantize_weight("fp8_tensorwise", ...) on the device, the reference elsewhere
+    w = (torch.randn(48, 80, generator=g) * torch.logspace(-2, 1, 48)[:, None]).bfloat16().to(device)
+    q, s, qt = quantize_weight("fp8_tensorwise", w)
+    rq, rs = reference(w.cpu(), "fp8")
+    assert torch.equal(bits(q.cpu()), bits(rq)) and torch.equal(s.cpu(), rs) and torch.equal(bits(qt), bits(q.T))
+    n += 1
+    for bad in (dict(variant="two_kernel"), dict(variant="rows", stochastic=True),
+                dict(variant="rows", row_mul=torch.ones(48, device=device))):
+        try:
+            quantize_t_triton(w.T, torch.int8, INT8_MAX, tensorwise=True, **bad)
+        except ValueError as e:
+            assert "tensorwise=True" in str(e), e
+        else:
+            raise AssertionError(f"tensorwise=True with {bad} was accepted")
+    try:
+        quantize_weight("fp8_tensorwise", w, variant="two_kernel")
+    except ValueError as e:
+        assert "rows kernel" in str(e), e
+    else:
+        if device == "cuda":
+            raise AssertionError("quantize_weight(fp8_tensorwise, variant='two_kernel') was accepted")
+    return n
+
+
 def check_rcp_binades(device: str) -> int:
     """``variant="atomic_rcp"`` (the quotient from the column's reciprocal and an fma correction, fp8's rounding
     step by a multiply) against the default path's bits on columns whose values span every binade bf16 has: each
@@ -818,6 +895,7 @@ MODES = {
     # exact_fma_interpreter: atomic_rcp's bits rest on a fused fma (the interpreter's rounds twice)
     "variants": lambda: ("checked", _with(exact_fma_interpreter(), check_quantize_t_variants, "cpu"),
                          "quantizations of other variants and tiles"),
+    "tensorwise": lambda: ("checked", check_quantize_tensorwise("cpu"), "tensorwise weight quantizations"),
     "rcp_binades": lambda: ("checked", _with(exact_fma_interpreter(), check_rcp_binades, "cpu"),
                             "columns of every binade"),
     "quant_sweep": lambda: ("checked", _with(exact_fma_interpreter(), check_quant_sweep, "cpu"),

@@ -146,13 +146,26 @@ def _configs():
                     {"stride_xn": 1, "QMAX": 127.0 if qt == "*i8" else 448.0, "IS_INT8": qt == "*i8",
                      "STOCHASTIC": sr, "HAS_MUL": False, "BOTH_LAYOUTS": False, "RCP": rcp, "BLOCK_M": bm,
                      "BLOCK_N": bn}, warps, 3))
+    # the weight refresh's rows kernel (both layouts; FP8 codes from integer ops), per row and with one scale for the
+    # tensor (fp8_tensorwise), and the tensor's absmax pass
+    br, bk, warps = Q._ROWS_TILES
+    out.append((f"quant_t tensor_amax {br}x{bk}w{warps}", Q._tensor_amax_kernel,
+                {"w_ptr": "*bf16", "amax_ptr": "*i32", "R": "i32", "K": "i32", "stride_wr": "i32"},
+                {"stride_wk": 1, "BLOCK_R": br, "BLOCK_K": bk}, warps, 3))
+    for qt, tensorwise in (("*i8", False), ("*fp8e4nv", False), ("*fp8e4nv", True)):
+        out.append((f"quant_t rows {br}x{bk}w{warps} q={qt} tensorwise={tensorwise}", Q._quantize_rows_kernel,
+                    {"w_ptr": "*bf16", "q_ptr": qt, "scale_ptr": "*fp32", "seed_ptr": "*fp32", "mul_ptr": "*fp32",
+                     "qt_ptr": qt, "amax_ptr": "*i32", "R": "i32", "K": "i32", "stride_wr": "i32"},
+                    {"stride_wk": 1, "QMAX": 127.0 if qt == "*i8" else 448.0, "IS_INT8": qt == "*i8",
+                     "STOCHASTIC": False, "HAS_MUL": False, "BOTH_LAYOUTS": True, "TENSORWISE": tensorwise,
+                     "BLOCK_R": br, "BLOCK_K": bk}, warps, 3))
     return out
 
 
 # the int arguments a launch on Llama shapes passes as multiples of 16 (Triton then marks them, as it marks 16-byte
 # aligned pointers, ``tt.divisibility = 16``: vectorized loads and cp.async pipelining, other code than without)
-_ALIGNED_INTS = {"N", "K", "K_PER_SPLIT", "MN", "stride_xm", "stride_pn", "stride_wn", "stride_om", "stride_split",
-                 "NP", "KP", "stride_qn", "stride_sg"}
+_ALIGNED_INTS = {"N", "K", "R", "stride_wr", "K_PER_SPLIT", "MN", "stride_xm", "stride_pn", "stride_wn", "stride_om",
+                 "stride_split", "NP", "KP", "stride_qn", "stride_sg"}
 
 
 def _with_hints(configs):

@@ -194,16 +194,17 @@ _FUSED_FP8_XFAIL = pytest.mark.xfail(strict=False, reason=(
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt,variant", [
     ("int8", None), ("fp8", None), ("int8", "rows"), ("int8", "two_kernel"), ("fp8", "two_kernel"),
-    ("fp8", "rows")])
+    ("fp8", "rows"), ("fp8_tensorwise", None)])
 def test_weight_refresh_llama_shapes_cuda(fmt, variant):
     """The weight cache's refresh (quantize_weight: both layouts from one pass) on a Llama-8B layer's weight
     shapes, in place as every refresh after the first, by its default kernels (``variant=None``) and by each
-    variant: the codes and scales equal the two-kernel path's, the transposed codes equal the codes transposed.
+    variant: the codes and scales equal the two-kernel path's (fp8_tensorwise's, one scale: the plain-torch
+    quantization's), the transposed codes equal the codes transposed.
     check_quantize_t's small shapes pass for every variant; at these, FP8's transposed codes from the rows kernel
     came out wrong inside the Trainer (~107M of 436M in 2 layers; FP8 with accumulation diverged)."""
     import torch
 
-    from hf_lowbit.kernels import get_format, quantize_weight
+    from hf_lowbit.kernels import get_format, quantize_operand, quantize_weight
     from hf_lowbit.kernels.triton_quant import quantize_t_triton
 
     f = get_format(fmt)
@@ -216,7 +217,10 @@ def test_weight_refresh_llama_shapes_cuda(fmt, variant):
                torch.empty(k, n, dtype=f.dtype, device="cuda"))
         q, s, qt = quantize_weight(fmt, w, out=out, **({} if variant is None else {"variant": variant}))
         assert q is out[0] and qt is out[2]
-        rq, rs = quantize_t_triton(w.T, f.dtype, f.qmax, variant="two_kernel")
+        if f.tensorwise:  # one scale: the plain-torch quantization (eager torch on the GPU) is the reference
+            rq, rs = quantize_operand(fmt, w, 1)
+        else:
+            rq, rs = quantize_t_triton(w.T, f.dtype, f.qmax, variant="two_kernel")
         what = f"{fmt} {variant or 'default'} {(n, k)}"
         assert torch.equal(s, rs), f"{what}: scales differ"
         assert torch.equal(bits(q), bits(rq)), f"{what}: {(bits(q) != bits(rq)).sum().item()} codes differ"
@@ -267,6 +271,19 @@ def test_triton_quantize_t_variants_interpreted():
     """The single-kernel variants (fused, rows) and other tiles: the default path's bits (the stochastic ones
     too), against the plain-torch reference."""
     assert "checked 80 quantizations of other variants and tiles" in run_interpreted("variants")
+
+
+def test_quantize_tensorwise_interpreted():
+    """The rows kernel with one scale for the whole weight (fp8_tensorwise's weight cache refresh): the plain-torch
+    bits in both layouts, NaN, zeros and -0 codes, the options it refuses."""
+    assert "checked 17 tensorwise weight quantizations" in run_interpreted("tensorwise")
+
+
+@pytest.mark.cuda
+def test_quantize_tensorwise_cuda():
+    from _triton_checks import check_quantize_tensorwise
+
+    assert check_quantize_tensorwise("cuda") == 37
 
 
 def test_quantize_t_atomic_rcp_binades_interpreted():

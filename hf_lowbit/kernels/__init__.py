@@ -137,14 +137,21 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
     which Triton kernels and tiles (``variant``, ``tiles``, ... of
     :func:`hf_lowbit.kernels.triton_quant.quantize_t_triton`), all meant to give the same bits; default:
     ``WEIGHT_VARIANT[fmt]`` (the row-wise kernel, ``variant="rows"``: contiguous loads along each weight row,
-    1.45x the two-kernel path over a Llama-8B layer on the H200 for INT8; see ``WEIGHT_VARIANT``);
-    unused off CUDA (plain torch) and for a tensorwise format (its codes need no kernel)."""
-    if w.is_cuda and not FORMATS[fmt].tensorwise:
+    1.45x the two-kernel path over a Llama-8B layer on the H200 for INT8; see ``WEIGHT_VARIANT``); unused off
+    CUDA (plain torch). A tensorwise format takes the rows kernel with one scale (``tensorwise=True``): in plain
+    torch, run eagerly here, its refresh was ~6 unfused kernels a weight (~30 ms a step for 8 Llama-8B layers at
+    1x2048 with accumulation 8 on the H200, session 17's profile, against the rows kernel's ~5 ms)."""
+    if w.is_cuda:
         from torch._library.triton import set_wrap_triton_enabled
 
         from .triton_quant import quantize_t_triton
 
         f = FORMATS[fmt]
+        if f.tensorwise:
+            if kernel.get("variant", "rows") != "rows":
+                raise ValueError(f"quantize_weight: {fmt} (one scale per tensor) is refreshed by the rows kernel "
+                                 f"only, got variant={kernel['variant']!r}")
+            kernel = {**kernel, "variant": "rows", "tensorwise": True}
         # eagerly (this runs outside compiled graphs, after optimizer steps) launch the kernels directly:
         # wrap_triton's dispatch costs ~1 ms a launch, which made a refresh of 8 Llama-8B layers ~70 ms. Both
         # layouts come from one pass (the transposed codes are stored from the same registers)

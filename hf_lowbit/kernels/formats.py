@@ -42,8 +42,9 @@ class Format:
     features must be multiples of it. ``min_capability``: the CUDA compute capability whose tensor
     cores run the matmul. ``tensorwise``: one scale per tensor (``quantize`` returns it expanded to the per-row or
     per-column shape): the codes are the same in both layouts, so a column quantization is the row one transposed,
-    plain torch that Inductor fuses; the per-column Triton kernels (``hf_lowbit::quantize_t``, ``quantize_dual``,
-    the weight's ``quantize_weight``), which compute one scale per column, are never used for it.
+    plain torch that Inductor fuses; the per-column Triton kernels (``hf_lowbit::quantize_t``, ``quantize_dual``),
+    which compute one scale per column, are never used for it. The weight cache's eager refresh
+    (``quantize_weight``) runs the rows kernel with one scale (``quantize_t_triton(..., tensorwise=True)``).
     """
 
     name: str

@@ -363,9 +363,23 @@ def _quantize_t_fused_kernel(x_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qx_ptr,
 
 
 @triton.jit
-def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qt_ptr, R, K, stride_wr, stride_wk,
+def _tensor_amax_kernel(w_ptr, amax_ptr, R, K, stride_wr, stride_wk, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``tensorwise=True``, pass 1: the absmax of all of ``w [R, K]`` as int32 bits (:func:`_abs_bits`, so a NaN
+    anywhere wins), one program per ``BLOCK_R`` rows reading along them, merged into ``amax_bits [1]`` (zeroed by the
+    launcher) by one atomic integer max a program."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        w = _load_w(w_ptr, offs_r, k0 + tl.arange(0, BLOCK_K), R, K, stride_wr, stride_wk, w_ptr, False)
+        acc = tl.maximum(acc, _abs_bits(w))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0), sem="relaxed")
+
+
+@triton.jit
+def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qt_ptr, amax_ptr, R, K, stride_wr, stride_wk,
                           QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MUL: tl.constexpr,
-                          BOTH_LAYOUTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BOTH_LAYOUTS: tl.constexpr, TENSORWISE: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
     """``variant="rows"``: ``w [R, K]`` (``= x.T``) quantized per row, one program per ``BLOCK_R`` rows, ``K`` read
     twice with loads along ``w``'s rows; codes stored in ``w``'s layout ``q [R, K]`` (row-major: no transpose)
     and, with ``BOTH_LAYOUTS``, transposed into ``qt [K, R]``. In ``x``'s terms ``M = K``, ``N = R``, so the
@@ -381,15 +395,25 @@ def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qt_ptr, R,
     before the ``PRMT`` that copies this iteration's ``F2FP.PACK_AB_MERGE_C`` pair into it: those 4 of 16 bytes of
     ``qt`` are the previous iteration's codes (``k + BLOCK_K``; the first iteration's, whatever the register held),
     ``q`` is right. Session 14 measured 107.6M of 436M (24.7%) transposed codes wrong. Found in the SASS
-    (``tools/quant_t_sass.py --rows``), not yet on the GPU."""
+    (``tools/quant_t_sass.py --rows``), not yet on the GPU.
+
+    ``TENSORWISE``: one scale for all of ``w``, from ``amax_ptr`` (:func:`_tensor_amax_kernel`'s bits) instead of
+    each row's absmax, stored once a row (``w`` is then read once here). Triton then encodes each tile twice, once
+    in each store's layout, instead of transposing the codes through shared memory (80 SASS instructions an element
+    against the per-row kernel's 42 at Llama shapes, ``tools/quant_t_sass.py --rows``; deriving the scale through a
+    row reduction kept the duplicate and made the tool flag a stale store, so it stays this way)."""
     q8_ptr, qt8_ptr = q_ptr.to(tl.pointer_type(tl.int8)), qt_ptr.to(tl.pointer_type(tl.int8))  # int8: the same
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
-    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = _load_w(w_ptr, offs_r, k0 + tl.arange(0, BLOCK_K), R, K, stride_wr, stride_wk, mul_ptr, HAS_MUL)
-        acc = _max_keep_nan(acc, tl.abs(w))
-    scale = _scale_of(_amax_reduce(acc, 1), QMAX)
+    if TENSORWISE:
+        amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
+        scale = _scale_of(tl.zeros((BLOCK_R,), dtype=tl.float32) + amax, QMAX)
+    else:
+        acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            w = _load_w(w_ptr, offs_r, k0 + tl.arange(0, BLOCK_K), R, K, stride_wr, stride_wk, mul_ptr, HAS_MUL)
+            acc = _max_keep_nan(acc, tl.abs(w))
+        scale = _scale_of(_amax_reduce(acc, 1), QMAX)
     tl.store(scale_ptr + offs_r, scale, mask=mask_r)
     seed = tl.load(seed_ptr) if STOCHASTIC else 0
     n_blocks = tl.cdiv(K, BLOCK_K)
@@ -435,7 +459,7 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
                       out: tuple[torch.Tensor, ...] | None = None, stochastic: bool = False,
                       row_mul: torch.Tensor | None = None, both_layouts: bool = False, *, variant: str = "two_kernel",
                       amax_tiles: tuple[int, int, int] | None = None, quant_tiles: tuple[int, int, int] | None = None,
-                      tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
+                      tiles: tuple[int, int, int] | None = None, tensorwise: bool = False) -> tuple[torch.Tensor, ...]:
     """``x`` [M, N] (any strides) -> ``q`` [N, M] contiguous in ``qdtype``, ``scale`` [N] float32.
 
     ``chunk_m``: rows per partial absmax (a multiple of the row tile; default: sized to the shape). ``out``:
@@ -458,7 +482,13 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     per element; nearest rounding only: ``stochastic`` raises), both taking ``amax_tiles``, ``quant_tiles`` and
     ``chunk_m`` (``hf_lowbit::quantize_t`` picks one per format: ``quantize_t.ACTIVATION_VARIANT``); ``tiles`` overrides the single kernel's ``(BLOCK_M, BLOCK_N,
     num_warps)`` (``"rows"``: ``(BLOCK_R, BLOCK_K, num_warps)``, ``R`` along ``N``, ``K`` along ``M``). Block sizes
-    and warps are powers of two; on the CPU (Triton's interpreter) the defaults are 16x16 tiles."""
+    and warps are powers of two; on the CPU (Triton's interpreter) the defaults are 16x16 tiles.
+
+    ``tensorwise`` (``variant="rows"`` only, nearest rounding, no ``row_mul``): one scale for all of ``x``, its
+    absmax / ``qmax``, written to each of the ``N`` entries of ``scale`` (the bits of ``quantize_fp8_tensorwise``:
+    the weight cache of an ``fp8_tensorwise`` layer, whose refresh was ~6 unfused eager torch kernels a weight, ~30 ms
+    a step for 8 Llama-8B layers on the H200). Two launches: an absmax pass merged by an atomic max, then the rows
+    kernel reading the scale instead of computing one a row."""
     if stochastic and qdtype != torch.int8:  # checked before anything is launched
         raise ValueError(f"quantize_t_triton: stochastic rounding is implemented for int8, not {qdtype}")
     if variant not in VARIANTS:
@@ -470,6 +500,10 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         raise ValueError("quantize_t_triton: variant 'atomic_rcp' rounds to nearest only (its division is exact "
                          "for normal quotients; stochastic rounding's floor(y + u) can see a subnormal one's last "
                          "bit): use 'atomic' or 'two_kernel'")
+    if tensorwise and (variant != "rows" or stochastic or row_mul is not None):
+        raise ValueError("quantize_t_triton: tensorwise=True is implemented for variant 'rows' with nearest rounding "
+                         f"and no row_mul, got variant={variant!r}, stochastic={stochastic}, "
+                         f"row_mul={'given' if row_mul is not None else None}")
     if variant not in _TWO_PASS and (amax_tiles, quant_tiles, chunk_m) != (None, None, None):
         raise ValueError(f"quantize_t_triton: amax_tiles, quant_tiles and chunk_m are the two-kernel path's, not "
                          f"{variant!r}'s (it takes tiles)")
@@ -502,9 +536,14 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
             num_warps=warps)
     elif variant == "rows":  # w = x.T: [R, K] = [N, M]; q [N, M] is w's layout, qx [M, N] its transpose
         br, bk, warps = _tiles(tiles, _CPU_TILES if small else _ROWS_TILES, "tiles")
+        amax_bits = scale  # read only with TENSORWISE
+        if tensorwise:
+            amax_bits = torch.zeros((1,), dtype=torch.int32, device=x.device)  # |x| >= +0: the max's identity
+            wrap_triton(_tensor_amax_kernel)[(triton.cdiv(N, br),)](
+                x, amax_bits, N, M, x.stride(1), x.stride(0), BLOCK_R=br, BLOCK_K=bk, num_warps=warps)
         wrap_triton(_quantize_rows_kernel)[(triton.cdiv(N, br),)](
-            x, q, scale, seed, mul, qx_arg, N, M, x.stride(1), x.stride(0), **consts, BLOCK_R=br, BLOCK_K=bk,
-            num_warps=warps)
+            x, q, scale, seed, mul, qx_arg, amax_bits, N, M, x.stride(1), x.stride(0), **consts,
+            TENSORWISE=tensorwise, BLOCK_R=br, BLOCK_K=bk, num_warps=warps)
     else:  # _TWO_PASS: column absmax, then quantize; the tiles and row chunks chosen alike
         bm, bn, warps = _tiles(amax_tiles, _CPU_TILES if small else _AMAX_TILES, "amax_tiles")
         if chunk_m is None:
