@@ -35,10 +35,10 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   Trainer's CUDA graphs.
 * ``layers_b8_atomic``, ``layers_b1_atomic``, ``trainer_b1_ga8_atomic`` (issue 25): int8 and fp8 (their default
   ``quantize_t`` variant for activations and output gradients, ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT``:
-  INT8 ``atomic_rcp``, FP8 ``two_kernel``) beside ``int8_two_kernel`` and ``fp8_atomic_rcp`` (the other one; the
-  same bits): speed over whole steps and, through the Trainer, FP8's loss with ``atomic_rcp``. Recorded at 5600f0c
-  the layers blocks had ``int8``, ``int8_atomic_rcp``, ``fp8``, ``fp8_atomic_rcp`` (both defaults then
-  ``two_kernel``).
+  ``atomic_rcp`` for both since session 17) beside ``int8_two_kernel`` and ``fp8_two_kernel`` (the same bits): speed
+  over whole steps and, through the Trainer, the losses. Recorded at 5600f0c the layers blocks had ``int8``,
+  ``int8_atomic_rcp``, ``fp8``, ``fp8_atomic_rcp`` (both defaults then ``two_kernel``); at 47a45b8 the Trainer block
+  had ``fp8`` on ``two_kernel`` beside ``fp8_atomic_rcp``.
 * ``layers_b8_tensorwise``, ``layers_b1_tensorwise``, ``trainer_b1_ga8_tensorwise``, ``trainer_b8_tensorwise``
   (issue 25's directions; the last with int8 too, the Trainer's 8x2048 row): fp8
   (row-wise scales) beside ``fp8_tensorwise`` (one scale per tensor, ``fp8_tensorwise_mixed_precision``: no per-column
@@ -90,8 +90,8 @@ XCODES = "bf16,int8,int8_xcodes,fp8,fp8_xcodes"  # each format keeping X (today)
 RECOMPUTE = "bf16,bf16_recompute,int8,int8_recompute,fp8_recompute"  # the partitioner's bans as they are, and relaxed
 SHARED = "bf16,int8,int8_unshared,fp8,fp8_unshared"  # X's column codes shared by siblings (the default at 8x2048) and not
 SHARED_B1 = "bf16,int8,int8_shared,fp8,fp8_shared"  # at 1x2048 the default does not share: forced on beside it
-# each format's default quantize_t variant for activations beside the other one (INT8: atomic_rcp, FP8: two_kernel)
-ATOMIC = "bf16,int8,int8_two_kernel,fp8,fp8_atomic_rcp"
+# each format's default quantize_t variant for activations (atomic_rcp for both since session 17) beside the two kernels
+ATOMIC = "bf16,int8,int8_two_kernel,fp8,fp8_two_kernel"
 # FP8 with row-wise scales and with one scale per tensor, ours and torchao's
 TENSORWISE = "bf16,fp8,fp8_tensorwise,torchao_float8,torchao_float8_tensorwise"
 # each format with the LM head in bf16 (the default) and in the format (lowbit_include_lm_head): the Trainer path only

@@ -385,7 +385,7 @@ def test_benchmark_quant_variant_recipes(monkeypatch):
 
     Q = importlib.import_module("hf_lowbit.kernels.quantize_t")  # the package's attribute quantize_t is the op
     monkeypatch.setattr(Q, "ACTIVATION_VARIANT", dict(Q.ACTIVATION_VARIANT))  # restored after the test
-    assert Q.ACTIVATION_VARIANT == {"int8": "atomic_rcp", "fp8": "two_kernel"}
+    assert Q.ACTIVATION_VARIANT == {"int8": "atomic_rcp", "fp8": "atomic_rcp"}
     assert Q._activation_variant("int8", False) == "atomic_rcp" and Q._activation_variant("int8", True) == "atomic"
     model = tiny_model().bfloat16()
     bench.apply_recipe(model, "int8_two_kernel", min_features=16)
@@ -393,16 +393,17 @@ def test_benchmark_quant_variant_recipes(monkeypatch):
         bench.check_recipe_active(model, "int8_two_kernel", "cpu")
     assert bench.apply_process_setting("int8_two_kernel") and Q.ACTIVATION_VARIANT["int8"] == "two_kernel"
     bench.check_recipe_active(model, "int8_two_kernel", "cpu")
-    assert Q.ACTIVATION_VARIANT["fp8"] == "two_kernel"  # the other format's untouched
+    assert Q.ACTIVATION_VARIANT["fp8"] == "atomic_rcp"  # the other format's untouched
     with pytest.raises(RuntimeError, match="another quantize_t variant"):
-        bench.check_recipe_active(model, "fp8_atomic_rcp", "cpu")
-    assert bench.apply_process_setting("fp8_atomic_rcp") and Q._activation_variant("fp8", False) == "atomic_rcp"
+        bench.check_recipe_active(model, "fp8_two_kernel", "cpu")
+    assert bench.apply_process_setting("fp8_two_kernel") and Q._activation_variant("fp8", False) == "two_kernel"
+    assert Q._activation_variant("fp8", True) == "two_kernel"
     for fmt in ("int8", "fp8"):
         for variant in ("two_kernel", "atomic", "atomic_rcp"):
             recipe = f"{fmt}_{variant}"
             assert recipe in bench.FULL_RECIPES and recipe in bench.OURS
             assert bench.mixed_precision_args(recipe) == bench.mixed_precision_args(fmt)
-    atomic = "bf16,int8,int8_two_kernel,fp8,fp8_atomic_rcp"
+    atomic = "bf16,int8,int8_two_kernel,fp8,fp8_two_kernel"
     assert {name: BLOCKS[name][:5] for name in ("layers_b8_atomic", "layers_b1_atomic", "trainer_b1_ga8_atomic")} == {
         "layers_b8_atomic": ("layers", 8, 1, "default", atomic), "layers_b1_atomic": ("layers", 1, 1, "default", atomic),
         "trainer_b1_ga8_atomic": ("trainer", 1, 8, "default", atomic)}

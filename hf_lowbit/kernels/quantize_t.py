@@ -20,12 +20,15 @@ from .formats import FORMATS
 # quant_sweep_h200_t2048.json): ``atomic_rcp`` (absmax by atomic max on |x|'s bits, one correctly rounded reciprocal
 # a column instead of a division an element) is 1.21x the two-kernel pair over a Llama-8B layer's INT8 activation
 # quantizations and 1.28x over FP8's, and whole INT8 steps went 1.28x -> 1.30x bf16 (8x2048 layers), 1.03x -> 1.04x
-# (1x2048 layers), 1.15x -> 1.18x (Trainer, 1x2048, accumulation 8) with the same losses. FP8 stays on the two
-# kernels until a Trainer run shows its loss beside them: fp8 with atomic_rcp ended that Trainer run at 10.33 against
-# int8's 8.44 (the layers runs matched fp8's losses; the kernels are bit-equal on the GPU's tests). ``atomic_rcp``
-# rounds to nearest only: stochastic rounding then takes ``atomic``. benchmarks/driver.py's ``{fmt}_{variant}``
-# recipes set one for a process, to compare them in one run.
-ACTIVATION_VARIANT = {"int8": "atomic_rcp", "fp8": "two_kernel"}
+# (1x2048 layers), 1.15x -> 1.18x (Trainer, 1x2048, accumulation 8) with the same losses; FP8 1.26x -> 1.28x, 1.04x
+# -> 1.06x and (47a45b8) 1.14x -> 1.17x. FP8 waited on the two kernels because its Trainer runs ended at a loss of
+# 10.33 with either variant: the cause was the weight cache's transposed FP8 codes (fixed, de9803d), not atomic_rcp,
+# whose codes equal the two kernels' bit for bit at a Llama layer's shapes on the H200 (test_quantize_t_llama_shapes_cuda,
+# de9803d). Since session 17 FP8 takes it too; at 1x2048 GA 8 its two kernels were 41.4 ms of a 343 ms step against
+# INT8's 26.8 on atomic_rcp (session 17's profile, 2dda4b0). ``atomic_rcp`` rounds to nearest only: stochastic rounding
+# then takes ``atomic``. benchmarks/driver.py's ``{fmt}_{variant}`` recipes set one for a process, to compare them in
+# one run.
+ACTIVATION_VARIANT = {"int8": "atomic_rcp", "fp8": "atomic_rcp"}
 
 
 def _activation_variant(fmt: str, stochastic: bool) -> str:
