@@ -58,19 +58,6 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         "timeout 570 " + B + "trainer_grad_check.py --timeout 150 --configs ${CONFIGS:-fp8:two_kernel,fp8:atomic_rcp,"
         "fp8:two_kernel+refreshrows,int8:atomic_rcp} "
         "--json $OUT/trainer_grad_check_h200.json --markdown $OUT/trainer_grad_check_h200.md"]),
-    "fp8_cache": ("FP8's weight cache back on the rows kernel (WEIGHT_VARIANT['fp8'] = 'rows' after the Llama-shape "
-                  "CUDA tests passed for it at cc5925f; docs/benchmarks.md, 'FP8's weight cache'), one call: those tests, "
-                  "trainer_grad_check's FP8 config (its refresh now the rows kernel: the cache against a fresh "
-                  "quantization at each step), then the Trainer at 1x2048 with accumulation 8 (trainer_b1_ga8) for "
-                  "RECIPES (default bf16,int8,fp8,fp8_tensorwise: the README's rows and FP8 tensorwise's loss beside them)",
-                  "~9 min (session 15: tests ~70 s, a grad-check config ~50 s, a Trainer recipe ~95 s)", [
-        "timeout 120 python3 -m pytest -q -rfEsxX -p no:cacheprovider -m cuda tests/test_triton_int8.py -k llama "
-        "$(python3 -c 'import xdist' 2>/dev/null && echo \"-n ${WORKERS:-8}\") 2>&1 | tee $OUT/pytest_llama_shapes.txt "
-        "|| true",
-        "timeout 150 " + B + "trainer_grad_check.py --timeout 100 --configs ${CONFIGS:-fp8:two_kernel} "
-        "--json $OUT/trainer_grad_check_h200.json --markdown $OUT/trainer_grad_check_h200.md",
-        B + "benchmark_regimes.py --timeout 150 --blocks trainer_b1_ga8 --keep_dir $OUT "
-        "--json $OUT/regimes_h200.json --markdown $OUT/regimes_h200.md --recipes ${RECIPES:-bf16,int8,fp8,fp8_tensorwise}"]),
     "qlora_regimes": ("issue 24: LoRA r16 over a bf16 base, our NF4+INT8 and INT8+INT8 bases, PEFT + bitsandbytes; hand "
                       "loop and Trainer; BLOCKS: a subset of the qlora_* blocks", "4-5 min per block", [
         B + "benchmark_regimes.py --timeout 200 --keep_dir $OUT --blocks "
@@ -175,7 +162,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                         "would take minutes of the call. EXTRA: more flags, last "
                         "(a CPU dry run: EXTRA='--device cpu --override layers=1,hidden=64,intermediate=128,heads=4,"
                         "kv_heads=2,batch=4,steps=3 --max_docs 300 --vocab 512 --eval_blocks 8 --deadline_s 0'). "
-                        "Not yet run on the H200", "~7 min (estimate: python benchmarks/ptq_sensitivity.py --plan "
+                        "Run at 2dda4b0 (session 17, 335 s, all 5 bases): no variant reached 2% (at most +0.66%; "
+                        "docs/results/ptq_sensitivity_h200.md)", "~6 min (estimate: python benchmarks/ptq_sensitivity.py --plan "
                         "--deadline_s 500), cut at 500 s by --deadline_s", [
         "timeout 540 " + B + "ptq_sensitivity.py --compile --configs "
         "${CONFIGS:-s6x512_lr1e-2,s6x512_lr3e-3,m12x1024_lr8e-3,m12x1024_lr4e-3,m12x1024_lr2e-3} --corpus_packages "
