@@ -31,6 +31,18 @@ Late in training (``--late_lr``): the full fine-tune recipes all start from one 
 
     python benchmarks/benchmark_quality.py --compile --recipes bf16,int8,int8_sr --pretrain_steps 300 --late_lr 3e-5 --steps 200
 
+The LM head in the format (``int8_head`` / ``fp8_head``): ``int8`` / ``fp8`` with
+``LowBitTrainingArguments(lowbit_include_lm_head=True)``, the library's own switch (``prepare_model`` converts the head
+as it converts the decoder linears); every other recipe keeps the head bf16. After the recipe is applied the script
+checks the head (a ``MixedPrecisionLinear`` in the format for these two, plain bf16 ``nn.Linear`` for the rest) and
+stops with one line otherwise (e.g. FP8 skips a head whose vocab is not a multiple of 16). ``--compile_layers``
+compiles the decoder layers only, so a low-bit head runs uncompiled outside them (slower: fine for a loss comparison);
+``--compile`` compiles it with the rest of the model. The model's head is untied (``driver.llama_config``); a head
+tied to the input embedding would be converted too, sharing that Parameter (docs/usage.md). The head's loss parity over
+1,500 steps, not yet measured (``run.py``'s stage ``quality_parity``, the recipes in parallel as it always runs them):
+
+    RECIPES=bf16,int8,int8_head,fp8,fp8_head python benchmarks/run.py quality_parity OUT
+
 LoRA rows also compare to ``lora_bf16`` (the quantized bases must learn as much as the bf16 one):
 
     python benchmarks/benchmark_quality.py --recipes lora_bf16,lora_nf4,lora_nf4_int8,lora_int8_int8 --steps 200
@@ -52,13 +64,28 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from benchmarks.corpus import corpus_blocks, package_sources  # noqa: E402
-from benchmarks.driver import (add_int_flags, compile_layers, llama_config, meta, recipe_args, train_step,  # noqa: E402
-                               write_results)
-from hf_lowbit import LowBitTrainingArguments, prepare_model  # noqa: E402
+from benchmarks.driver import (HEAD_VARIANTS, add_int_flags, compile_layers, llama_config, meta,  # noqa: E402
+                               recipe_args, train_step, write_results)
+from hf_lowbit import LowBitTrainingArguments, MixedPrecisionLinear, prepare_model  # noqa: E402
 from hf_lowbit.data import arithmetic_records, pack  # noqa: E402
 
-RECIPES = ("bf16", "int8", "fp8", "fp8_tensorwise", "int8_sr")  # full fine-tunes (driver.recipe_args)
+# full fine-tunes (driver.recipe_args); *_head: the LM head in the format too (lowbit_include_lm_head)
+RECIPES = ("bf16", "int8", "fp8", "fp8_tensorwise", "int8_sr", *HEAD_VARIANTS)
 LORA_RECIPES = ("lora_bf16", "lora_nf4", "lora_nf4_int8", "lora_int8_int8")
+
+
+def lm_head_format(model, recipe: str) -> str:
+    """The format of ``model``'s LM head after full fine-tune ``recipe`` was applied ("bf16", "int8", "fp8"); stops
+    with one line unless it is the recipe's (HEAD_VARIANTS: a ``MixedPrecisionLinear`` in their format; the others:
+    bf16), as ``driver.check_recipe_active`` does for the decoder linears (no forward: no random numbers drawn)."""
+    head = model.get_output_embeddings()
+    fmt = head.lowbit_config.format if isinstance(head, MixedPrecisionLinear) else None
+    want = recipe.removesuffix("_head") if recipe in HEAD_VARIANTS else None
+    if fmt != want or (want is None and type(head) is not torch.nn.Linear):
+        why = " (FP8 skips a vocab not a multiple of 16: see the report above)" if want == "fp8" and not fmt else ""
+        raise SystemExit(f"recipe {recipe!r} is not active: the LM head is {type(head).__name__} with "
+                         f"{fmt or 'bf16'} matmuls, not {want or 'bf16'}{why}")
+    return fmt or "bf16"
 
 
 def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Tensor, vocab: int,
@@ -82,6 +109,7 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
 
             peft_config = LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear")
         model = prepare_model(model, args, peft_config)
+    head = None if lora else lm_head_format(model, recipe)
     fwd = model
     if a.compile_layers:  # one compiled graph per decoder layer, compiled once and reused (Inductor's cache)
         compile_layers(model, a.layers)
@@ -109,7 +137,8 @@ def train_one(recipe: str, a, train_blocks: torch.Tensor, eval_blocks: torch.Ten
         eval_losses = [fwd(input_ids=b.to(a.device), labels=b.to(a.device)).loss.item()
                        for b in eval_blocks.split(a.batch)]
     tail = max(1, steps // 10)
-    row = {"recipe": recipe, "losses": losses, "final_train_loss": sum(losses[-tail:]) / tail if losses else None,
+    row = {"recipe": recipe, **({"lm_head": head} if head else {}), "losses": losses,
+           "final_train_loss": sum(losses[-tail:]) / tail if losses else None,
            "eval_loss": sum(eval_losses) / len(eval_losses)}
     if keep_state:
         row["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -179,7 +208,8 @@ def main():
     p.add_argument("--compile_layers", action="store_true",
                    help="torch.compile each decoder layer instead of the whole model: one layer's compile, reused "
                         "(compiled whole, a 12-layer model's INT8 run of 1,500 steps did not finish in 330 s on "
-                        "the H200; why was not measured)")
+                        "the H200; why was not measured); the LM head is outside the layers, so with int8_head / "
+                        "fp8_head it runs uncompiled (slower; the loss is what this script measures)")
     p.add_argument("--parallel", action="store_true",
                    help="train the full fine-tuning recipes at once, each in its own process on the same device "
                         "(a model of this size leaves most of an H200 idle; the losses do not depend on it)")

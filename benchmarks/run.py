@@ -94,7 +94,9 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
     "quality_parity": ("issue 14's loss parity: 143M Llama, 1,500 steps, the recipes at once on one GPU, each layer "
                        "compiled; the corpus adds installed packages' docstrings (~5.6M tokens) so the steps do not "
                        "repeat it; run it alone in a call; RECIPES: which (default bf16,int8,fp8; e.g. "
-                       "bf16,fp8,fp8_tensorwise for FP8 tensorwise's parity)", "~9.5 min", [
+                       "bf16,fp8,fp8_tensorwise for FP8 tensorwise's parity; bf16,int8,int8_head,fp8,fp8_head for the LM "
+                       "head in the format, lowbit_include_lm_head, its head uncompiled outside the compiled layers)",
+                       "~9.5 min", [
         "timeout 570 " + B + "benchmark_quality.py --compile_layers --parallel --corpus_packages "
         "torch,transformers,sympy,networkx,numpy --layers 12 --hidden 1024 --intermediate 2816 --heads 16 --kv_heads 4 "
         "--seq 256 --batch 8 --steps 1500 --warmup 100 --lr 3e-4 --json $OUT/quality_parity_h200.json "

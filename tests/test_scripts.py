@@ -611,6 +611,54 @@ def test_benchmark_quality_lora_recipes_in_process():
     assert abs(untrained["eval_loss"] - pre["eval_loss"]) < 1e-6
 
 
+def test_benchmark_quality_head_recipes_in_process():
+    """int8_head / fp8_head of benchmark_quality.py (the LM head's loss parity, stage quality_parity): the recipe's
+    lowbit_include_lm_head makes prepare_model convert the head to the format, two steps give finite losses and the row
+    says which head it trained; bf16 and int8 keep the head a plain nn.Linear; a head the recipe left alone (FP8 and a
+    vocab of 100) stops the run with one line."""
+    import argparse
+    import importlib.util
+    import math
+    from unittest import mock
+
+    import torch
+
+    from hf_lowbit import MixedPrecisionLinear
+
+    spec = importlib.util.spec_from_file_location("benchmark_quality", os.path.join(ROOT, "benchmarks", "benchmark_quality.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert {"int8_head", "fp8_head"} <= set(bench.RECIPES)
+    a = argparse.Namespace(seed=0, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, seq=32, device="cpu",
+                           min_features=16, compile=False, compile_layers=False, lr=1e-3, warmup=1, steps=2, batch=4)
+    gen = torch.Generator().manual_seed(0)
+    train, held_out = torch.randint(0, 64, (16, 32), generator=gen), torch.randint(0, 64, (4, 32), generator=gen)
+    prepared = []
+    real = bench.prepare_model
+
+    def spy(*args, **kwargs):
+        prepared.append(real(*args, **kwargs))
+        return prepared[-1]
+
+    with mock.patch.object(bench, "prepare_model", spy):
+        rows = {r: bench.train_one(r, a, train, held_out, 64) for r in ("bf16", "int8", "int8_head", "fp8_head")}
+    heads = dict(zip(rows, (m.lm_head for m in prepared)))
+    assert type(heads["bf16"]) is torch.nn.Linear and type(heads["int8"]) is torch.nn.Linear
+    for recipe, fmt in (("int8_head", "int8"), ("fp8_head", "fp8")):
+        assert isinstance(heads[recipe], MixedPrecisionLinear) and heads[recipe].lowbit_config.format == fmt
+    assert {r: row["lm_head"] for r, row in rows.items()} == {"bf16": "bf16", "int8": "bf16", "int8_head": "int8",
+                                                              "fp8_head": "fp8"}
+    assert all(len(row["losses"]) == 2 and all(map(math.isfinite, [*row["losses"], row["eval_loss"]]))
+               for row in rows.values())
+    assert abs(rows["int8_head"]["eval_loss"] / rows["bf16"]["eval_loss"] - 1) < 0.02  # same init and data
+    with pytest.raises(SystemExit, match="recipe 'int8_head' is not active: the LM head is Linear with bf16 matmuls, "
+                                         "not int8$"):
+        bench.lm_head_format(prepared[1], "int8_head")  # int8's model under the head recipe's name
+    with pytest.raises(SystemExit, match="recipe 'fp8_head' is not active: .* not fp8 \\(FP8 skips a vocab not a "
+                                         "multiple of 16"):
+        bench.train_one("fp8_head", a, train, held_out, 100)
+
+
 def test_benchmark_quality_arithmetic_task_holds_out_operand_pairs():
     """The LoRA fine-tuning task: additions in the corpus tokenizer; held-out problems never occur in training."""
     import argparse
