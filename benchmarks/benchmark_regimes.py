@@ -51,6 +51,11 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
 * ``trainer_b8_head``, ``trainer_b1_ga8_head`` (issue 25's directions): int8 and fp8 (the LM head in bf16) beside
   ``int8_head`` / ``fp8_head`` (``lowbit_include_lm_head``: the head's three matmuls in the format too), speed and
   loss; the Trainer path only (the layers path keeps the head bf16 and refuses them);
+* ``trainer_b1_ga8_mask``, ``trainer_b8_mask``: ``LowBitTrainer``'s ``lowbit_skip_causal_mask`` (on by default: a plain
+  causal batch reaches SDPA with ``is_causal=True`` under the whole-model compile, as eagerly) against ``*_mask``
+  (``lowbit_skip_causal_mask=False``: the mask transformers materializes when compiled, every block computed), bf16
+  through ``LowBitTrainer`` (``bf16_lbt``, ``bf16_lbt_mask``) beside the stock ``Trainer``: how much of a Trainer row is
+  the attention's and how much the low-bit compute's;
 * ``trainer_b1_ga8_liger``, ``trainer_b1_ga8_liger_fp8``, ``trainer_b8_liger``: the Trainer path with each
   recipe run without and then with ``use_liger_kernel=True`` (``liger`` in the records; ``vs_bf16`` is to bf16
   without Liger, ``vs_no_liger`` to the same recipe without it): what Liger's kernels (norms, SwiGLU, RoPE,
@@ -146,6 +151,10 @@ BLOCKS = {
     # path only (the layers path keeps the head bf16, outside its compiled layers)
     "trainer_b8_head": ("trainer", 8, 1, "default", HEAD, []),
     "trainer_b1_ga8_head": ("trainer", 1, 8, "default", HEAD, []),
+    # lowbit_skip_causal_mask (the default since session 17) against the mask transformers materializes under
+    # torch.compile (*_mask), bf16 through LowBitTrainer beside: the attention's share apart from the low-bit compute's
+    "trainer_b1_ga8_mask": ("trainer", 1, 8, "default", "bf16,bf16_lbt,bf16_lbt_mask,int8,int8_mask", []),
+    "trainer_b8_mask": ("trainer", 8, 1, "default", "bf16,bf16_lbt,int8,int8_mask,fp8_tensorwise", []),
     # + a kernel profile of two more Trainer steps (where the Trainer path trails the layers path)
     "trainer_b1_ga8_profile": ("trainer", 1, 8, "default", "bf16,int8,fp8", ["--profile"]),
     # + bf16 through LowBitTrainer without a low-bit recipe (bf16_lbt): its loop's gain apart from the low-bit one

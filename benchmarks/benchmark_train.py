@@ -37,8 +37,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.driver import (FULL_RECIPES, HEAD_VARIANTS, LORA_RECIPES, OURS, OURS_LORA, RECIPES,  # noqa: E402
-                               add_int_flags, build_model, check_recipe_active, check_recipes, compile_layers,
+from benchmarks.driver import (FULL_RECIPES, HEAD_VARIANTS, LORA_RECIPES, MASK_VARIANTS, OURS,  # noqa: E402
+                               OURS_LORA, RECIPES, add_int_flags, build_model, check_recipe_active, check_recipes, compile_layers,
                                error_cell, load_blocks, meta, plot_results,
                                recipe_args, run_worker, save_json, timed_steps, torchao_version,
                                profile_summary, train_step, write_results)
@@ -126,8 +126,12 @@ def trainer_worker(a) -> dict:
         trainer = LowBitTrainer(model, args=args, train_dataset=data, peft_config=peft_config)
         if a.recipe in HEAD_VARIANTS:  # the swap happened in the constructor: the head must be low-bit
             check_recipe_active(trainer.model, a.recipe, a.device)
+        if trainer.lowbit_skip_causal_mask == (a.recipe in MASK_VARIANTS):
+            raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_skip_causal_mask resolved to "
+                               f"{trainer.lowbit_skip_causal_mask} (the bench's Llama should qualify unless asked not to)")
         chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
-                  "cuda_graphs": trainer.lowbit_cuda_graphs, "non_blocking": trainer.accelerator.non_blocking}
+                  "cuda_graphs": trainer.lowbit_cuda_graphs, "non_blocking": trainer.accelerator.non_blocking,
+                  "skip_causal_mask": trainer.lowbit_skip_causal_mask}
     else:
         trainer = Trainer(model, args=TrainingArguments(**common), train_dataset=data)
         chosen = {"torch_compile_mode": trainer.args.torch_compile_mode}

@@ -128,11 +128,17 @@ SHARED_VARIANTS = {f"{fmt}_shared": fmt for fmt in ("int8", "fp8")}
 QUANT_VARIANTS = {f"{fmt}_{variant}": fmt for fmt in ("int8", "fp8") for variant in ("two_kernel", "atomic", "atomic_rcp")}
 PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS, **SHARED_VARIANTS,
                     **QUANT_VARIANTS}  # a base recipe + a process setting
+# the trainer path only: LowBitTrainer with lowbit_skip_causal_mask=False, i.e. with the causal mask that transformers
+# materializes under torch.compile (SDPA then computes every block; the default lets SDPA skip them as it does
+# eagerly: hf_lowbit.integrations.causal_mask), to tell that gain from the low-bit compute's in the same run
+MASK_VARIANTS = {"bf16_lbt_mask": "bf16_lbt", "int8_mask": "int8", "fp8_mask": "fp8",
+                 "fp8_tensorwise_mask": "fp8_tensorwise"}
 OURS = ("int8", "fp8", "fp8_tensorwise", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt", "int8_recompute",
-        "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *QUANT_VARIANTS)  # full fine-tunes, LowBitTrainer
+        "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *QUANT_VARIANTS,
+        *MASK_VARIANTS)  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS)
                 + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS)
-                + tuple(SHARED_VARIANTS) + tuple(QUANT_VARIANTS))  # compared with bf16
+                + tuple(SHARED_VARIANTS) + tuple(QUANT_VARIANTS) + tuple(MASK_VARIANTS))  # compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
 # INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
@@ -498,6 +504,9 @@ def check_recipes(recipes: list[str], known: tuple[str, ...], path: str) -> None
             raise SystemExit(f"--recipes: unknown recipe {recipe!r}; choose from {', '.join(known)}")
         if recipe in LOOP_ONLY and path != "trainer":
             raise SystemExit(f"--recipes: {recipe} is LowBitTrainer's loop with no low-bit recipe: --path trainer only")
+        if recipe in MASK_VARIANTS and path != "trainer":
+            raise SystemExit(f"--recipes: {recipe} is a LowBitTrainer setting (lowbit_skip_causal_mask=False): "
+                             "--path trainer only")
         if recipe in HEAD_VARIANTS and path != "trainer":
             raise SystemExit(f"--recipes: {recipe} swaps the LM head, which the {path} path keeps bf16 (it compiles "
                              "the decoder layers only): --path trainer only")
@@ -508,6 +517,8 @@ def recipe_args(recipe: str) -> dict:
     LoRA over our bases); ``bf16`` and ``lora_bf16`` have none."""
     if recipe in _LORA_ARGS:
         return dict(_LORA_ARGS[recipe])
+    if recipe in MASK_VARIANTS:
+        return {**recipe_args(MASK_VARIANTS[recipe]), "lowbit_skip_causal_mask": False}
     return {} if recipe in ("bf16", "bf16_lbt", "bf16_recompute") else mixed_precision_args(recipe)
 
 

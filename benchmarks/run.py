@@ -37,13 +37,18 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "one a call; quantize_t's variants against each format's default: layers_b8_atomic, layers_b1_atomic, "
                 "trainer_b1_ga8_atomic (FP8's loss through the Trainer with atomic_rcp); FP8 tensorwise and torchao's: "
                 "layers_b8_tensorwise, layers_b1_tensorwise, trainer_b1_ga8_tensorwise, trainer_b8_tensorwise; the LM head in low bit "
-                "(lowbit_include_lm_head, Trainer path only): trainer_b8_head, trainer_b1_ga8_head; EXTRA: flags for "
+                "(lowbit_include_lm_head, Trainer path only): trainer_b8_head, trainer_b1_ga8_head; the causal mask left to SDPA "
+                "(lowbit_skip_causal_mask) against materialized: trainer_b1_ga8_mask, trainer_b8_mask; EXTRA: flags for "
                 "benchmark_train.py, e.g. EXTRA='--recipes bf16,fp8_unshared' to run part of a block)",
                 "~3.5 min per 5-recipe layers block (5600f0c: 205 s at 8x2048, 158 s at 1x2048); a Trainer block of 4 "
                 "recipes ~6 min (5600f0c: 345 s, warm-ups 32-76 s a recipe with the Triton analysis cache; 85-120 s "
                 "before it)", [
         B + "benchmark_regimes.py --timeout 240 --blocks ${BLOCKS:-all} --keep_dir $OUT --json $OUT/regimes_h200.json "
         "--markdown $OUT/regimes_h200.md ${EXTRA:-}"]),
+    "sdpa_mask_probe": ("SDPA forward + backward with the causal mask materialized (a whole-model-compiled transformers "
+                        "model's) against is_causal=True (lowbit_skip_causal_mask's), Llama-8B attention shape, batch "
+                        "1 and 8: the kernel-level check of the Trainer path's attention (docs/design.md)", "~30 s", [
+        B + "sdpa_mask_probe.py --json $OUT/sdpa_mask_probe_h200.json"]),
     "trainer_grad_check": ("FP8's Trainer loss with accumulation (trainer_b1_ga8_atomic at 47a45b8: fp8 10.33 "
                            "against bf16 8.39; this stage placed it in the rows refresh's transposed FP8 codes; fixed "
                            "since, the rows refresh is FP8's default again at de9803d; refresh2k / refreshrows: a "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ from transformers import Trainer
 
 from . import atomic
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments
+from .integrations.causal_mask import DropFullAttentionMask, batch_is_plain_causal, plain_causal, plain_causal_model
 from .integrations.distributed import (check_deepspeed, prepare_integer_params_for_fsdp2, prepare_lowbit_all_gather,
                                        unsharded_copy)
 from .integrations.liger import apply_liger
@@ -26,6 +28,7 @@ from .prepare import apply_recipes, log_reports
 from .qat import QAT_SCHEMES, FakeQuantScheduleCallback, QATConfig, cuda_capability_problem, merge_lora, save_quantized
 from .warnings import LowBitWarning, check_training_setup
 
+logger = logging.getLogger("hf_lowbit")
 DATA_STATE_NAME = "hf_lowbit_data_state.json"
 _SHAPE_SAMPLE = 64  # training rows inspected to tell packed (fixed-length) data from ragged data
 # what an interrupted checkpoint save or rotation leaves in the run directory (removed by the next save)
@@ -72,6 +75,14 @@ class LowBitTrainerMixin:
             args.torch_compile_mode = "reduce-overhead"  # read by Trainer.__init__ (accelerate's dynamo plugin)
         self.lowbit_throughput = ThroughputMeter()
         super().__init__(model, args, *pargs, **kwargs)
+        # the causal mask left to SDPA's is_causal under torch.compile (hf_lowbit.integrations.causal_mask)
+        why_not = plain_causal_model(self.model) if args.lowbit_skip_causal_mask else "lowbit_skip_causal_mask=False"
+        self.lowbit_skip_causal_mask = why_not is None
+        if why_not is None and self.data_collator is not None and type(self).compute_loss is Trainer.compute_loss:
+            # only under the stock loss: trl's SFTTrainer reads attention_mask (or position_ids) from every batch
+            self.data_collator = DropFullAttentionMask(self.data_collator)
+        elif args.lowbit_skip_causal_mask and args.torch_compile:
+            logger.info("lowbit_skip_causal_mask: the causal mask stays materialized under torch.compile: %s", why_not)
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         cache = args.lowbit_weight_cache
         self.lowbit_weight_cache = bool(args.lowbit_recipes) and not sharded and (
@@ -316,11 +327,13 @@ class LowBitTrainerMixin:
         self._lowbit_before_forward(model, training=True)
         if "input_ids" in inputs:
             self.lowbit_throughput.count(inputs["input_ids"])
-        return super().training_step(model, inputs, *args, **kwargs)
+        with plain_causal(self.lowbit_skip_causal_mask and batch_is_plain_causal(inputs)):
+            return super().training_step(model, inputs, *args, **kwargs)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         self._lowbit_before_forward(model, training=False)
-        return super().prediction_step(model, inputs, *args, **kwargs)
+        with plain_causal(self.lowbit_skip_causal_mask and batch_is_plain_causal(inputs)):
+            return super().prediction_step(model, inputs, *args, **kwargs)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add ``train_tokens_per_second`` (all processes) and ``train_mfu`` (with a known peak: the GPU's
