@@ -65,8 +65,7 @@ class LowBitArgumentsMixin:
         "'model.lm_head'. The model's output embedding is always excluded (unless lowbit_include_lm_head).")})
     lowbit_include_lm_head: bool = field(default=False, metadata={"help": (
         "INT8/FP8 mixed precision: also run the LM head's three matmuls (logits, their input and weight gradients) in "
-        "the recipe's format, whatever lowbit_exclude_modules says of it. On an H200 +0.03x bf16's speed at 8x2048; its "
-        "loss parity over a long run is not yet measured (the logits' precision is the risk).")})
+        "the recipe's format, whatever lowbit_exclude_modules says of it; loss parity not yet measured.")})
     lowbit_min_features: int = field(default=64, metadata={"help": (
         "Skip (and report) linears whose in_features or out_features is below this: such matmuls are "
         "too small for low-bit kernels to pay. Mixed precision and QLoRA bases; not QAT, whose export "
@@ -93,11 +92,7 @@ class LowBitArgumentsMixin:
         "fine-tuning, LoRA and QLoRA) with torch_compile=True, no torch_compile_mode given, on a CUDA device, without FSDP or "
         "DeepSpeed.")})
     lowbit_skip_causal_mask: bool = field(default=True, metadata={"help": (
-        "Under torch_compile, let SDPA skip the blocks above the diagonal as it does eagerly: for a batch with no "
-        "attention_mask (one of all ones is dropped on the CPU) and no position_ids, on llama/mistral/qwen2/qwen3 "
-        "models with full attention, the causal mask is not materialized (compiled, transformers builds it and SDPA "
-        "computes every block: ~2.6x the attention time on an H200). The same attention; bf16 training gains too "
-        "(docs/usage.md).")})
+        "Under torch_compile, leave a plain causal mask to SDPA's is_causal (docs/usage.md).")})
     qat_scheme: str | None = field(default=None, metadata={"help": (
         "Quantization-aware training: fake-quantize the linears during training, then convert with "
         f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)}: 8da4w / int4_weight_only export for "
