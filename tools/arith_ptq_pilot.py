@@ -28,6 +28,7 @@ from hf_lowbit.qat import QATConfig  # noqa: E402
 
 def main():
     variants = "int4_weight_only:32:head"
+    command = " ".join(sys.argv)  # before eval_qat's parser gets its own argv
     argv = sys.argv[1:]
     if "--variants" in argv:
         i = argv.index("--variants")
@@ -62,7 +63,7 @@ def main():
               f"{q_nll - nll:+.5f} |", flush=True)
     if out:
         with open(out, "w") as f:
-            json.dump({"meta": meta(a.device, key="device", config=vars(a), train_losses_tail=losses[-10:]),
+            json.dump({"meta": meta(a.device, key="device", command=command, config=vars(a), train_losses_tail=losses[-10:]),
                        "rows": rows}, f, indent=1)
 
 
