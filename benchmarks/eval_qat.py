@@ -56,12 +56,11 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from transformers import AutoModelForCausalLM  # noqa: E402
-
-import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.corpus import corpus_blocks  # noqa: E402
 from benchmarks.driver import add_int_flags, llama_config, meta, save_json, train_step, write_results  # noqa: E402
@@ -228,11 +227,6 @@ def answer_eval(model, rows, a) -> tuple[float, float]:
         count += mask.sum().item()
         correct += ((logits.argmax(-1) == labels) | ~mask).all(1).sum().item()
     return total / count, correct / rows.shape[0]
-
-
-def accuracy(model, rows, a) -> float:
-    """Exact-match accuracy on ``rows`` (:func:`answer_eval`): greedy decoding's, without generating."""
-    return answer_eval(model, rows, a)[1]
 
 
 def recovery(ppl: dict) -> tuple[float, float]:
