@@ -525,13 +525,15 @@ def recipe_args(recipe: str) -> dict:
 # -------------------------------------------------------------------------------------- a training step, timed
 def train_step(model, micro_batches, opt, *, fwd=None, autocast: bool = False, clip: float | None = None,
                sched=None, set_to_none: bool = True) -> list:
-    """One optimizer step over ``micro_batches`` (token ids, their own labels; gradient accumulation), the forward
-    through ``fwd`` (a compiled model) if given: the micro-batches' losses divided by their count, detached and not
-    read (a timed loop reads them after). ``clip``: the gradient norm; ``sched``: stepped after the optimizer."""
+    """One optimizer step over ``micro_batches`` (token ids, their own labels; or ``(ids, labels)`` pairs, labels
+    -100 where no loss is taken; gradient accumulation), the forward through ``fwd`` (a compiled model) if given: the
+    micro-batches' losses divided by their count, detached and not read (a timed loop reads them after). ``clip``: the
+    gradient norm; ``sched``: stepped after the optimizer."""
     losses = []
-    for ids in micro_batches:
+    for mb in micro_batches:
+        ids, labels = mb if isinstance(mb, tuple) else (mb, mb)
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = (model if fwd is None else fwd)(input_ids=ids, labels=ids).loss / len(micro_batches)
+            loss = (model if fwd is None else fwd)(input_ids=ids, labels=labels).loss / len(micro_batches)
         loss.backward()
         losses.append(loss.detach())
     if clip is not None:

@@ -19,6 +19,14 @@ Where PTQ hurts: `--include_lm_head` quantizes the LM head too (PTQ and QAT alik
 row, whatever the layer's `in_features`; `8da4w` and `int4_weight_only`), and `--scheme` picks the format
 (`int4_tinygemm` converts on a CUDA GPU only). Measured settings are in docs/qat.md.
 
+Where PTQ hurts, a second task: `--task arithmetic --digits D` pretrains and fine-tunes on generated additions of
+operands 0 .. 10^D - 1 (`hf_lowbit.data.arithmetic_records`, the embedded default of `hf-lowbit-sft` at D = 2;
+character tokenizer, one problem per row: "123+456=579</s>", right-padded), the loss on the answer and its EOS only;
+the held-out problems (`--task_eval`) are operand pairs that no training problem has (`--task_train` drawn from the
+others), both from `--seed` alone. Held-out "perplexity" is then the answer tokens' (exp of their mean NLL), and each
+model's exact-match accuracy (every answer token and the EOS the argmax given the right prefix: what greedy decoding
+gets right) is reported beside it.
+
 The corpus is small (~400k tokens), so the defaults train for few epochs (a model that memorizes the
 training half tells nothing about held-out text); `--repeats N` repeats steps 1-3 from N seeds (same
 data and tokenizer) and reports the mean perplexities, the recovery of the means and each seed's.
@@ -48,6 +56,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -101,7 +110,8 @@ def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None, label: s
     for idx in batch_order(blocks.shape[0], steps, a.batch, seed):
         t = time.perf_counter()
         ids = blocks[idx].to(a.device)
-        losses.append(train_step(model, [ids], opt, fwd=fwd, autocast=True, clip=1.0, sched=sched)[0].item())
+        batch = (ids, targets(a, ids)) if arithmetic(a) else ids
+        losses.append(train_step(model, [batch], opt, fwd=fwd, autocast=True, clip=1.0, sched=sched)[0].item())
         seconds.append(time.perf_counter() - t)
         after_first = after_first or dynamo_counts()
     end = dynamo_counts()
@@ -124,14 +134,99 @@ def train(model, blocks, a, steps: int, lr: float, seed: int, fwd=None, label: s
 
 @torch.no_grad()
 def perplexity(model, blocks, a) -> float:
-    """exp(mean token loss) over the held-out blocks, float32, no autocast."""
+    """exp(mean token loss) over the held-out blocks, float32, no autocast (``--task arithmetic``: over the answer
+    tokens and their EOS, :func:`targets`)."""
     model.eval()
+    if arithmetic(a):
+        return math.exp(answer_eval(model, blocks, a)[0])
     total = count = 0.0
     for b in blocks.split(a.batch):
         b = b.to(a.device)
         total += model(input_ids=b, labels=b).loss.item() * b.numel()
         count += b.numel()
     return math.exp(total / count)
+
+
+# ------------------------------------------------------------------------------------------ --task arithmetic
+def arithmetic(a) -> bool:
+    """Whether the run's task is ``--task arithmetic`` (scripts that share :func:`perplexity` have no --task)."""
+    return getattr(a, "task", "corpus") == "arithmetic"
+
+
+def char_tokenizer():
+    """The character tokenizer of ``hf-lowbit-sft``'s embedded arithmetic (digits, '+', '='; pad 0, EOS 3)."""
+    from hf_lowbit.data.records import ARITHMETIC_CHARS, build_char_tokenizer
+
+    global _CHAR_TOK
+    if _CHAR_TOK is None:
+        _CHAR_TOK = build_char_tokenizer(ARITHMETIC_CHARS)
+    return _CHAR_TOK
+
+
+_CHAR_TOK = None
+
+
+def answer_labels(ids: torch.Tensor, eq_id: int, pad_id: int) -> torch.Tensor:
+    """``ids`` with -100 on the prompt (up to and including its first '=') and on the padding: the labels of the
+    answer tokens and their EOS only."""
+    after = (ids == eq_id).int().cumsum(1) - (ids == eq_id).int() > 0  # strictly after the first '='
+    return ids.masked_fill(~after | (ids == pad_id), -100)
+
+
+def targets(a, ids: torch.Tensor) -> torch.Tensor:
+    """The labels of ``ids``: ids themselves, or the answer's alone with ``--task arithmetic``."""
+    if not arithmetic(a):
+        return ids
+    tok = char_tokenizer()
+    return answer_labels(ids, tok.convert_tokens_to_ids("="), tok.pad_token_id)
+
+
+def problem_rows(records: list[dict], digits: int) -> torch.Tensor:
+    """One row per problem, ``prompt + completion + EOS`` right-padded to 3 * digits + 4 tokens (the longest:
+    D + '+' + D + '=' + D + 1 + EOS)."""
+    tok = char_tokenizer()
+    rows = torch.full((len(records), 3 * digits + 4), tok.pad_token_id, dtype=torch.long)
+    ids = tok([r["prompt"] + r["completion"] for r in records], add_special_tokens=False)["input_ids"]
+    for i, row in enumerate(ids):
+        row = row + [tok.eos_token_id]
+        rows[i, : len(row)] = torch.tensor(row)
+    return rows
+
+
+def arithmetic_data(a):
+    """``(tokenizer, training rows, held-out rows, record)`` of ``--task arithmetic``: ``a.task_train`` problems of
+    ``a.digits``-digit operands drawn from the pairs not held out, ``a.task_eval`` held-out pairs, split by
+    ``a.seed`` (``hf_lowbit.data.arithmetic_records``)."""
+    from hf_lowbit.data.records import arithmetic_records
+
+    if a.digits < 1:
+        raise SystemExit(f"--digits {a.digits}: need at least 1")
+    train_records, eval_records = arithmetic_records(a.task_train, a.task_eval, seed=a.seed,
+                                                     max_operand=10 ** a.digits - 1)
+    train_rows, eval_rows = problem_rows(train_records, a.digits), problem_rows(eval_records, a.digits)
+    record = {"task": "arithmetic", "digits": a.digits, "train_problems": len(train_records),
+              "distinct_train_pairs": len({r["prompt"] for r in train_records}), "eval_problems": len(eval_records)}
+    log(f"arithmetic: {a.digits}-digit additions, {record['train_problems']} training problems "
+        f"({record['distinct_train_pairs']} distinct), {record['eval_problems']} held-out pairs")
+    return char_tokenizer(), train_rows, eval_rows, record
+
+
+@torch.no_grad()
+def answer_eval(model, rows, a) -> tuple[float, float]:
+    """(mean NLL of the answer tokens and EOS, share of rows whose every answer token and EOS is the argmax) over
+    ``rows``, float32, no autocast."""
+    model.eval()
+    total = count = correct = 0.0
+    for b in rows.split(max(a.batch, 256)):
+        b = b.to(a.device)
+        labels = targets(a, b)[:, 1:]
+        logits = model(input_ids=b).logits[:, :-1].float()
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                                 reduction="sum").item()
+        mask = labels != -100
+        count += mask.sum().item()
+        correct += ((logits.argmax(-1) == labels) | ~mask).all(1).sum().item()
+    return total / count, correct / rows.shape[0]
 
 
 def recovery(ppl: dict) -> tuple[float, float]:
@@ -227,6 +322,15 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
     add_corpus_flags(p)
+    p.add_argument("--task", choices=("corpus", "arithmetic"), default="corpus",
+                   help="corpus: the text corpus (default); arithmetic: generated additions, the loss and accuracy on "
+                        "the answers, held-out operand pairs never trained on (--digits, --task_train, --task_eval; "
+                        "--seq and --vocab unused)")
+    p.add_argument("--digits", type=int, default=3, help="--task arithmetic: operands 0 .. 10^D - 1")
+    p.add_argument("--task_train", type=int, default=100000, metavar="N",
+                   help="--task arithmetic: training problems (halves: pre-training, fine-tuning)")
+    p.add_argument("--task_eval", type=int, default=2000, metavar="N",
+                   help="--task arithmetic: held-out problems (operand pairs no training problem has)")
     p.add_argument("--include_lm_head", action="store_true",
                    help="quantize the LM head too (PTQ and QAT): int4 everywhere but the input embedding")
     p.add_argument("--repeat_from", type=int, default=0, metavar="K",
@@ -252,7 +356,10 @@ def main():
     except ValueError as e:
         raise SystemExit(f"--group_size {a.group_size} --scheme {a.scheme}: {e}") from None
 
-    tok, train_blocks, eval_blocks, corpus = load_corpus(a)
+    if arithmetic(a):
+        tok, train_blocks, eval_blocks, corpus = arithmetic_data(a)
+    else:
+        tok, train_blocks, eval_blocks, corpus = load_corpus(a)
     if a.corpus_only:
         return
     if a.eval_blocks:  # a smaller held-out set (smoke runs)
@@ -260,18 +367,24 @@ def main():
     # pretraining and fine-tuning see disjoint halves of the training blocks
     pre_blocks, ft_blocks = halves(train_blocks)
 
-    model_config = llama_config(a, len(tok))
+    # an arithmetic row is 3 * digits + 4 tokens: the positions the model needs
+    model_config = llama_config(argparse.Namespace(**{**vars(a), "seq": train_blocks.shape[1]}) if arithmetic(a) else a,
+                                len(tok))
     epochs = {"pretrain": a.pretrain_steps * a.batch / pre_blocks.shape[0],
               "finetune": a.finetune_steps * a.batch / ft_blocks.shape[0]}
-    if max(epochs.values()) > 4:
+    if max(epochs.values()) > 4 and not arithmetic(a):  # arithmetic: held-out pairs are never trained on
         print(f"warning: {epochs['pretrain']:.1f} pre-training / {epochs['finetune']:.1f} fine-tuning epochs over this "
               "small corpus: the model memorizes it and held-out perplexity says little", flush=True)
     # what every JSON records, the partial ones too (--merge checks the config and builds the header from it)
-    info = {"corpus": {**{k: corpus[k] for k in ("documents", "packages", "built_on", "cache") if k in corpus},
+    # the task's flags are recorded only with --task arithmetic: a corpus run's JSON is what it was before them
+    info = {"corpus": {**{k: corpus[k] for k in ("documents", "packages", "built_on", "cache", "task", "digits",
+                                                 "train_problems", "distinct_train_pairs", "eval_problems")
+                          if k in corpus},
                        "pretrain_tokens": pre_blocks.numel(), "finetune_tokens": ft_blocks.numel(),
                        "eval_tokens": eval_blocks.numel()},
             "epochs": epochs, "weights": f"{a.scheme}, {config.granularity}",
-            "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "merge")}}
+            "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "merge")
+                       and (arithmetic(a) or k not in TASK_FLAGS)}}
     repeats = []
     for i in range(a.repeats):
         seed = a.seed + a.repeat_from + i
@@ -281,6 +394,9 @@ def main():
                                "repeats": repeats})
     summarize(repeats, meta(a.device, key="device", seconds=time.time() - t0, **info), a.json, a.markdown)
 
+
+# the flags of --task arithmetic (recorded in meta.config only when it is the task)
+TASK_FLAGS = ("task", "digits", "task_train", "task_eval")
 
 # the configuration flags that may differ between runs whose seeds --merge joins (the output paths are not recorded;
 # the corpus cache is where the same tokenized corpus is kept, not what it holds)
@@ -343,8 +459,9 @@ def summarize(repeats: list[dict], info: dict, json_path: str | None, markdown_p
     loss = {k: spread([r["loss"][k] for r in repeats]) for k in repeats[0]["loss"]}
     result = {"meta": info, "perplexity": rows, "ptq_loss": lost, "recovered": recovered, "loss": loss,
               "repeats": repeats}
+    what = "held-out answer perplexity" if c.get("task") == "arithmetic" else "held-out perplexity"
     head = (f"| model ({c['scheme']}, {group_label(c['group_size'])}{', LM head too' if c['include_lm_head'] else ''}) | "
-            "held-out perplexity" + (f", mean of {n} seeds | per seed |" if n > 1 else " |"))
+            f"{what}" + (f", mean of {n} seeds | per seed |" if n > 1 else " |"))
     table = [head, "|---|---|" + ("---|" if n > 1 else "")]
     for k, v in rows.items():
         table.append(f"| {k} | {v:.3f} |" + (" " + " / ".join(f"{r['perplexity'][k]:.3f}" for r in repeats) + " |"
@@ -360,6 +477,14 @@ def summarize(repeats: list[dict], info: dict, json_path: str | None, markdown_p
         st = loss[key]
         table.append(f"| {label} | {st['mean']:.2%} | {st['min']:.2%} | {st['max']:.2%} | {st['std']:.2%} | "
                      + " / ".join(f"{r['loss'][key]:.2%}" for r in repeats) + " |")
+    if "accuracy" in repeats[0]:  # --task arithmetic: exact match on the held-out problems
+        acc = {k: spread([r["accuracy"][k] for r in repeats]) for k in repeats[0]["accuracy"]}
+        result["accuracy"] = acc
+        table += ["", f"Held-out exact-match accuracy ({n} seed{'s' if n > 1 else ''}; mean, min-max, std):", "",
+                  "| model | mean | min | max | std | per seed |", "|---|---|---|---|---|---|"]
+        for k, st in acc.items():
+            table.append(f"| {k} | {st['mean']:.2%} | {st['min']:.2%} | {st['max']:.2%} | {st['std']:.2%} | "
+                         + " / ".join(f"{r['accuracy'][k]:.2%}" for r in repeats) + " |")
     print(f"PTQ loss increase {inc['mean']:.2%} (min {inc['min']:.2%}); QAT recovers {rec['mean']:.0%} "
           f"(min {rec['min']:.0%}, max {rec['max']:.0%}, std {rec['std']:.0%}) over {n} seed(s)", flush=True)
     epochs = info["epochs"]
@@ -374,8 +499,20 @@ def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blo
     """Pretrain a base from ``seed``, fine-tune it plain and with QAT on the same batches, evaluate all."""
     base, pre_losses = pretrain(a, model_config, pre_blocks, seed, label=f"seed {seed}: pre-training")
     log(f"seed {seed}: pre-trained {a.pretrain_steps} steps, last loss {pre_losses[-1]:.3f}")
-    rows = {"base bf16": perplexity(base, eval_blocks, a), "base PTQ": perplexity(ptq(base, config), eval_blocks, a)}
-    log(f"seed {seed}: base perplexity {rows['base bf16']:.3f}, its PTQ {rows['base PTQ']:.3f}")
+    acc = {} if arithmetic(a) else None  # exact match of each model, --task arithmetic
+
+    def evaluate(key, model):
+        if acc is None:
+            rows[key] = perplexity(model, eval_blocks, a)
+            return
+        nll, acc[key] = answer_eval(model, eval_blocks, a)
+        rows[key] = math.exp(nll)
+
+    rows = {}
+    evaluate("base bf16", base)
+    evaluate("base PTQ", ptq(base, config))
+    log(f"seed {seed}: base perplexity {rows['base bf16']:.3f}, its PTQ {rows['base PTQ']:.3f}"
+        + (f"; exact match {acc['base bf16']:.2%}, its PTQ {acc['base PTQ']:.2%}" if acc is not None else ""))
     runs = {}
     for kind in ("bf16", "qat"):
         model = copy.deepcopy(base)
@@ -386,18 +523,20 @@ def run_once(a, config: QATConfig, model_config, pre_blocks, ft_blocks, eval_blo
                            torch.compile(model) if a.compile else None, label=f"seed {seed}: fine-tuning ({kind})")
         log(f"seed {seed}: fine-tuned ({kind}) {a.finetune_steps} steps, last loss {runs[kind][-1]:.3f}")
         if kind == "bf16":
-            rows["fine-tuned bf16"] = perplexity(model, eval_blocks, a)
-            rows["fine-tuned PTQ"] = perplexity(ptq(model, config), eval_blocks, a)
+            evaluate("fine-tuned bf16", model)
+            evaluate("fine-tuned PTQ", ptq(model, config))
         else:
-            rows["QAT fine-tuned, fake quant"] = perplexity(model, eval_blocks, a)
+            evaluate("QAT fine-tuned, fake quant", model)
             convert_qat(model, config)
-            rows["QAT fine-tuned, converted"] = perplexity(model, eval_blocks, a)
+            evaluate("QAT fine-tuned, converted", model)
     _, recovered = recovery(rows)
     loss = loss_recovery(rows)
     print(f"seed {seed}: {rows}, QAT recovers {recovered:.0%} of the perplexity, {loss['recovered_loss']:.0%} of the "
           f"{loss['ptq_loss_increase']:.2%} loss PTQ adds", flush=True)
+    if acc is not None:
+        print(f"seed {seed}: exact-match accuracy " + ", ".join(f"{k} {v:.2%}" for k, v in acc.items()), flush=True)
     return {"seed": seed, "perplexity": rows, "recovered": recovered, "loss": loss, "pretrain_losses": pre_losses,
-            "finetune_losses": runs}
+            "finetune_losses": runs, **({"accuracy": acc} if acc is not None else {})}
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,6 @@
 """QAT: fake quant against torchao's quantization, the delay (also across resume), convert -> export -> load."""
 
+import argparse
 import json
 import math
 import os
@@ -441,6 +442,53 @@ def test_eval_qat_smoke(tmp_path, monkeypatch, capsys):
     assert rec["mean"] == pytest.approx(sum(values) / 2) and rec["min"] == min(values) and rec["max"] == max(values)
     assert rec["std"] == pytest.approx(abs(values[0] - values[1]) / math.sqrt(2)) and rec["n"] == 2
     assert data["meta"]["config"]["include_lm_head"]
+
+
+def test_eval_qat_arithmetic_task(tmp_path, monkeypatch):
+    """eval_qat.py --task arithmetic: the held-out operand pairs are never trained on, the split is the seed's alone,
+    the loss is the answer's (the prompt and the padding masked), exact match is reported beside it; a corpus run's
+    JSON records none of the task's flags."""
+    script = _eval_qat_script(monkeypatch)
+    a = argparse.Namespace(task="arithmetic", digits=2, task_train=300, task_eval=50, seed=0, batch=8, device="cpu")
+    tok, train, held_out, record = script.arithmetic_data(a)
+    assert train.shape == (300, 10) and held_out.shape == (50, 10)  # 3 * 2 + 4 tokens a row
+    prompts = lambda rows: {tok.decode(r).split("=")[0] for r in rows.tolist()}  # noqa: E731
+    assert not prompts(train) & prompts(held_out) and len(prompts(held_out)) == 50
+    again = script.arithmetic_data(a)
+    assert torch.equal(again[1], train) and torch.equal(again[2], held_out)  # deterministic per seed
+    other = script.arithmetic_data(argparse.Namespace(**{**vars(a), "seed": 1}))
+    assert not torch.equal(other[2], held_out)
+    assert record["digits"] == 2 and record["eval_problems"] == 50
+    # "12+345=357</s>" right-padded: labels only on "357" and the EOS
+    row = script.problem_rows([{"prompt": "12+345=", "completion": "357"}], 3)
+    assert row.shape == (1, 13)
+    labels = script.targets(a, row)[0].tolist()
+    ids = row[0].tolist()
+    assert labels[:7] == [-100] * 7 and labels[7:11] == ids[7:11] and labels[11:] == [-100] * 2
+    assert tok.decode(ids[7:10]) == "357" and ids[10] == tok.eos_token_id and ids[11:] == [tok.pad_token_id] * 2
+    assert script.targets(argparse.Namespace(), row) is row  # the corpus: every token
+    # the loss of a model that always predicts the answer: ~0 on the answer, whatever it says on the prompt
+    class Oracle(nn.Module):
+        def forward(self, input_ids):
+            logits = torch.zeros(*input_ids.shape, len(tok))
+            logits[:, :-1].scatter_(2, input_ids[:, 1:, None], 50.0)  # the next token, everywhere
+            logits[:, :6, 5] = 100.0  # the positions predicting the prompt ("2+345="): wrong, and not counted
+            return argparse.Namespace(logits=logits)
+    nll, acc = script.answer_eval(Oracle(), row, a)
+    assert nll < 1e-6 and acc == 1.0
+    # end to end, tiny: accuracy per model, the task's flags in meta.config
+    out = tmp_path / "arith.json"
+    monkeypatch.setattr(sys, "argv", ["eval_qat.py", *EVAL_QAT_TINY, "--task", "arithmetic", "--digits", "2",
+                                      "--task_train", "200", "--task_eval", "40", "--json", str(out)])
+    script.main()
+    data = json.loads(out.read_text())
+    assert set(data["accuracy"]) == set(data["perplexity"])
+    assert all(0 <= st["mean"] <= 1 for st in data["accuracy"].values())
+    assert data["meta"]["config"]["task"] == "arithmetic" and data["meta"]["corpus"]["eval_problems"] == 40
+    monkeypatch.setattr(sys, "argv", ["eval_qat.py", *EVAL_QAT_TINY, "--json", str(tmp_path / "corpus.json")])
+    script.main()
+    corpus = json.loads((tmp_path / "corpus.json").read_text())
+    assert not set(script.TASK_FLAGS) & set(corpus["meta"]["config"]) and "accuracy" not in corpus
 
 
 @pytest.mark.parametrize("scheme", ["int4_tinygemm", "8da4w"])
