@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -153,17 +154,12 @@ def arithmetic(a) -> bool:
     return getattr(a, "task", "corpus") == "arithmetic"
 
 
+@functools.cache
 def char_tokenizer():
     """The character tokenizer of ``hf-lowbit-sft``'s embedded arithmetic (digits, '+', '='; pad 0, EOS 3)."""
     from hf_lowbit.data.records import ARITHMETIC_CHARS, build_char_tokenizer
 
-    global _CHAR_TOK
-    if _CHAR_TOK is None:
-        _CHAR_TOK = build_char_tokenizer(ARITHMETIC_CHARS)
-    return _CHAR_TOK
-
-
-_CHAR_TOK = None
+    return build_char_tokenizer(ARITHMETIC_CHARS)
 
 
 def answer_labels(ids: torch.Tensor, eq_id: int, pad_id: int) -> torch.Tensor:
@@ -307,7 +303,8 @@ def pretrain(a, model_config, blocks, seed: int, label: str = "pre-training", st
     return base, losses
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
+    """The script's flags (tools/arith_ptq_pilot.py adds its own to them)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # defaults sized to the corpus (~200k tokens per half): ~3 pre-training epochs, ~1 fine-tuning epoch
     add_int_flags(p, layers=4, hidden=512, intermediate=1536, heads=8, kv_heads=4, seq=256, batch=8, pretrain_steps=300,
@@ -344,13 +341,34 @@ def main():
                         "the output paths) or a seed repeats; a missing file is left out")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
-    a = p.parse_args()
+    return p
+
+
+def main():
+    a = build_parser().parse_args()
     if a.merge:
         merge(a.merge, a.json, a.markdown)
         return
     if a.repeats < 1 or a.repeat_from < 0:
         raise SystemExit(f"--repeats {a.repeats} --repeat_from {a.repeat_from}: need REPEATS >= 1 and K >= 0")
     t0 = time.time()
+    prepared = setup(a)
+    if prepared is None:  # --corpus_only
+        return
+    config, model_config, pre_blocks, ft_blocks, eval_blocks, info = prepared
+    repeats = []
+    for i in range(a.repeats):
+        seed = a.seed + a.repeat_from + i
+        repeats.append(run_once(a, config, model_config, pre_blocks, ft_blocks, eval_blocks, seed))
+        if i + 1 < a.repeats and a.json:  # the seeds done so far, in case the run is cut short (rewritten at the end)
+            save_json(a.json, {"meta": meta(a.device, key="device", seconds=time.time() - t0, partial=True, **info),
+                               "repeats": repeats})
+    summarize(repeats, meta(a.device, key="device", seconds=time.time() - t0, **info), a.json, a.markdown)
+
+
+def setup(a):
+    """What every seed of a run shares, from its flags: ``(QATConfig, the model's LlamaConfig, pre-training blocks,
+    fine-tuning blocks, held-out blocks, the JSON's meta)``; ``None`` with ``--corpus_only`` (the corpus built)."""
     try:
         config = QATConfig(a.scheme, a.group_size, include_lm_head=a.include_lm_head)
     except ValueError as e:
@@ -361,7 +379,7 @@ def main():
     else:
         tok, train_blocks, eval_blocks, corpus = load_corpus(a)
     if a.corpus_only:
-        return
+        return None
     if a.eval_blocks:  # a smaller held-out set (smoke runs)
         eval_blocks = eval_blocks[: a.eval_blocks]
     # pretraining and fine-tuning see disjoint halves of the training blocks
@@ -385,14 +403,7 @@ def main():
             "epochs": epochs, "weights": f"{a.scheme}, {config.granularity}",
             "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "merge")
                        and (arithmetic(a) or k not in TASK_FLAGS)}}
-    repeats = []
-    for i in range(a.repeats):
-        seed = a.seed + a.repeat_from + i
-        repeats.append(run_once(a, config, model_config, pre_blocks, ft_blocks, eval_blocks, seed))
-        if i + 1 < a.repeats and a.json:  # the seeds done so far, in case the run is cut short (rewritten at the end)
-            save_json(a.json, {"meta": meta(a.device, key="device", seconds=time.time() - t0, partial=True, **info),
-                               "repeats": repeats})
-    summarize(repeats, meta(a.device, key="device", seconds=time.time() - t0, **info), a.json, a.markdown)
+    return config, model_config, pre_blocks, ft_blocks, eval_blocks, info
 
 
 # the flags of --task arithmetic (recorded in meta.config only when it is the task)

@@ -11,43 +11,27 @@ eval_qat.py's (parsed by its parser); --json writes the rows.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
-import argparse  # noqa: E402
-
-import eval_qat  # noqa: E402
-from benchmarks.driver import llama_config, meta  # noqa: E402
+from benchmarks import eval_qat  # noqa: E402
+from benchmarks.driver import meta  # noqa: E402
 from hf_lowbit.qat import QATConfig  # noqa: E402
 
 
 def main():
-    variants = "int4_weight_only:32:head"
-    command = " ".join(sys.argv)  # before eval_qat's parser gets its own argv
-    argv = sys.argv[1:]
-    if "--variants" in argv:
-        i = argv.index("--variants")
-        variants = argv[i + 1]
-        del argv[i:i + 2]
-    out = None
-    if "--json" in argv:
-        i = argv.index("--json")
-        out = argv[i + 1]
-        del argv[i:i + 2]
-    sys.argv = [sys.argv[0], "--task", "arithmetic", *argv]
-    captured = {}
-    eval_qat.run_once = lambda a, config, model_config, pre, ft, ev, seed: captured.update(
-        a=a, model_config=model_config, pre=pre, ev=ev, seed=seed) or {}
-    eval_qat.summarize = lambda *args, **kw: None
-    eval_qat.main()  # parses, builds the data, calls run_once (captured) once
-    a, ev = captured["a"], captured["ev"]
+    command = " ".join(sys.argv)
+    p = eval_qat.build_parser()
+    p.add_argument("--variants", default="int4_weight_only:32:head",
+                   help="comma-separated SCHEME:GROUP[:head] (GROUP -1: per channel; head: the LM head too)")
+    a = p.parse_args(["--task", "arithmetic", *sys.argv[1:]])
+    _, model_config, pre, _, ev, _ = eval_qat.setup(a)
+    out, variants = a.json, a.variants
     t = time.time()
-    base, losses = eval_qat.pretrain(a, captured["model_config"], captured["pre"], captured["seed"])
+    base, losses = eval_qat.pretrain(a, model_config, pre, a.seed + a.repeat_from)  # run_once's first seed
     nll, acc = eval_qat.answer_eval(base, ev, a)
     print(f"base: {time.time() - t:.0f} s, last train loss {losses[-1]:.4f}, held-out answer NLL {nll:.5f}, "
           f"exact match {acc:.2%}", flush=True)
