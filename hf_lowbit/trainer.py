@@ -78,9 +78,10 @@ class LowBitTrainerMixin:
         # the causal mask left to SDPA's is_causal under torch.compile (hf_lowbit.integrations.causal_mask)
         why_not = plain_causal_model(self.model) if args.lowbit_skip_causal_mask else "lowbit_skip_causal_mask=False"
         self.lowbit_skip_causal_mask = why_not is None
-        if why_not is None and self.data_collator is not None and type(self).compute_loss is Trainer.compute_loss:
-            # only under the stock loss: trl's SFTTrainer reads attention_mask (or position_ids) from every batch
-            self.data_collator = DropFullAttentionMask(self.data_collator)
+        if why_not is None:
+            if self.data_collator is not None and type(self).compute_loss is Trainer.compute_loss:
+                # only under the stock loss: trl's SFTTrainer reads attention_mask (or position_ids) from every batch
+                self.data_collator = DropFullAttentionMask(self.data_collator)
         elif args.lowbit_skip_causal_mask and args.torch_compile:
             logger.info("lowbit_skip_causal_mask: the causal mask stays materialized under torch.compile: %s", why_not)
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
