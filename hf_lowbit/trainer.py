@@ -18,7 +18,8 @@ from transformers import Trainer
 
 from . import atomic
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments
-from .integrations.causal_mask import DropFullAttentionMask, batch_is_plain_causal, plain_causal, plain_causal_model
+from .integrations.causal_mask import (FullAttentionMaskCollator, FullMaskBatch, batch_is_plain_causal, plain_causal,
+                                       plain_causal_model)
 from .integrations.distributed import (check_deepspeed, prepare_integer_params_for_fsdp2, prepare_lowbit_all_gather,
                                        unsharded_copy)
 from .integrations.liger import apply_liger
@@ -78,10 +79,11 @@ class LowBitTrainerMixin:
         # the causal mask left to SDPA's is_causal under torch.compile (hf_lowbit.integrations.causal_mask)
         why_not = plain_causal_model(self.model) if args.lowbit_skip_causal_mask else "lowbit_skip_causal_mask=False"
         self.lowbit_skip_causal_mask = why_not is None
-        if why_not is None:
-            if self.data_collator is not None and type(self).compute_loss is Trainer.compute_loss:
-                # only under the stock loss: trl's SFTTrainer reads attention_mask (or position_ids) from every batch
-                self.data_collator = DropFullAttentionMask(self.data_collator)
+        if why_not is None and self.data_collator is not None:
+            # an all-ones mask dropped under the stock loss; kept (the batch marked) where the loss may read it:
+            # trl's SFTTrainer counts tokens with attention_mask (or position_ids) in every batch
+            self.data_collator = FullAttentionMaskCollator(
+                self.data_collator, drop=type(self).compute_loss is Trainer.compute_loss)
         elif args.lowbit_skip_causal_mask and args.torch_compile:
             logger.info("lowbit_skip_causal_mask: the causal mask stays materialized under torch.compile: %s", why_not)
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
@@ -328,12 +330,14 @@ class LowBitTrainerMixin:
         self._lowbit_before_forward(model, training=True)
         if "input_ids" in inputs:
             self.lowbit_throughput.count(inputs["input_ids"])
-        with plain_causal(self.lowbit_skip_causal_mask and batch_is_plain_causal(inputs)):
+        with plain_causal(self.lowbit_skip_causal_mask and batch_is_plain_causal(inputs),
+                          mask_all_ones=isinstance(inputs, FullMaskBatch)):
             return super().training_step(model, inputs, *args, **kwargs)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         self._lowbit_before_forward(model, training=False)
-        with plain_causal(self.lowbit_skip_causal_mask and batch_is_plain_causal(inputs)):
+        with plain_causal(self.lowbit_skip_causal_mask and batch_is_plain_causal(inputs),
+                          mask_all_ones=isinstance(inputs, FullMaskBatch)):
             return super().prediction_step(model, inputs, *args, **kwargs)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:

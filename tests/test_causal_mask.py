@@ -30,6 +30,12 @@ def test_the_mask_function_skips_only_a_plain_causal_mask(monkeypatch):
                       dict(q_offset=torch.tensor(0)), dict(local_size=4), dict(q_length=1, kv_length=1),
                       dict(kv_length=12)):
             assert fn(**_mask_kwargs(**other)) == "transformers", other
+    padding = dict(attention_mask=torch.ones(2, 8, dtype=torch.bool))
+    with cm.plain_causal(mask_all_ones=True):  # a FullMaskBatch's mask: vouched all ones, so ignored
+        assert fn(**_mask_kwargs(**padding)) is None and fn(**_mask_kwargs()) is None
+        for other in (dict(q_offset=3), dict(local_size=4), dict(kv_length=12)):
+            assert fn(**_mask_kwargs(**padding, **other)) == "transformers", other
+    assert cm._mask_all_ones is False
     with cm.plain_causal(enabled=False):
         assert fn(**_mask_kwargs()) == "transformers" and cm._active is False
     assert fn(**_mask_kwargs()) == "transformers" and cm._active is False
@@ -47,9 +53,9 @@ def test_which_models_qualify():
     assert "'gpt2' is not one of" in cm.plain_causal_model(gpt2)
 
 
-def _sdpa_calls(model, ids, skip: bool):
+def _sdpa_calls(model, ids, skip: bool, mask=None):
     """The SDPA calls of the compiled forward+backward (Dynamo's graphs, eager backend): (has a mask, is_causal),
-    and the loss and gradients."""
+    and the loss and gradients. ``mask``: an attention_mask to pass (then vouched all ones under the context)."""
     calls = []
 
     def backend(gm, example_inputs):
@@ -61,19 +67,22 @@ def _sdpa_calls(model, ids, skip: bool):
 
     torch._dynamo.reset()
     model.zero_grad(set_to_none=True)
-    with cm.plain_causal(skip):
-        loss = torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss
+    extra = {} if mask is None else {"attention_mask": mask}
+    with cm.plain_causal(skip, mask_all_ones=mask is not None):
+        loss = torch.compile(model, backend=backend)(input_ids=ids, labels=ids, **extra).loss
     loss.backward()
     return calls, loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("use_cache", [True, False])
-def test_compiled_forward_gets_no_mask_and_the_same_loss(use_cache):
+@pytest.mark.parametrize("use_cache,all_ones_mask", [(True, False), (False, False), (False, True)])
+def test_compiled_forward_gets_no_mask_and_the_same_loss(use_cache, all_ones_mask):
+    """all_ones_mask: the batch carries an attention_mask of all ones (a FullMaskBatch's), on both sides."""
     model = tiny_model("llama")
     model.config.use_cache = use_cache
     ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
-    stock, ref_loss, ref_grads = _sdpa_calls(model, ids, skip=False)
-    ours, loss, grads = _sdpa_calls(model, ids, skip=True)
+    mask = torch.ones_like(ids) if all_ones_mask else None
+    stock, ref_loss, ref_grads = _sdpa_calls(model, ids, skip=False, mask=mask)
+    ours, loss, grads = _sdpa_calls(model, ids, skip=True, mask=mask)
     assert stock and all(has_mask for has_mask, _ in stock)  # transformers' compiled path: a materialized mask
     assert ours and all(not has_mask and causal for has_mask, causal in ours)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
@@ -81,20 +90,52 @@ def test_compiled_forward_gets_no_mask_and_the_same_loss(use_cache):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
-def test_drop_full_attention_mask():
+def test_full_attention_mask_collator():
     def collate(features):
         ids = torch.tensor([f["ids"] for f in features])
         return BatchEncoding({"input_ids": ids, "attention_mask": torch.tensor([f["mask"] for f in features])})
 
-    wrapped = cm.DropFullAttentionMask(collate)
-    full = wrapped([{"ids": [1, 2, 3], "mask": [1, 1, 1]}] * 2)
-    assert set(full) == {"input_ids"} and cm.batch_is_plain_causal(full)
-    padded = wrapped([{"ids": [1, 2, 3], "mask": [1, 1, 1]}, {"ids": [1, 2, 0], "mask": [1, 1, 0]}])
-    assert "attention_mask" in padded and not cm.batch_is_plain_causal(padded)
-    packed = cm.DropFullAttentionMask(lambda f: {"input_ids": torch.ones(1, 4), "attention_mask": torch.ones(1, 4),
-                                                 "position_ids": torch.tensor([[0, 1, 0, 1]])})([None])
-    assert "attention_mask" in packed and not cm.batch_is_plain_causal(packed)
-    assert pickle.loads(pickle.dumps(cm.DropFullAttentionMask(torch.stack))).collator is torch.stack
+    for drop in (True, False):
+        wrapped = cm.FullAttentionMaskCollator(collate, drop=drop)
+        full = wrapped([{"ids": [1, 2, 3], "mask": [1, 1, 1]}] * 2)
+        if drop:  # the stock loss: the mask removed
+            assert set(full) == {"input_ids"} and not isinstance(full, cm.FullMaskBatch)
+        else:  # a loss that reads it: kept, the batch marked
+            assert isinstance(full, cm.FullMaskBatch) and set(full) == {"input_ids", "attention_mask"}
+        assert cm.batch_is_plain_causal(full)
+        padded = wrapped([{"ids": [1, 2, 3], "mask": [1, 1, 1]}, {"ids": [1, 2, 0], "mask": [1, 1, 0]}])
+        assert "attention_mask" in padded and not isinstance(padded, cm.FullMaskBatch)
+        assert not cm.batch_is_plain_causal(padded)
+        packed = cm.FullAttentionMaskCollator(
+            lambda f: {"input_ids": torch.ones(1, 4), "attention_mask": torch.ones(1, 4),
+                       "position_ids": torch.tensor([[0, 1, 0, 1]])}, drop=drop)([None])
+        assert "attention_mask" in packed and not cm.batch_is_plain_causal(packed)
+    assert not cm.batch_is_plain_causal({"input_ids": 1, "attention_mask": 1})  # an unmarked mask: not vouched for
+    assert not cm.batch_is_plain_causal(cm.FullMaskBatch(input_ids=1, attention_mask=1, position_ids=1))
+    back = pickle.loads(pickle.dumps(cm.FullAttentionMaskCollator(torch.stack, drop=False)))
+    assert back.collator is torch.stack and back.drop is False
+    assert type(pickle.loads(pickle.dumps(cm.FullMaskBatch(a=1)))) is cm.FullMaskBatch
+
+
+def test_a_marked_batch_keeps_its_type_on_the_way_to_the_model():
+    """The mark is the batch's type: DataLoader's pinning (where it runs), accelerate's send_to_device and the
+    Trainer's _prepare_input rebuild a mapping as its own type."""
+    from accelerate.utils import send_to_device
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    batch = cm.FullMaskBatch(input_ids=torch.ones(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 4))
+    assert type(send_to_device(batch, "cpu")) is cm.FullMaskBatch
+    if torch.cuda.is_available():  # pinning needs an accelerator
+        assert type(pin_memory(batch)) is cm.FullMaskBatch
+
+    class Prep:  # Trainer._prepare_input, unbound, on a stand-in with the attributes it reads
+        args = type("A", (), {"device": torch.device("cpu")})()
+        is_deepspeed_enabled = False
+
+    from transformers import Trainer
+
+    Prep._prepare_input = Trainer._prepare_input
+    assert type(Prep()._prepare_input(batch)) is cm.FullMaskBatch
 
 
 def test_trainer_skips_the_mask_for_plain_batches(tmp_path, monkeypatch):
@@ -119,10 +160,49 @@ def test_trainer_skips_the_mask_for_plain_batches(tmp_path, monkeypatch):
                            int8_mixed_precision=True, lowbit_min_features=16, lowbit_skip_causal_mask=skip,
                            disable_tqdm=True)
         trainer = LowBitTrainer(tiny_model("llama", vocab_size=96), args, train_dataset=arithmetic_blocks(8))
-        assert isinstance(trainer.data_collator, cm.DropFullAttentionMask) == skip
+        assert isinstance(trainer.data_collator, cm.FullAttentionMaskCollator) == skip
+        assert not skip or trainer.data_collator.drop  # the stock loss: the all-ones mask dropped
         assert trainer.lowbit_skip_causal_mask == skip
         trainer.train()
         assert answers and all(answers) == skip and any(answers) == skip
+
+
+def test_a_loss_that_reads_the_mask_keeps_it_and_still_skips(tmp_path, monkeypatch):
+    """A LowBitTrainer subclass whose compute_loss reads attention_mask (as trl's SFTTrainer does): the collator
+    keeps an all-ones mask, the loss sees it, and the mask function still answers None for those batches."""
+    from conftest import arithmetic_blocks
+
+    answers, seen = [], []
+    real = cm._sdpa_mask
+
+    def spy(*args, **kwargs):
+        answers.append(real(*args, **kwargs) is None and cm._active and cm._mask_all_ones)
+        return real(*args, **kwargs)
+
+    cm.install()
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", spy)
+
+    class CountingTrainer(LowBitTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            seen.append(int(inputs["attention_mask"].sum()))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    args = lowbit_args(tmp_path, max_steps=2, per_device_train_batch_size=4, save_strategy="no",
+                       int8_mixed_precision=True, lowbit_min_features=16, disable_tqdm=True)
+    from transformers import default_data_collator
+
+    def with_mask(features):  # a tokenizer's padding collator on equal lengths: a mask of all ones
+        batch = default_data_collator(features)
+        return {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+
+    trainer = CountingTrainer(tiny_model("llama", vocab_size=96), args, train_dataset=arithmetic_blocks(8),
+                              data_collator=with_mask)
+    assert isinstance(trainer.data_collator, cm.FullAttentionMaskCollator) and not trainer.data_collator.drop
+    trainer.train()
+    assert seen and all(n > 0 for n in seen)
+    assert answers and all(answers)
 
 
 def test_the_argument_is_checked(tmp_path):

@@ -179,3 +179,37 @@ def test_without_trl_the_error_says_what_to_install(monkeypatch):
     monkeypatch.delattr(hf_lowbit, "trl")
     with pytest.raises(ImportError, match=r"hf_lowbit\[trl\]"):
         hf_lowbit.LowBitSFTTrainer
+
+
+def test_sft_leaves_an_unpadded_batch_causal_mask_to_sdpa(tmp_path, monkeypatch):
+    """lowbit_skip_causal_mask under SFTTrainer, whose loss counts tokens with attention_mask: an all-ones mask is
+    kept (the batch marked on the CPU) and the mask function answers None for it; padded batches keep
+    transformers' mask; the same losses as with the option off (eagerly transformers skips that mask too)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from hf_lowbit.integrations import causal_mask as cm
+
+    answers = []
+    real = cm._sdpa_mask
+
+    def spy(*args, **kwargs):
+        answers.append((real(*args, **kwargs) is None and cm._active, cm._mask_all_ones))
+        return real(*args, **kwargs)
+
+    cm.install()
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", spy)
+    losses = {}
+    for skip, batch in ((True, 1), (False, 1), (True, 4)):
+        answers.clear()
+        trainer = _trainer(tmp_path / f"{skip}{batch}", max_steps=3, packing=False, per_device_train_batch_size=batch,
+                           lowbit_skip_causal_mask=skip)
+        assert isinstance(trainer.data_collator, cm.FullAttentionMaskCollator) == skip
+        assert not skip or not trainer.data_collator.drop
+        trainer.train()
+        losses[skip, batch] = _losses(trainer)
+        if batch == 1:  # one sequence: no padding, every batch marked and its mask left to SDPA
+            assert answers and all(a == (skip, skip) for a in answers), answers
+        else:  # 4 sequences: padded where their lengths differ (transformers' mask), marked where they do not
+            assert any(not skipped for skipped, _ in answers), answers
+            assert all(marked for skipped, marked in answers if skipped), answers
+    assert losses[True, 1] == losses[False, 1]

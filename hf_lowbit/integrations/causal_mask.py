@@ -9,12 +9,14 @@ Llama-8B-shaped layers, 1x2048 tokens) the same cuDNN attention kernels took 0.6
 the whole-model-compiled Trainer against 0.25 ms in per-layer-compiled layers called without a mask: attention
 was 52-57 ms of a ~340-410 ms step against ~21 ms, for bf16 and every recipe alike.
 
-The trainer knows what Dynamo does not: the batch it is about to feed has no ``attention_mask`` (or one of all
-ones, dropped on the CPU by :class:`DropFullAttentionMask` before it reaches the device) and no ``position_ids``
-(so no packing), and the model is a decoder-only text model with full causal attention in every layer
-(:func:`plain_causal_model`). Within :func:`plain_causal` the ``"sdpa"`` mask function then returns ``None``
-for the first layer's mask of a fresh forward (no padding mask, query length = key length, offsets 0): the
-mask that transformers itself skips eagerly. Everything else goes to transformers' ``sdpa_mask`` unchanged, and
+The trainer knows what Dynamo does not: the batch it is about to feed has no ``attention_mask``, or one of all
+ones (checked on the CPU by :class:`FullAttentionMaskCollator` before the batch reaches the device: dropped under
+the stock loss, kept and the batch marked as a :class:`FullMaskBatch` where the loss reads it, as trl's
+``SFTTrainer`` does), and no ``position_ids`` (so no packing), and the model is a decoder-only text model with full
+causal attention in every layer (:func:`plain_causal_model`). Within :func:`plain_causal` the ``"sdpa"`` mask
+function then returns ``None`` for the mask of a fresh forward (query length = key length, offsets 0, no local
+window, and no padding mask or, for a marked batch, one the collator saw all ones): the mask that transformers
+itself skips eagerly. Everything else goes to transformers' ``sdpa_mask`` unchanged, and
 outside the context the function is transformers' own. The attention computed is the same (a causal mask of
 all-True rows below the diagonal); only the kernel's path differs, so results can differ in the last bits.
 """
@@ -30,7 +32,10 @@ import torch
 # with no model-specific overlay (no image-token or block overlays, no sliding windows: checked on the config too)
 PLAIN_CAUSAL_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
-_active = False  # read inside the traced forward: Dynamo guards on it (one graph per value)
+# read inside the traced forward, so Dynamo guards on them (one graph per value): whether the context is on, and
+# whether it vouches for a padding mask of all ones (a FullMaskBatch) as well as for no padding mask
+_active = False
+_mask_all_ones = False
 _installed = None  # transformers' sdpa mask function, once ours replaced it
 
 
@@ -54,18 +59,27 @@ def plain_causal_model(model) -> str | None:
     return None
 
 
+class FullMaskBatch(dict):
+    """A batch whose ``attention_mask`` :class:`FullAttentionMaskCollator` saw all ones on the CPU, kept for a loss
+    that reads it (trl's ``SFTTrainer`` counts tokens with it). The type is the mark: ``DataLoader``'s pinning,
+    accelerate's ``send_to_device`` and the ``Trainer``'s ``_prepare_inputs`` rebuild a mapping as its own type, so
+    it reaches ``training_step`` on the device as a ``FullMaskBatch``, with no extra key for the model to refuse."""
+
+
 def batch_is_plain_causal(inputs) -> bool:
     """Whether a batch (the dict a ``Trainer`` feeds the model) leaves the causal mask plain: no ``position_ids``
-    (packed sequences) and no ``attention_mask`` (``DropFullAttentionMask`` removes one of all ones)."""
-    return isinstance(inputs, Mapping) and "attention_mask" not in inputs and "position_ids" not in inputs
+    (packed sequences) and no ``attention_mask`` (the collator drops one of all ones) or a :class:`FullMaskBatch`
+    (the collator saw it all ones)."""
+    return (isinstance(inputs, Mapping) and "position_ids" not in inputs
+            and ("attention_mask" not in inputs or isinstance(inputs, FullMaskBatch)))
 
 
 def _skippable(kwargs) -> bool:
-    """A plain causal mask over a fresh forward: no padding mask, no local window, offsets the Python int 0 (a
-    cache's tensor offsets, as a static cache's, are not), query length = key length > 1 (ints, or the same
-    symbolic length under dynamic shapes)."""
+    """A plain causal mask over a fresh forward: no padding mask (or one the context vouches is all ones), no
+    local window, offsets the Python int 0 (a cache's tensor offsets, as a static cache's, are not), query length =
+    key length > 1 (ints, or the same symbolic length under dynamic shapes)."""
     q, kv = kwargs.get("q_length"), kwargs.get("kv_length")
-    return (kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
+    return ((kwargs.get("attention_mask") is None or _mask_all_ones) and kwargs.get("local_size") is None
             and all(type(kwargs.get(k, 0)) is int and kwargs.get(k, 0) == 0 for k in ("q_offset", "kv_offset"))
             and isinstance(q, (int, torch.SymInt)) and isinstance(kv, (int, torch.SymInt)) and q == kv and q > 1)
 
@@ -87,40 +101,47 @@ def _sdpa_mask(*args, **kwargs):
 
 
 @contextlib.contextmanager
-def plain_causal(enabled: bool = True):
+def plain_causal(enabled: bool = True, mask_all_ones: bool = False):
     """While active (and ``enabled``), the ``"sdpa"`` mask function returns ``None`` for a plain causal mask:
     the caller vouches that the forward's batch has no padding and no packing (:func:`batch_is_plain_causal`)
-    and that the model is one :func:`plain_causal_model` accepts."""
-    global _active
+    and that the model is one :func:`plain_causal_model` accepts. ``mask_all_ones``: the batch carries an
+    ``attention_mask`` the caller knows is all ones (a :class:`FullMaskBatch`), which the function then ignores."""
+    global _active, _mask_all_ones
     if not enabled:
         yield
         return
     install()
-    before, _active = _active, True
+    before = _active, _mask_all_ones
+    _active, _mask_all_ones = True, mask_all_ones
     try:
         yield
     finally:
-        _active = before
+        _active, _mask_all_ones = before
 
 
-class DropFullAttentionMask:
-    """A data collator wrapper: the batch of ``collator`` without its ``attention_mask`` where that mask is all
-    ones on the CPU (no padding: for the causal LMs of ``PLAIN_CAUSAL_MODEL_TYPES`` the same forward), so the
-    trainer can skip the materialized mask without reading the mask on the device (a host sync a micro-batch).
+class FullAttentionMaskCollator:
+    """A data collator wrapper for the batches whose ``attention_mask`` is all ones on the CPU (no padding: for the
+    causal LMs of ``PLAIN_CAUSAL_MODEL_TYPES`` the same forward as no mask), so the trainer can skip the
+    materialized mask without reading the mask on the device (a host sync a micro-batch). ``drop=True`` (the stock
+    loss) removes such a mask; ``drop=False`` (a loss that reads it: trl's ``SFTTrainer``) keeps it and returns the
+    batch as a :class:`FullMaskBatch`. A batch with ``position_ids`` (packed) or any padding is returned as is.
     A module-level class, so DataLoader workers can pickle it."""
 
-    def __init__(self, collator):
+    def __init__(self, collator, drop: bool = True):
         self.collator = collator
+        self.drop = drop
 
     def __call__(self, features):
         batch = self.collator(features)
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         if (isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and "position_ids" not in batch
                 and bool(mask.all())):
-            batch = {k: v for k, v in batch.items() if k != "attention_mask"}  # a BatchEncoding becomes a dict
+            if self.drop:
+                return {k: v for k, v in batch.items() if k != "attention_mask"}  # a BatchEncoding becomes a dict
+            return FullMaskBatch(batch)
         return batch
 
     def __getattr__(self, name):  # the wrapped collator's attributes (trl reads some of its collators')
-        if name == "collator":
+        if name in ("collator", "drop"):
             raise AttributeError(name)
         return getattr(self.collator, name)
