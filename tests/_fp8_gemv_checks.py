@@ -116,15 +116,17 @@ def gemv_cases(device: str) -> list[tuple]:
     return cases
 
 
-def check_fp8_gemv(device: str, soft: bool | None = None) -> int:
+def check_fp8_gemv(device: str, soft: bool | None = None, part: tuple[int, int] = (0, 1)) -> int:
     """The GEMV against the exact product of torchao's codes and the scales (float64): with x float32 within
     float32 accumulation (``K · 2^-24`` of the products' magnitudes), with x bf16 also within one rounding to
     bf16; and against the float32 reference (:func:`fp8_rowwise_linear_reference`) within one bf16 step. Its
-    output allocated as poison (all of it written); an all-zero activation row gives the bias exactly. Returns
-    the number of checks."""
+    output allocated as poison (all of it written); an all-zero activation row gives the bias exactly. ``part``
+    ``(i, n)``: every ``n``-th case from the ``i``-th (the CUDA test splits them over pytest-xdist workers: each
+    case compiles its own kernels, 268 s in one test on the H200 in session 18). Returns the number of checks."""
     _poison_works(device)
     n = 0
-    for M, N, K, has_bias, split, pre, x_t, design, dot in gemv_cases(device):
+    i, parts = part
+    for M, N, K, has_bias, split, pre, x_t, design, dot in gemv_cases(device)[i::parts]:
         w = (torch.randn(N, K, device=device) * 2).to(FP8)
         w[0] = 0  # an all-zero weight row
         w_scale = torch.rand(N, device=device) / 100 + 1e-4
