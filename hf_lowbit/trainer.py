@@ -18,8 +18,8 @@ from transformers import Trainer
 
 from . import atomic
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments
-from .integrations.causal_mask import (FullAttentionMaskCollator, FullMaskBatch, batch_is_plain_causal, plain_causal,
-                                       plain_causal_model)
+from .integrations.causal_mask import (FullAttentionMaskCollator, FullMaskBatch, batch_is_plain_causal, collator_mode,
+                                       dispatches_batches, plain_causal, plain_causal_model)
 from .integrations.distributed import (check_deepspeed, prepare_integer_params_for_fsdp2, prepare_lowbit_all_gather,
                                        unsharded_copy)
 from .integrations.liger import apply_liger
@@ -79,12 +79,10 @@ class LowBitTrainerMixin:
         # the causal mask left to SDPA's is_causal under torch.compile (hf_lowbit.integrations.causal_mask)
         why_not = plain_causal_model(self.model) if args.lowbit_skip_causal_mask else "lowbit_skip_causal_mask=False"
         self.lowbit_skip_causal_mask = why_not is None
-        if why_not is None and self.data_collator is not None:
-            # an all-ones mask dropped under the stock loss; kept (the batch marked) where the loss may read it:
-            # trl's SFTTrainer counts tokens with attention_mask (or position_ids) in every batch
-            self.data_collator = FullAttentionMaskCollator(
-                self.data_collator, drop=type(self).compute_loss is Trainer.compute_loss)
-        elif args.lowbit_skip_causal_mask and args.torch_compile:
+        # an all-ones mask dropped under the stock loss, kept with the batch marked under trl's (it counts tokens
+        # with attention_mask), left alone under other losses: see _get_dataloader
+        self._lowbit_mask_mode = collator_mode(type(self)) if why_not is None else None
+        if why_not is not None and args.lowbit_skip_causal_mask and args.torch_compile:
             logger.info("lowbit_skip_causal_mask: the causal mask stays materialized under torch.compile: %s", why_not)
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         cache = args.lowbit_weight_cache
@@ -325,6 +323,21 @@ class LowBitTrainerMixin:
             for p in model.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
+
+    def _get_dataloader(self, dataset, *args, **kwargs):
+        """The ``Trainer``'s data loaders with :class:`FullAttentionMaskCollator` over the collator, for
+        ``lowbit_skip_causal_mask``: in them only, so ``self.data_collator`` stays the user's (trl checks its type)."""
+        collator, mode = self.data_collator, getattr(self, "_lowbit_mask_mode", None)
+        if mode is not None and collator is not None:
+            if dispatches_batches(self.accelerator, dataset):
+                logger.info("lowbit_skip_causal_mask: accelerate dispatches this data loader's batches across "
+                            "processes, so padding masks are left as they are (batches with no mask still skip it)")
+            else:
+                self.data_collator = FullAttentionMaskCollator(collator, drop=mode == "drop")
+        try:
+            return super()._get_dataloader(dataset, *args, **kwargs)
+        finally:
+            self.data_collator = collator
 
     def training_step(self, model, inputs, *args, **kwargs):
         self._lowbit_before_forward(model, training=True)

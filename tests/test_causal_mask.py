@@ -138,6 +138,40 @@ def test_a_marked_batch_keeps_its_type_on_the_way_to_the_model():
     assert type(Prep()._prepare_input(batch)) is cm.FullMaskBatch
 
 
+def loader_collator(trainer):
+    """The FullAttentionMaskCollator in the trainer's training data loader (under the Trainer's column-removing
+    wrapper, if any), or None."""
+    fn = trainer.get_train_dataloader().collate_fn
+    while fn is not None and not isinstance(fn, cm.FullAttentionMaskCollator):
+        fn = getattr(fn, "data_collator", None)
+    return fn
+
+
+def test_collator_mode_and_dispatch():
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    class Own(LowBitTrainer):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    assert cm.collator_mode(LowBitTrainer) == "drop" and cm.collator_mode(Trainer) == "drop"
+    assert cm.collator_mode(Own) is None  # a loss of its own: it may read the mask or forward another batch
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    iterable, mapped = Stream(), torch.utils.data.TensorDataset(torch.ones(2))
+
+    def acc(n, dispatch):
+        return SimpleNamespace(num_processes=n, dataloader_config=SimpleNamespace(dispatch_batches=dispatch))
+
+    assert not cm.dispatches_batches(acc(1, True), iterable)  # one process: nothing is concatenated
+    assert cm.dispatches_batches(acc(2, True), mapped) and cm.dispatches_batches(acc(2, None), iterable)
+    assert not cm.dispatches_batches(acc(2, None), mapped) and not cm.dispatches_batches(acc(2, False), iterable)
+
+
 def test_trainer_skips_the_mask_for_plain_batches(tmp_path, monkeypatch):
     """LowBitTrainer: the collator wrapped, the context on for each training step of a plain batch (the mask
     function answered None there), and off with lowbit_skip_causal_mask=False."""
@@ -160,23 +194,26 @@ def test_trainer_skips_the_mask_for_plain_batches(tmp_path, monkeypatch):
                            int8_mixed_precision=True, lowbit_min_features=16, lowbit_skip_causal_mask=skip,
                            disable_tqdm=True)
         trainer = LowBitTrainer(tiny_model("llama", vocab_size=96), args, train_dataset=arithmetic_blocks(8))
-        assert isinstance(trainer.data_collator, cm.FullAttentionMaskCollator) == skip
-        assert not skip or trainer.data_collator.drop  # the stock loss: the all-ones mask dropped
+        assert not isinstance(trainer.data_collator, cm.FullAttentionMaskCollator)  # the user's, unchanged
+        wrapped = loader_collator(trainer)
+        assert (wrapped is not None) == skip and (not skip or wrapped.drop)  # stock loss: the all-ones mask dropped
         assert trainer.lowbit_skip_causal_mask == skip
         trainer.train()
         assert answers and all(answers) == skip and any(answers) == skip
 
 
-def test_a_loss_that_reads_the_mask_keeps_it_and_still_skips(tmp_path, monkeypatch):
-    """A LowBitTrainer subclass whose compute_loss reads attention_mask (as trl's SFTTrainer does): the collator
-    keeps an all-ones mask, the loss sees it, and the mask function still answers None for those batches."""
+def test_a_loss_of_its_own_keeps_the_mask(tmp_path, monkeypatch):
+    """A LowBitTrainer subclass with its own compute_loss (it reads attention_mask here): the collator is left
+    alone, the loss sees the mask, and the mask function is not told to ignore it (only trl's loss, audited, gets
+    a marked batch: tests/test_trl.py)."""
     from conftest import arithmetic_blocks
+    from transformers import default_data_collator
 
     answers, seen = [], []
     real = cm._sdpa_mask
 
     def spy(*args, **kwargs):
-        answers.append(real(*args, **kwargs) is None and cm._active and cm._mask_all_ones)
+        answers.append(cm._active)  # whether the trainer vouched for this forward's mask
         return real(*args, **kwargs)
 
     cm.install()
@@ -189,20 +226,18 @@ def test_a_loss_that_reads_the_mask_keeps_it_and_still_skips(tmp_path, monkeypat
             seen.append(int(inputs["attention_mask"].sum()))
             return super().compute_loss(model, inputs, *args, **kwargs)
 
-    args = lowbit_args(tmp_path, max_steps=2, per_device_train_batch_size=4, save_strategy="no",
-                       int8_mixed_precision=True, lowbit_min_features=16, disable_tqdm=True)
-    from transformers import default_data_collator
-
     def with_mask(features):  # a tokenizer's padding collator on equal lengths: a mask of all ones
         batch = default_data_collator(features)
         return {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
 
+    args = lowbit_args(tmp_path, max_steps=2, per_device_train_batch_size=4, save_strategy="no",
+                       int8_mixed_precision=True, lowbit_min_features=16, disable_tqdm=True)
     trainer = CountingTrainer(tiny_model("llama", vocab_size=96), args, train_dataset=arithmetic_blocks(8),
                               data_collator=with_mask)
-    assert isinstance(trainer.data_collator, cm.FullAttentionMaskCollator) and not trainer.data_collator.drop
+    assert trainer.lowbit_skip_causal_mask and loader_collator(trainer) is None
     trainer.train()
-    assert seen and all(n > 0 for n in seen)
-    assert answers and all(answers)
+    assert seen == [4 * 32, 4 * 32]
+    assert answers and not any(answers)
 
 
 def test_the_argument_is_checked(tmp_path):

@@ -203,8 +203,11 @@ def test_sft_leaves_an_unpadded_batch_causal_mask_to_sdpa(tmp_path, monkeypatch)
         answers.clear()
         trainer = _trainer(tmp_path / f"{skip}{batch}", max_steps=3, packing=False, per_device_train_batch_size=batch,
                            lowbit_skip_causal_mask=skip)
-        assert isinstance(trainer.data_collator, cm.FullAttentionMaskCollator) == skip
-        assert not skip or not trainer.data_collator.drop
+        assert not isinstance(trainer.data_collator, cm.FullAttentionMaskCollator)  # trl inspects its type
+        fn = trainer.get_train_dataloader().collate_fn  # in the data loader only, under trl's loss: keep + mark
+        while fn is not None and not isinstance(fn, cm.FullAttentionMaskCollator):
+            fn = getattr(fn, "data_collator", None)
+        assert (fn is not None) == skip and (not skip or not fn.drop)
         trainer.train()
         losses[skip, batch] = _losses(trainer)
         if batch == 1:  # one sequence: no padding, every batch marked and its mask left to SDPA

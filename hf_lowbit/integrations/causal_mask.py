@@ -11,8 +11,8 @@ was 52-57 ms of a ~340-410 ms step against ~21 ms, for bf16 and every recipe ali
 
 The trainer knows what Dynamo does not: the batch it is about to feed has no ``attention_mask``, or one of all
 ones (checked on the CPU by :class:`FullAttentionMaskCollator` before the batch reaches the device: dropped under
-the stock loss, kept and the batch marked as a :class:`FullMaskBatch` where the loss reads it, as trl's
-``SFTTrainer`` does), and no ``position_ids`` (so no packing), and the model is a decoder-only text model with full
+the stock loss, kept and the batch marked as a :class:`FullMaskBatch` under trl's ``SFTTrainer``, whose loss reads
+it), and no ``position_ids`` (so no packing), and the model is a decoder-only text model with full
 causal attention in every layer (:func:`plain_causal_model`). Within :func:`plain_causal` the ``"sdpa"`` mask
 function then returns ``None`` for the mask of a fresh forward (query length = key length, offsets 0, no local
 window, and no padding mask or, for a marked batch, one the collator saw all ones): the mask that transformers
@@ -79,6 +79,8 @@ def _skippable(kwargs) -> bool:
     local window, offsets the Python int 0 (a cache's tensor offsets, as a static cache's, are not), query length =
     key length > 1 (ints, or the same symbolic length under dynamic shapes)."""
     q, kv = kwargs.get("q_length"), kwargs.get("kv_length")
+    # allow_is_causal_skip is not consulted: traced, transformers sets it False for the packed-sequence overlay it
+    # derives from the model's own position_ids, which is what the trainer rules out (no position_ids in the batch)
     return ((kwargs.get("attention_mask") is None or _mask_all_ones) and kwargs.get("local_size") is None
             and all(type(kwargs.get(k, 0)) is int and kwargs.get(k, 0) == 0 for k in ("q_offset", "kv_offset"))
             and isinstance(q, (int, torch.SymInt)) and isinstance(kv, (int, torch.SymInt)) and q == kv and q > 1)
@@ -119,13 +121,44 @@ def plain_causal(enabled: bool = True, mask_all_ones: bool = False):
         _active, _mask_all_ones = before
 
 
+def collator_mode(trainer_cls) -> str | None:
+    """What :class:`FullAttentionMaskCollator` may do for ``trainer_cls``'s loss: ``"drop"`` an all-ones
+    ``attention_mask`` under the stock ``Trainer.compute_loss`` (which never reads it), ``"mark"`` (keep it, the
+    batch a :class:`FullMaskBatch`) under trl's ``SFTTrainer.compute_loss`` (which reads it for its token count and
+    forwards only that batch), ``None`` under any other loss: it may read the mask or run another forward, on
+    another batch, inside the same step, where the mark would vouch for masks it never saw (batches with no mask
+    at all still skip it)."""
+    import sys
+
+    from transformers import Trainer
+
+    fn = getattr(trainer_cls, "compute_loss", None)
+    if fn is Trainer.compute_loss:
+        return "drop"
+    sft = getattr(sys.modules.get("trl.trainer.sft_trainer"), "SFTTrainer", None)
+    return "mark" if sft is not None and fn is sft.compute_loss else None
+
+
+def dispatches_batches(accelerator, dataset) -> bool:
+    """Whether accelerate will dispatch ``dataset``'s batches (process 0 loads one per process and concatenates
+    them, as ``type(batches[0])`` with ``batches[0]``'s keys, then slices): a batch marked or stripped of its mask
+    would then stand for others that were not. On more than one process with ``dispatch_batches=True``, or unset
+    with an ``IterableDataset`` (accelerate's default there)."""
+    if getattr(accelerator, "num_processes", 1) <= 1:
+        return False
+    dispatch = getattr(getattr(accelerator, "dataloader_config", None), "dispatch_batches", None)
+    return dispatch is True or (dispatch is None and isinstance(dataset, torch.utils.data.IterableDataset))
+
+
 class FullAttentionMaskCollator:
     """A data collator wrapper for the batches whose ``attention_mask`` is all ones on the CPU (no padding: for the
     causal LMs of ``PLAIN_CAUSAL_MODEL_TYPES`` the same forward as no mask), so the trainer can skip the
     materialized mask without reading the mask on the device (a host sync a micro-batch). ``drop=True`` (the stock
-    loss) removes such a mask; ``drop=False`` (a loss that reads it: trl's ``SFTTrainer``) keeps it and returns the
-    batch as a :class:`FullMaskBatch`. A batch with ``position_ids`` (packed) or any padding is returned as is.
-    A module-level class, so DataLoader workers can pickle it."""
+    loss) removes such a mask; ``drop=False`` (trl's ``SFTTrainer``, whose loss reads it) keeps it and returns the
+    batch as a :class:`FullMaskBatch` (:func:`collator_mode`). A batch with ``position_ids`` (packed) or any
+    padding is returned as is. The trainer puts it only into the data loaders it builds (not into
+    ``trainer.data_collator``, which trl inspects) and not where accelerate dispatches batches
+    (:func:`dispatches_batches`). A module-level class, so DataLoader workers can pickle it."""
 
     def __init__(self, collator, drop: bool = True):
         self.collator = collator
