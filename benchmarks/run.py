@@ -189,7 +189,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
               "then MODES=compiled TAG=int4 CHECKPOINTS=qat_int4_tinygemm,ptq_int4_tinygemm; then MODES=compiled "
               "TAG=fp8 CHECKPOINTS=qat_fp8_rowwise,ptq_fp8_rowwise; then serve_merge. The compiled calls took 4.0 "
               "and 4.3 min (90f002d); the eager call is not yet run (estimate 6-7 min)", "4-7 min/call", [
-        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes ${MODES:-eager} --checkpoints "
+        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --layers ${LAYERS:-8} --modes ${MODES:-eager} --checkpoints "
         "${CHECKPOINTS:-qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,qat_int4_weight_only} "
         "--json $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.json --markdown $OUT/serve_${MODES:-eager}_${TAG:-all}_h200.md"]),
     "serve_profile": ("issue 26: where the compiled path's time goes: bf16 and our int4_tinygemm / fp8_rowwise exports "
@@ -202,7 +202,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                       "MODES=compiled took 4.8 min (5913b2b: GPU busy 61% for bf16, 30% for int4 at batch 1); "
                       "MODES=compiled_lean is not yet run (expected about the same)",
                       "~5 min", [
-        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes ${MODES:-compiled} --profile --checkpoints "
+        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --layers ${LAYERS:-8} --modes ${MODES:-compiled} --profile --checkpoints "
         "qat_int4_tinygemm,qat_fp8_rowwise --json $OUT/serve_profile_${MODES:-compiled}_h200.json "
         "--markdown $OUT/serve_profile_${MODES:-compiled}_h200.md"]),
     "int4_mm": ("issue 26: hf_lowbit's int4 kernels against tinygemm (aten._weight_int4pack_mm) and bf16 "
@@ -226,7 +226,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                     "(each with its own bf16 row)",
                     ("~6-8 min (estimate: serve_profile's 4.8 min for 3 checkpoint x mode pairs at batches 1,8; "
                      "here 6 pairs at batch 1 only; not yet run)"), [
-        "timeout 580 " + B + ("benchmark_serve.py --timeout 420 --modes "
+        "timeout 580 " + B + ("benchmark_serve.py --timeout 420 --layers ${LAYERS:-8} --modes "
                               "${MODES:-compiled_lean,compiled_int4k,compiled_int4k_triton} --batches ${BATCHES:-1} "
                               "--profile --checkpoints qat_int4_tinygemm --json $OUT/serve_int4k_${TAG:-all}_h200.json "
                               "--markdown $OUT/serve_int4k_${TAG:-all}_h200.md")]),
@@ -235,8 +235,12 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                    "_scaled_mm for prefill) beside compiled_lean (torchao's Float8Tensor), bf16 in the same call, under "
                    "the profiler. Run fp8_gemv first: if the kernel is slower than _scaled_mm there, this call will say "
                    "the same", "~5-6 min (estimate, as serve_int4k)", [
-        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --modes compiled_lean,compiled_fp8k --profile "
+        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --layers ${LAYERS:-8} --modes compiled_lean,compiled_fp8k --profile "
         "--checkpoints qat_fp8_rowwise --json $OUT/serve_fp8k_h200.json --markdown $OUT/serve_fp8k_h200.md"]),
+    # LAYERS (serve, serve_profile, serve_int4k, serve_fp8k): decoder layers of the served model, 8 by default (issue
+    # 26's model). At 8 layers generate()'s host loop (~2-3 ms a token) exceeds every checkpoint's GPU time
+    # (bf16 1.40 ms, int4 0.92), so decode ratios measure the host; LAYERS=32 (Llama-8B's depth, ~16 GB of bf16
+    # weights) weighs the GPU as a served 8B model does. Not yet run at 32.
     "serve_merge": ("issue 26: the serve calls' JSON (and the probe's) joined, ratios kept per call (a call's file "
                     "that is missing is left out, and said so); the PNG needs matplotlib (merge on any machine that "
                     "has it)", "seconds", [
