@@ -18,8 +18,8 @@ from transformers import Trainer
 
 from . import atomic
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments
-from .integrations.causal_mask import (FullAttentionMaskCollator, FullMaskBatch, batch_is_plain_causal, collator_mode,
-                                       dispatches_batches, plain_causal, plain_causal_model)
+from .integrations.causal_mask import (FullAttentionMaskCollator, collator_mode, dispatches_batches, plain_causal_for,
+                                       plain_causal_model)
 from .integrations.distributed import (check_deepspeed, prepare_integer_params_for_fsdp2, prepare_lowbit_all_gather,
                                        unsharded_copy)
 from .integrations.liger import apply_liger
@@ -343,14 +343,12 @@ class LowBitTrainerMixin:
         self._lowbit_before_forward(model, training=True)
         if "input_ids" in inputs:
             self.lowbit_throughput.count(inputs["input_ids"])
-        with plain_causal(self.lowbit_skip_causal_mask and batch_is_plain_causal(inputs),
-                          mask_all_ones=isinstance(inputs, FullMaskBatch)):
+        with plain_causal_for(inputs, self.lowbit_skip_causal_mask):
             return super().training_step(model, inputs, *args, **kwargs)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         self._lowbit_before_forward(model, training=False)
-        with plain_causal(self.lowbit_skip_causal_mask and batch_is_plain_causal(inputs),
-                          mask_all_ones=isinstance(inputs, FullMaskBatch)):
+        with plain_causal_for(inputs, self.lowbit_skip_causal_mask):
             return super().prediction_step(model, inputs, *args, **kwargs)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:

@@ -24,6 +24,7 @@ all-True rows below the diagonal); only the kernel's path differs, so results ca
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -121,6 +122,13 @@ def plain_causal(enabled: bool = True, mask_all_ones: bool = False):
         _active, _mask_all_ones = before
 
 
+def plain_causal_for(inputs, enabled: bool = True):
+    """:func:`plain_causal` for the forward of the batch ``inputs``: on where it is plain
+    (:func:`batch_is_plain_causal`) and ``enabled`` (the model qualifies), vouching for its mask where it is a
+    :class:`FullMaskBatch`."""
+    return plain_causal(enabled and batch_is_plain_causal(inputs), mask_all_ones=isinstance(inputs, FullMaskBatch))
+
+
 def collator_mode(trainer_cls) -> str | None:
     """What :class:`FullAttentionMaskCollator` may do for ``trainer_cls``'s loss: ``"drop"`` an all-ones
     ``attention_mask`` under the stock ``Trainer.compute_loss`` (which never reads it), ``"mark"`` (keep it, the
@@ -128,8 +136,6 @@ def collator_mode(trainer_cls) -> str | None:
     forwards only that batch), ``None`` under any other loss: it may read the mask or run another forward, on
     another batch, inside the same step, where the mark would vouch for masks it never saw (batches with no mask
     at all still skip it)."""
-    import sys
-
     from transformers import Trainer
 
     fn = getattr(trainer_cls, "compute_loss", None)

@@ -488,8 +488,8 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     absmax / ``qmax`` correctly rounded, written to each of the ``N`` entries of ``scale`` (the bits of
     ``quantize_fp8_tensorwise`` on the CPU; eager CUDA torch multiplies by ``1 / qmax`` instead, up to 1 ulp off).
     It refreshes the weight cache of an ``fp8_tensorwise`` layer, which was ~6 unfused eager torch kernels a
-    weight, ~30 ms a step for 8 Llama-8B layers on the H200. Two launches: an absmax pass merged by an atomic max, then the rows
-    kernel reading the scale instead of computing one a row."""
+    weight, ~30 ms a step for 8 Llama-8B layers on the H200. Two launches: an absmax pass merged by an atomic max,
+    then the rows kernel reading the scale instead of computing one a row."""
     if stochastic and qdtype != torch.int8:  # checked before anything is launched
         raise ValueError(f"quantize_t_triton: stochastic rounding is implemented for int8, not {qdtype}")
     if variant not in VARIANTS:
