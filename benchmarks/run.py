@@ -234,9 +234,12 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                    "use_fp8_kernels + prepare_for_serving: a decode GEMV with the activation quantized inside, "
                    "_scaled_mm for prefill) beside compiled_lean (torchao's Float8Tensor), bf16 in the same call, under "
                    "the profiler. Run fp8_gemv first: if the kernel is slower than _scaled_mm there, this call will say "
-                   "the same", "~5-6 min (estimate, as serve_int4k)", [
-        "timeout 580 " + B + "benchmark_serve.py --timeout 300 --layers ${LAYERS:-8} --modes compiled_lean,compiled_fp8k --profile "
-        "--checkpoints qat_fp8_rowwise --json $OUT/serve_fp8k_h200.json --markdown $OUT/serve_fp8k_h200.md"]),
+                   "the same. MODES, BATCHES (default 1,8), TAG (a suffix of the output files) and TIMEOUT (seconds "
+                   "per process, default 300) narrow or stretch it: at LAYERS=32 run MODES=compiled_fp8k BATCHES=1 "
+                   "TAG=_l32 TIMEOUT=420 (each compile is ~4x longer)", "~5-6 min (estimate, as serve_int4k)", [
+        "timeout 580 " + B + "benchmark_serve.py --timeout ${TIMEOUT:-300} --layers ${LAYERS:-8} --modes "
+        "${MODES:-compiled_lean,compiled_fp8k} --batches ${BATCHES:-1,8} --profile --checkpoints qat_fp8_rowwise "
+        "--json $OUT/serve_fp8k${TAG:-}_h200.json --markdown $OUT/serve_fp8k${TAG:-}_h200.md"]),
     # LAYERS (serve, serve_profile, serve_int4k, serve_fp8k): decoder layers of the served model, 8 by default (issue
     # 26's model). At 8 layers generate()'s host loop (~2-3 ms a token) exceeds every checkpoint's GPU time
     # (bf16 1.40 ms, int4 0.92), so decode ratios measure the host; LAYERS=32 (Llama-8B's depth, ~16 GB of bf16
