@@ -47,7 +47,9 @@ every linear with an ``Int4TilePackedTo4dTensor`` weight for ``Int4ServingLinear
 (the two decode kernels side by side in one run).
 ``compiled_fp8k``: the same with ``hf_lowbit.qat.fp8_serving.use_fp8_kernels`` (row-wise ``Float8Tensor`` linears:
 a decode GEMV with the activation quantized inside, ``_scaled_mm`` for prefill).
-On a CPU it skips int4_tinygemm checkpoints (tinygemm's layout serves on CUDA); others swap nothing and run as
+``compiled_int4k_stacked`` / ``compiled_fp8k_stacked``: those two with ``stack_siblings=True``: q/k/v and gate/up
+each one call over their stacked weights (``hf_lowbit/qat/siblings.py``).
+On a CPU the int4 modes skip int4_tinygemm checkpoints (tinygemm's layout serves on CUDA); others swap nothing and run as
 ``compiled_lean``. Modes run in the order given, on one loaded model; a mode after one that changes the model
 (``compiled_unwrapped``, ``compiled_lean``, ``compiled_int4k``, ``compiled_fp8k``) loads it again.
 A build or measurement that fails (a kernel missing on the image, an unsupported op, a time-out) becomes an
@@ -73,9 +75,10 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_int4k_triton",
-         "compiled_fp8k")
+         "compiled_fp8k", "compiled_int4k_stacked", "compiled_fp8k_stacked")
 # a mode after one of these loads the model again
-CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_int4k_triton", "compiled_fp8k")
+CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_int4k_triton", "compiled_fp8k",
+                 "compiled_int4k_stacked", "compiled_fp8k_stacked")
 TINYGEMM_WEIGHT = "Int4TilePackedTo4dTensor"
 # compiled_lean after one of hf_lowbit's kernel swaps: mode -> (module, function, its keyword arguments, the phase's
 # key for its report)
@@ -83,7 +86,11 @@ KERNEL_MODES = {"compiled_int4k": ("hf_lowbit.qat.int4_serving", "use_int4_kerne
                                    "int4_kernels"),
                 "compiled_int4k_triton": ("hf_lowbit.qat.int4_serving", "use_int4_kernels", {"decode": "triton"},
                                           "int4_kernels"),
-                "compiled_fp8k": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels", {}, "fp8_kernels")}
+                "compiled_fp8k": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels", {}, "fp8_kernels"),
+                "compiled_int4k_stacked": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",
+                                           {"decode": "tinygemm", "stack_siblings": True}, "int4_kernels"),
+                "compiled_fp8k_stacked": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels", {"stack_siblings": True},
+                                          "fp8_kernels")}
 SERVING_HELPERS = os.path.join(ROOT, "hf_lowbit", "qat", "serving.py")
 DEFAULT_CHECKPOINTS = ("bf16,qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,"
                        "qat_int4_weight_only")
@@ -382,6 +389,8 @@ def measure(a, emit) -> dict:
                     report = getattr(importlib.import_module(module), fn)(model, **kw)
                     phase[key] = {
                         "swapped": len(report.swapped),
+                        "stacked": sum("stacked with" in e.reason for e in report.swapped),
+                        "not_stacked": sorted({e.reason for e in report.swapped if "not stacked" in e.reason}),
                         "skipped": dict(collections.Counter(e.reason for e in report.skipped))}
                 if mode in ("compiled_lean", *KERNEL_MODES):
                     serving = _serving_helpers()

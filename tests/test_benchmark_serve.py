@@ -85,12 +85,12 @@ def test_serve_smoke_on_cpu(tmp_path):
             int4k = row[mode]
             assert int4k["reloaded"] and int4k["imports_hf_lowbit"] and int4k["kernel_kwargs"] == {"decode": decode}
             assert int4k["int4_kernels"] == {
-                "swapped": 0, "skipped": {f"weight is {wtype}, not Int4TilePackedTo4dTensor": 8,
+                "swapped": 0, "stacked": 0, "not_stacked": [], "skipped": {f"weight is {wtype}, not Int4TilePackedTo4dTensor": 8,
                                           "a lookup, not a matmul": 1}}, int4k["int4_kernels"]
         fp8k = row["compiled_fp8k"]  # and no Float8Tensor either (FP8 exports are built on sm_89+ GPUs only)
         assert fp8k["reloaded"] and fp8k["imports_hf_lowbit"]
         assert fp8k["fp8_kernels"] == {
-            "swapped": 0, "skipped": {f"weight is {wtype}, not a torchao Float8Tensor": 8,
+            "swapped": 0, "stacked": 0, "not_stacked": [], "skipped": {f"weight is {wtype}, not a torchao Float8Tensor": 8,
                                       "a lookup, not a matmul": 1}}, fp8k["fp8_kernels"]
     meta = data["meta"]
     assert meta["config"]["modes"] == ["eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k",

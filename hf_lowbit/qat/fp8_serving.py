@@ -23,8 +23,9 @@ from torch import nn
 
 from ..kernels.fp8_gemv import fp8_rowwise_linear
 from ..swap import SERVING_FILTER, SwapReport, swap_linears
+from .siblings import fuse_siblings
 
-__all__ = ["Fp8ServingLinear", "fp8_serving_problem", "use_fp8_kernels"]
+__all__ = ["Fp8ServingLinear", "fp8_serving_problem", "stack_problem", "use_fp8_kernels"]
 
 
 class Fp8ServingLinear(nn.Module):
@@ -51,6 +52,17 @@ class Fp8ServingLinear(nn.Module):
             raise ValueError(f"Fp8ServingLinear.from_linear: {problem}")
         w = linear.weight
         return cls(w.qdata, w.scale, linear.bias)
+
+    @classmethod
+    def concat(cls, modules: list[Fp8ServingLinear]) -> Fp8ServingLinear:
+        """One linear computing ``modules``' outputs side by side (their codes, scales and biases stacked along the
+        output dim; :func:`stack_problem` says when it cannot): what :func:`hf_lowbit.qat.siblings.fuse_siblings`
+        serves q/k/v and gate/up with."""
+        problem = stack_problem(modules)
+        if problem:
+            raise ValueError(f"Fp8ServingLinear.concat: {problem}")
+        bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+        return cls(torch.cat([m.weight_codes for m in modules]), torch.cat([m.weight_scale for m in modules]), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = fp8_rowwise_linear(x.reshape(-1, self.in_features), self.weight_codes, self.weight_scale, self.bias)
@@ -87,11 +99,33 @@ def fp8_serving_problem(module: nn.Module) -> str | None:
     return None
 
 
-def use_fp8_kernels(model: nn.Module) -> SwapReport:
+def stack_problem(modules: list[Fp8ServingLinear]) -> str | None:
+    """Why ``modules`` cannot be stacked into one :class:`Fp8ServingLinear` (one line), or None."""
+    first = modules[0]
+    for m in modules[1:]:
+        if m.in_features != first.in_features:
+            return f"in_features differ ({first.in_features}, {m.in_features})"
+        if (m.bias is None) != (first.bias is None):
+            return "some have a bias, some not"
+        if m.weight_codes.device != first.weight_codes.device:
+            return f"on different devices ({first.weight_codes.device}, {m.weight_codes.device})"
+        if m.bias is not None and m.bias.dtype != first.bias.dtype:
+            return f"bias dtypes differ ({first.bias.dtype}, {m.bias.dtype})"
+    return None
+
+
+def use_fp8_kernels(model: nn.Module, stack_siblings: bool = False) -> SwapReport:
     """Replace every ``nn.Linear`` of ``model`` whose weight is a row-wise torchao ``Float8Tensor`` (the LM head too)
     by an :class:`Fp8ServingLinear`, in place, as :func:`hf_lowbit.qat.int4_serving.use_int4_kernels` does for int4;
     the report lists what was swapped and, for the other linears (plain weights, tensor-wise scales, other torchao
     types; a parametrized one is a subclass: call this before :func:`hf_lowbit.qat.prepare_for_serving`), why not.
-    Call after loading and before compiling; ``print(report)`` gives the summary."""
-    return swap_linears(model, lambda name, linear: Fp8ServingLinear.from_linear(linear), recipe="fp8_kernels",
-                        target="Fp8ServingLinear", filter=SERVING_FILTER, check=fp8_serving_problem)
+    Call after loading and before compiling; ``print(report)`` gives the summary.
+
+    ``stack_siblings``: q/k/v and gate/up each served by one GEMV over their stacked weights
+    (:mod:`hf_lowbit.qat.siblings`: fewer, larger decode launches; the same bytes). Not yet the default: to be
+    measured on the H200 first (``benchmark_serve.py --modes compiled_fp8k_stacked``)."""
+    report = swap_linears(model, lambda name, linear: Fp8ServingLinear.from_linear(linear), recipe="fp8_kernels",
+                          target="Fp8ServingLinear", filter=SERVING_FILTER, check=fp8_serving_problem)
+    if stack_siblings:
+        fuse_siblings(model, Fp8ServingLinear, Fp8ServingLinear.concat, stack_problem, report)
+    return report

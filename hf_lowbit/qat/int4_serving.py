@@ -30,8 +30,9 @@ from ..kernels.int4 import (
     int4_tile_linear,
 )
 from ..swap import SERVING_FILTER, SwapReport, swap_linears
+from .siblings import fuse_siblings
 
-__all__ = ["Int4ServingLinear", "int4_serving_problem", "use_int4_kernels"]
+__all__ = ["Int4ServingLinear", "int4_serving_problem", "stack_problem", "use_int4_kernels"]
 
 TINYGEMM_WEIGHT = "Int4TilePackedTo4dTensor"
 
@@ -65,6 +66,19 @@ class Int4ServingLinear(nn.Module):
         w = linear.weight
         N, K = w.shape
         return cls(w.qdata, w.scale_and_zero, int(w.block_size[-1]), K, N, linear.bias, decode)
+
+    @classmethod
+    def concat(cls, modules: list[Int4ServingLinear]) -> Int4ServingLinear:
+        """One linear computing ``modules``' outputs side by side: the tile layout's rows (``qdata``'s first dim, 8
+        weight rows a tile row) and ``scale_and_zero``'s columns stacked, so every weight row keeps its codes,
+        scale and zero (:func:`stack_problem` says when it cannot)."""
+        problem = stack_problem(modules)
+        if problem:
+            raise ValueError(f"Int4ServingLinear.concat: {problem}")
+        first = modules[0]
+        bias = None if first.bias is None else torch.cat([m.bias for m in modules])
+        return cls(torch.cat([m.qdata for m in modules]), torch.cat([m.scale_and_zero for m in modules], dim=1),
+                   first.group_size, first.in_features, sum(m.out_features for m in modules), bias, first.decode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -101,12 +115,35 @@ def int4_serving_problem(module: nn.Module) -> str | None:
     return None
 
 
-def use_int4_kernels(model: nn.Module, decode: str = "tinygemm") -> SwapReport:
+def stack_problem(modules: list[Int4ServingLinear]) -> str | None:
+    """Why ``modules`` cannot be stacked into one :class:`Int4ServingLinear` (one line), or None: the same input
+    features, group size, decode kernel and bias presence, and no padded rows (``out_features`` a multiple of 8,
+    the tile layout's row block: padding inside the stack would shift the next module's rows)."""
+    first = modules[0]
+    for m in modules:
+        if m.out_features % 8 or m.qdata.shape[0] * 8 != m.out_features:
+            return f"out_features {m.out_features} padded in the tile layout (not a multiple of 8)"
+        for attr in ("in_features", "group_size", "decode"):
+            if getattr(m, attr) != getattr(first, attr):
+                return f"{attr} differs ({getattr(first, attr)}, {getattr(m, attr)})"
+        if m.qdata.shape[1:] != first.qdata.shape[1:] or m.qdata.device != first.qdata.device:
+            return "tile layouts differ in K or device"
+        if (m.bias is None) != (first.bias is None):
+            return "some have a bias, some not"
+    return None
+
+
+def use_int4_kernels(model: nn.Module, decode: str = "tinygemm", stack_siblings: bool = False) -> SwapReport:
     """Replace every ``nn.Linear`` of ``model`` whose weight is an ``Int4TilePackedTo4dTensor`` (the LM head too) by
     an :class:`Int4ServingLinear`, in place; the report lists what was swapped and, for the other linears, why not
     (a parametrized one is a subclass: call this before :func:`hf_lowbit.qat.prepare_for_serving`, whose unwrap
     then finds no subclass weights left). The replacement holds the old weight's own ``qdata`` and
-    ``scale_and_zero`` (no copy). ``decode``: :class:`Int4ServingLinear`'s."""
-    return swap_linears(model, lambda name, linear: Int4ServingLinear.from_linear(linear, decode),
-                        recipe="int4_kernels",
-                        target="Int4ServingLinear", filter=SERVING_FILTER, check=int4_serving_problem)
+    ``scale_and_zero`` (no copy). ``decode``: :class:`Int4ServingLinear`'s. ``stack_siblings``: q/k/v and gate/up
+    each served by one call over their stacked weights (:mod:`hf_lowbit.qat.siblings`; the stacked buffers replace
+    the siblings' own); not yet the default: to be measured on the H200 first."""
+    report = swap_linears(model, lambda name, linear: Int4ServingLinear.from_linear(linear, decode),
+                          recipe="int4_kernels",
+                          target="Int4ServingLinear", filter=SERVING_FILTER, check=int4_serving_problem)
+    if stack_siblings:
+        fuse_siblings(model, Int4ServingLinear, Int4ServingLinear.concat, stack_problem, report)
+    return report

@@ -1,0 +1,132 @@
+"""Sibling linears served as one (issue 26): ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` multiply the
+same input, so at decode one GEMV over their weights stacked along the output dim does the work of two or three.
+
+At one decoded token a linear is a GEMV: it streams its weight once, and the small ones (a Llama-8B layer's k/v:
+1024 x 4096) do not fill an H200 with work, so each runs far below the bandwidth the large ones reach, and each costs
+its own launches (the FP8 path: an activation-quantization kernel and the GEMV, plus a split-K reduction). Stacked,
+q/k/v is one 6144-row weight and gate/up one of 28,672 rows: one quantization of the activation, one launch, the
+bandwidth of a large GEMV. vLLM (``QKVParallelLinear``, ``MergedColumnParallelLinear``) and gpt-fast stack them for
+the same reason, by rewriting the model; here the model's own ``forward`` stays as transformers wrote it:
+
+* :func:`fuse_siblings` replaces each sibling by a :class:`SiblingLinear` and registers one :class:`SiblingGroup` on
+  their parent (the stacked weight, built by the serving class's ``concat``: the same bytes, the old ones freed);
+* the first sibling called computes the stacked product and keeps it, with its input, in the group's
+  :class:`_Stash`; a sibling called on *that same tensor* (``is``) takes its columns from it, and the last one
+  clears it. Any other call order or input still gets its own columns right: a sibling whose input is not the
+  stashed one computes the stacked product again. So the arithmetic is each linear's, the output columns a slice.
+
+Under ``torch.compile`` the stash is a plain Python object, whose attribute writes Dynamo records as side effects:
+the graph holds one stacked call per group, and the stash is empty again at the end of every forward (nothing held
+between calls, no guard that changes from one call to the next). The rows' float32 sums may run in another order
+than separately (the GEMV's split over K is chosen from the stacked shape), so outputs agree with the unfused ones
+within float32 reordering, not bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..swap import SwapReport
+
+__all__ = ["SIBLING_GROUPS", "SiblingGroup", "SiblingLinear", "fuse_siblings"]
+
+# the attribute names of linears that read the same input, per parent module (Llama, Mistral, Qwen2/3, Gemma, ...)
+SIBLING_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _Stash:
+    """The last stacked product and its input; ``left``: siblings still to take their columns from it."""
+
+    __slots__ = ("x", "y", "left")
+
+    def __init__(self):
+        self.x = self.y = None
+        self.left = 0
+
+
+class SiblingGroup(nn.Module):
+    """The stacked linear of a group of siblings (``linear``: a serving linear whose output features are the
+    siblings' in ``names`` order) and the columns each sibling owns."""
+
+    def __init__(self, linear: nn.Module, names: Sequence[str], sizes: Sequence[int]):
+        super().__init__()
+        self.linear = linear
+        self.names = tuple(names)
+        self.sizes = tuple(int(s) for s in sizes)
+        self.offsets = tuple(sum(self.sizes[:i]) for i in range(len(self.sizes)))
+        self._stash = _Stash()
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Sibling ``index``'s output for input ``x``: its columns of the stacked product."""
+        stash = self._stash
+        if stash.x is x and stash.left > 0:
+            y = stash.y
+            stash.left -= 1
+            if stash.left == 0:
+                stash.x = stash.y = None
+        else:
+            y = self.linear(x)
+            stash.x, stash.y, stash.left = x, y, len(self.sizes) - 1
+        start = self.offsets[index]
+        return y[..., start:start + self.sizes[index]]
+
+    def extra_repr(self) -> str:
+        return f"siblings={'+'.join(self.names)}, sizes={self.sizes}"
+
+
+class SiblingLinear(nn.Module):
+    """What a fused sibling becomes: its columns of its :class:`SiblingGroup`'s stacked product. Holds no tensors
+    (the group, registered on the parent, holds the weight); ``in_features`` / ``out_features`` as the linear's."""
+
+    def __init__(self, group: SiblingGroup, index: int, in_features: int):
+        super().__init__()
+        object.__setattr__(self, "group", group)  # not a submodule: the parent registers it once
+        self.index = index
+        self.in_features = in_features
+        self.out_features = group.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(x, self.index)
+
+    def extra_repr(self) -> str:
+        g = self.group
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"columns {g.offsets[self.index]}:{g.offsets[self.index] + self.out_features} of "
+                f"{'+'.join(g.names)}")
+
+
+def fuse_siblings(model: nn.Module, kind: type, concat: Callable[[list[nn.Module]], nn.Module],
+                  problem: Callable[[list[nn.Module]], str | None], report: SwapReport | None = None,
+                  groups: Sequence[Sequence[str]] = SIBLING_GROUPS) -> list[str]:
+    """Stack every group of sibling ``kind`` modules (children of one parent named as in ``groups``) into one,
+    in place. ``problem(modules)``: why a group cannot be stacked (one line) or None; ``concat(modules)``: the
+    stacked module. Returns the fused groups' names (``model.layers.0.self_attn.q_proj+k_proj+v_proj``); with
+    ``report``, each sibling's entry says what it became or why it was not stacked."""
+    entries = {e.name: e for e in report.entries} if report is not None else {}
+    fused: list[str] = []
+    for parent_name, parent in list(model.named_modules()):
+        for names in groups:
+            mods = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(m, kind) for m in mods):
+                continue
+            prefix = f"{parent_name}." if parent_name else ""
+            label = prefix + "+".join(names)
+            why = problem(mods)
+            if why is None and len({id(m) for m in mods}) < len(mods):
+                why = "the same module under several names"
+            if why is not None:
+                for n in names:
+                    if prefix + n in entries:
+                        entries[prefix + n].reason += f" (not stacked with its siblings: {why})"
+                continue
+            group = SiblingGroup(concat(mods), names, [m.out_features for m in mods])
+            parent.register_module("siblings_" + "_".join(names), group)
+            for i, (n, m) in enumerate(zip(names, mods)):
+                setattr(parent, n, SiblingLinear(group, i, m.in_features))
+                if prefix + n in entries:
+                    entries[prefix + n].reason += f", stacked with {'+'.join(x for x in names if x != n)} (one GEMV)"
+            fused.append(label)
+    return fused

@@ -1,0 +1,227 @@
+"""hf_lowbit.qat.siblings: q/k/v and gate/up served as one stacked linear (issue 26). Each sibling's output is its
+columns of the stacked product, whatever the call order or input; the stacked serving modules hold the same codes;
+a compiled model keeps one graph with one call per group and nothing stashed between calls."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from torch import nn
+
+from hf_lowbit.qat.siblings import SiblingGroup, SiblingLinear, fuse_siblings
+from hf_lowbit.swap import SwapEntry, SwapReport
+
+BF16 = torch.bfloat16
+
+
+class _Attn(nn.Module):
+    def __init__(self, bias=False):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(8, n, bias=bias) for n in (6, 2, 2))
+        with torch.no_grad():  # small integers: every float32 sum exact, in any order
+            for m in (self.q_proj, self.k_proj, self.v_proj):
+                m.weight.copy_(torch.randint(-3, 4, m.weight.shape))
+                if bias:
+                    m.bias.copy_(torch.randint(-3, 4, m.bias.shape))
+
+
+def _stack_linears(mods):
+    out = nn.Linear(mods[0].in_features, sum(m.out_features for m in mods), bias=mods[0].bias is not None)
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([m.weight for m in mods]))
+        if out.bias is not None:
+            out.bias.copy_(torch.cat([m.bias for m in mods]))
+    return out
+
+
+class _Counting(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x)
+
+
+def _fuse(parent, report=None):
+    return fuse_siblings(parent, nn.Linear, lambda mods: _Counting(_stack_linears(mods)), lambda mods: None, report)
+
+
+def test_each_sibling_gets_its_columns_in_any_order_and_for_any_input():
+    torch.manual_seed(0)
+    attn = _Attn(bias=True)
+    ref = {n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")}
+    x, x2 = (torch.randint(-3, 4, (2, 3, 8)).float() for _ in range(2))
+    want = {n: m(x) for n, m in ref.items()}
+    assert _fuse(attn) == ["q_proj+k_proj+v_proj"]
+    group = attn.siblings_q_proj_k_proj_v_proj
+    assert isinstance(group, SiblingGroup) and all(isinstance(getattr(attn, n), SiblingLinear) for n in ref)
+    assert {n for n, _ in attn.named_modules()} == {"", "q_proj", "k_proj", "v_proj", "siblings_q_proj_k_proj_v_proj",
+                                                    "siblings_q_proj_k_proj_v_proj.linear",
+                                                    "siblings_q_proj_k_proj_v_proj.linear.inner"}
+    assert set(attn.state_dict()) == {"siblings_q_proj_k_proj_v_proj.linear.inner.weight",
+                                      "siblings_q_proj_k_proj_v_proj.linear.inner.bias"}  # the weight once
+    counting = group.linear
+    # the model's order: one stacked call, each sibling its columns, the stash empty after the last
+    outs = {n: getattr(attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")}
+    assert counting.calls == 1 and group._stash.x is None and group._stash.left == 0
+    for n in ref:
+        assert torch.equal(outs[n], want[n]) and outs[n].shape == (2, 3, ref[n].out_features)
+    # another order: still one call
+    outs = {n: getattr(attn, n)(x) for n in ("v_proj", "q_proj", "k_proj")}
+    assert counting.calls == 2 and all(torch.equal(outs[n], want[n]) for n in ref)
+    # another input in between (an equal tensor is not the same one): recomputed, each answer its own input's
+    q = attn.q_proj(x)
+    k2 = attn.k_proj(x2)
+    k = attn.k_proj(x)
+    assert counting.calls == 5
+    assert torch.equal(q, want["q_proj"]) and torch.equal(k, want["k_proj"]) and torch.equal(k2, ref["k_proj"](x2))
+    assert torch.equal(attn.v_proj(x.clone()), want["v_proj"])
+    assert "columns 8:10 of q_proj+k_proj+v_proj" in repr(attn.v_proj)
+
+
+def test_problems_leave_a_group_alone_and_the_report_says_why():
+    attn = _Attn()
+    report = SwapReport("r", [SwapEntry(n, "Linear", (2, 8), "swapped", "X") for n in ("q_proj", "k_proj", "v_proj")])
+    assert fuse_siblings(attn, nn.Linear, _stack_linears, lambda mods: "no reason at all", report) == []
+    assert all(type(getattr(attn, n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj"))
+    assert report.entries[0].reason == "X (not stacked with its siblings: no reason at all)"
+    attn.v_proj = attn.k_proj  # one module under two names: never stacked
+    assert fuse_siblings(attn, nn.Linear, _stack_linears, lambda mods: None) == []
+    report = SwapReport("r", [SwapEntry("k_proj", "Linear", (2, 8), "swapped", "X")])
+    mlp = nn.Module()
+    mlp.gate_proj, mlp.up_proj = nn.Linear(4, 3), nn.Linear(4, 5)
+    assert fuse_siblings(mlp, nn.Linear, _stack_linears, lambda mods: None, report) == ["gate_proj+up_proj"]
+    assert report.entries[0].reason == "X"  # an entry of no fused module is left as it was
+
+
+def test_compiled_keeps_one_graph_one_call_per_group_and_nothing_stashed():
+    torch.manual_seed(0)
+    attn = _Attn()
+    _fuse(attn)
+    group = attn.siblings_q_proj_k_proj_v_proj
+    group.linear = group.linear.inner  # nothing counting calls in Python inside the graph
+
+    def f(x):
+        return attn.q_proj(x).sum(-1) + attn.k_proj(x).sum(-1) * attn.v_proj(x).sum(-1)
+
+    x = torch.randint(-3, 4, (4, 8)).float()
+    want = f(x)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    for _ in range(3):
+        assert torch.equal(compiled(x), want)
+        assert group._stash.x is None and group._stash.y is None and group._stash.left == 0
+    assert torch.equal(compiled(x + 1), f(x + 1))
+    assert len(graphs) == 1  # no recompile: the stash is empty at every call's start and end
+    linears = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    assert len(linears) == 1
+    torch._dynamo.reset()
+
+
+# ---- the serving modules: FP8 (torchao's row-wise Float8Tensor, swapped) and int4 (tinygemm's tile layout) ----
+
+def _fp8_model(monkeypatch):
+    pytest.importorskip("torchao")
+    from test_fp8_serving import _quantize
+
+    return _quantize(tiny_model().to(BF16).eval(), monkeypatch=monkeypatch)
+
+
+def test_fp8_stacked_model_keeps_the_logits_and_the_codes(monkeypatch):
+    from hf_lowbit.qat.fp8_serving import Fp8ServingLinear, use_fp8_kernels
+
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    plain = _fp8_model(monkeypatch)
+    use_fp8_kernels(plain)
+    stacked = _fp8_model(monkeypatch)
+    report = use_fp8_kernels(stacked, stack_siblings=True)
+    with torch.no_grad():
+        ref, out = plain(ids).logits.float(), stacked(ids).logits.float()
+    attn, mlp = stacked.model.layers[0].self_attn, stacked.model.layers[0].mlp
+    qkv, gate_up = attn.siblings_q_proj_k_proj_v_proj.linear, mlp.siblings_gate_proj_up_proj.linear
+    assert isinstance(qkv, Fp8ServingLinear) and isinstance(attn.k_proj, SiblingLinear)
+    p_attn = plain.model.layers[0].self_attn
+    assert torch.equal(qkv.weight_codes.view(torch.uint8), torch.cat(
+        [getattr(p_attn, n).weight_codes for n in ("q_proj", "k_proj", "v_proj")]).view(torch.uint8))
+    assert torch.equal(qkv.weight_scale, torch.cat([getattr(p_attn, n).weight_scale for n in ("q_proj", "k_proj",
+                                                                                               "v_proj")]))
+    assert (qkv.out_features, gate_up.out_features) == (attn.q_proj.out_features + 2 * attn.k_proj.out_features, 256)
+    reasons = {e.name: e.reason for e in report.swapped}
+    assert reasons["model.layers.1.self_attn.k_proj"] == "Fp8ServingLinear, stacked with q_proj+v_proj (one GEMV)"
+    assert reasons["model.layers.1.self_attn.o_proj"] == "Fp8ServingLinear"
+    assert sum("stacked with" in r for r in reasons.values()) == 2 * 5
+    # the same codes and scales; each row's float32 sum may run in another order, then one bf16 rounding
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    assert attn.siblings_q_proj_k_proj_v_proj._stash.x is None
+
+
+def test_fp8_stacked_model_compiles_to_one_graph(monkeypatch):
+    from hf_lowbit.qat.fp8_serving import use_fp8_kernels
+
+    model = _fp8_model(monkeypatch)
+    use_fp8_kernels(model, stack_siblings=True)
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(ids)
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+        ops = [n for g in explained.graphs for n in g.graph.nodes if "fp8_rowwise_linear" in str(n.target)]
+        assert len(ops) == 2 * 4 + 1  # per layer qkv, o, gate/up, down; the LM head
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        assert torch.equal(compiled(ids).logits, ref) and torch.equal(compiled(ids).logits, ref)
+    torch._dynamo.reset()
+
+
+def test_fp8_stack_problems():
+    from hf_lowbit.qat.fp8_serving import Fp8ServingLinear, stack_problem
+
+    codes = lambda n, k: torch.randn(n, k).to(torch.float8_e4m3fn)  # noqa: E731
+    a = Fp8ServingLinear(codes(16, 32), torch.rand(16))
+    b = Fp8ServingLinear(codes(8, 32), torch.rand(8), torch.randn(8, dtype=BF16))
+    c = Fp8ServingLinear(codes(8, 16), torch.rand(8))
+    assert stack_problem([a, b]) == "some have a bias, some not"
+    assert stack_problem([a, c]) == "in_features differ (32, 16)"
+    with pytest.raises(ValueError, match="Fp8ServingLinear.concat: in_features differ"):
+        Fp8ServingLinear.concat([a, c])
+    d = Fp8ServingLinear.concat([a, Fp8ServingLinear(codes(8, 32), torch.rand(8))])
+    assert (d.out_features, d.in_features) == (24, 32)
+
+
+def _tile(N, K=256, gs=32, seed=0, bias=None):
+    pytest.importorskip("torchao")
+    from _triton_checks import tile_operands
+
+    from hf_lowbit.qat.int4_serving import Int4ServingLinear
+
+    p, s, z, qdata, sz = tile_operands(N, K, gs, "cpu", seed)
+    return Int4ServingLinear(qdata, sz, gs, K, N, bias), (p, s, z)
+
+
+def test_int4_stacked_tiles_hold_each_rows_codes_scales_and_zeros():
+    from hf_lowbit.kernels.int4 import int4_dequantize, int4_tile_dequantize
+    from hf_lowbit.qat.int4_serving import Int4ServingLinear, stack_problem
+
+    (a, ra), (b, rb), (c, rc) = _tile(24, seed=0), _tile(8, seed=1), _tile(16, seed=2)
+    stacked = Int4ServingLinear.concat([a, b, c])
+    assert (stacked.out_features, stacked.in_features, stacked.group_size) == (48, 256, 32)
+    want = torch.cat([int4_dequantize(*r, 32) for r in (ra, rb, rc)])
+    assert torch.equal(int4_tile_dequantize(stacked.qdata, stacked.scale_and_zero, 32, (48, 256)), want)
+    x = torch.randn(3, 256).bfloat16()
+    out, parts = stacked(x), torch.cat([m(x) for m in (a, b, c)], dim=-1)
+    assert ((out.float() - parts.float()).norm() / parts.float().norm()).item() < 1e-2
+    padded, _ = _tile(20, seed=3)
+    assert stack_problem([a, padded]) == "out_features 20 padded in the tile layout (not a multiple of 8)"
+    assert stack_problem([a, _tile(8, gs=64)[0]]) == "group_size differs (32, 64)"
+    assert stack_problem([a, _tile(8, K=128)[0]]) == "in_features differs (256, 128)"
+    with_bias, _ = _tile(8, bias=torch.randn(8).bfloat16())
+    assert stack_problem([a, with_bias]) == "some have a bias, some not"
