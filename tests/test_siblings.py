@@ -225,3 +225,28 @@ def test_int4_stacked_tiles_hold_each_rows_codes_scales_and_zeros():
     assert stack_problem([a, _tile(8, K=128)[0]]) == "in_features differs (256, 128)"
     with_bias, _ = _tile(8, bias=torch.randn(8).bfloat16())
     assert stack_problem([a, with_bias]) == "some have a bias, some not"
+
+
+def test_fp8_stacked_model_generates_through_transformers_compiled_path(monkeypatch):
+    """generate with a static cache and the serving compile config (aot_eager on the CPU), as benchmark_serve's
+    compiled_fp8k_stacked mode runs it: the eager tokens, one compiled decode step, nothing stashed after."""
+    from benchmarks.serve_host_calls import compiled_guards
+    from hf_lowbit.qat import prepare_for_serving
+    from hf_lowbit.qat.fp8_serving import use_fp8_kernels
+
+    model = _fp8_model(monkeypatch)
+    use_fp8_kernels(model, stack_siblings=True)
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(2))
+    kw = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0,
+          "cache_implementation": "static"}
+    with torch.no_grad():
+        ref = model.generate(ids, disable_compile=True, **kw)
+        config = prepare_for_serving(model, backend="aot_eager")
+        config._compile_all_devices = True  # transformers compiles the decode step on CUDA only otherwise
+        torch._dynamo.reset()
+        out = model.generate(ids, compile_config=config, **kw)
+        again = model.generate(ids, compile_config=config, **kw)
+    assert torch.equal(out, ref) and torch.equal(again, ref)
+    assert len(compiled_guards()) == 1  # one decode step, not recompiled by the stash
+    assert all(m._stash.x is None for m in model.modules() if isinstance(m, SiblingGroup))
+    torch._dynamo.reset()
