@@ -250,3 +250,38 @@ def test_fp8_stacked_model_generates_through_transformers_compiled_path(monkeypa
     assert len(compiled_guards()) == 1  # one decode step, not recompiled by the stash
     assert all(m._stash.x is None for m in model.modules() if isinstance(m, SiblingGroup))
     torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_stacked_serving_on_a_llama_8b_layer_cuda(scheme):
+    """One Llama-8B-shaped layer quantized by torchao on the GPU, served by our kernels unstacked and stacked: the
+    same logits within the float32 reordering of each row's sums, at decode (GEMV: 1 and 8 rows) and prefill."""
+    import copy
+
+    pytest.importorskip("torchao")
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Int4WeightOnlyConfig, PerRow,
+                                      quantize_)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_lowbit.qat.fp8_serving import use_fp8_kernels
+    from hf_lowbit.qat.int4_serving import use_int4_kernels
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=BF16).eval()
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()) if scheme == "fp8"
+              else Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+    stacked = copy.deepcopy(model)
+    use = use_fp8_kernels if scheme == "fp8" else use_int4_kernels
+    use(model)
+    report = use(stacked, stack_siblings=True)
+    assert sum("stacked with" in e.reason for e in report.swapped) == 5
+    for shape in ((1, 1), (8, 1), (1, 64)):
+        ids = torch.randint(0, 32000, shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        with torch.no_grad():
+            ref, out = model(ids).logits.float(), stacked(ids).logits.float()
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-2, shape
+        assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9, shape
