@@ -45,10 +45,10 @@ every linear with an ``Int4TilePackedTo4dTensor`` weight for ``Int4ServingLinear
 ``scale_and_zero``, one copy: tinygemm for decode, ``decode="tinygemm"``, our dequantize + cuBLAS for prefill; issue 26); it imports hf_lowbit (the phase says so), so run it last.
 ``compiled_int4k_triton``: the same with ``use_int4_kernels(model, decode="triton")``: our tile GEMV decodes too
 (the two decode kernels side by side in one run).
-``compiled_fp8k``: the same with ``hf_lowbit.qat.fp8_serving.use_fp8_kernels`` (row-wise ``Float8Tensor`` linears:
-a decode GEMV with the activation quantized inside, ``_scaled_mm`` for prefill).
-``compiled_int4k_stacked`` / ``compiled_fp8k_stacked``: those two with ``stack_siblings=True``: q/k/v and gate/up
-each one call over their stacked weights (``hf_lowbit/qat/siblings.py``).
+``compiled_fp8k``: the same with ``hf_lowbit.qat.fp8_serving.use_fp8_kernels(model, stack_siblings=False)`` (row-wise
+``Float8Tensor`` linears, one each: a decode GEMV with the activation quantized inside, ``_scaled_mm`` for prefill).
+``compiled_int4k_stacked`` / ``compiled_fp8k_stacked``: those two with ``stack_siblings=True`` (``use_fp8_kernels``'
+default): q/k/v and gate/up each one call over their stacked weights (``hf_lowbit/qat/siblings.py``).
 On a CPU the int4 modes skip int4_tinygemm checkpoints (tinygemm's layout serves on CUDA); others swap nothing and run as
 ``compiled_lean``. Modes run in the order given, on one loaded model; a mode after one that changes the model
 (``compiled_unwrapped``, ``compiled_lean``, ``compiled_int4k``, ``compiled_fp8k``) loads it again.
@@ -86,7 +86,8 @@ KERNEL_MODES = {"compiled_int4k": ("hf_lowbit.qat.int4_serving", "use_int4_kerne
                                    "int4_kernels"),
                 "compiled_int4k_triton": ("hf_lowbit.qat.int4_serving", "use_int4_kernels", {"decode": "triton"},
                                           "int4_kernels"),
-                "compiled_fp8k": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels", {}, "fp8_kernels"),
+                "compiled_fp8k": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels", {"stack_siblings": False},
+                                  "fp8_kernels"),
                 "compiled_int4k_stacked": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",
                                            {"decode": "tinygemm", "stack_siblings": True}, "int4_kernels"),
                 "compiled_fp8k_stacked": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels", {"stack_siblings": True},

@@ -32,7 +32,7 @@ def test_use_fp8_kernels_swaps_row_wise_linears_and_keeps_the_logits(monkeypatch
     with torch.no_grad():
         ref = model(ids).logits.float()
     up = model.model.layers[0].mlp.up_proj.weight
-    report = use_fp8_kernels(model)
+    report = use_fp8_kernels(model, stack_siblings=False)  # one Fp8ServingLinear per linear (tests/test_siblings.py)
     assert len(report.swapped) == 2 * 7 + 1  # the lm_head too (quantize_ converts it: 96 x 64, multiples of 16)
     layer = model.model.layers[0].mlp.up_proj
     assert isinstance(layer, Fp8ServingLinear) and (layer.out_features, layer.in_features) == (128, 64)
@@ -124,7 +124,7 @@ def test_use_fp8_kernels_on_a_llama_8b_layer_cuda():
         ref_prefill = model(ids).logits.float()
         ref_decode = model(ids[:, :1]).logits.float()
     originals = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    report = use_fp8_kernels(model)
+    report = use_fp8_kernels(model, stack_siblings=False)  # per linear against torchao's (stacked: test_siblings.py)
     assert len(report.swapped) == 7 + 1
     inputs = {}
     hooks = [model.get_submodule(n).register_forward_hook(

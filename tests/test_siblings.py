@@ -139,7 +139,7 @@ def test_fp8_stacked_model_keeps_the_logits_and_the_codes(monkeypatch):
 
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
     plain = _fp8_model(monkeypatch)
-    use_fp8_kernels(plain)
+    use_fp8_kernels(plain, stack_siblings=False)
     stacked = _fp8_model(monkeypatch)
     report = use_fp8_kernels(stacked, stack_siblings=True)
     with torch.no_grad():
@@ -167,7 +167,7 @@ def test_fp8_stacked_model_compiles_to_one_graph(monkeypatch):
     from hf_lowbit.qat.fp8_serving import use_fp8_kernels
 
     model = _fp8_model(monkeypatch)
-    use_fp8_kernels(model, stack_siblings=True)
+    use_fp8_kernels(model)  # stacked by default
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(ids).logits
@@ -235,7 +235,7 @@ def test_fp8_stacked_model_generates_through_transformers_compiled_path(monkeypa
     from hf_lowbit.qat.fp8_serving import use_fp8_kernels
 
     model = _fp8_model(monkeypatch)
-    use_fp8_kernels(model, stack_siblings=True)
+    use_fp8_kernels(model)  # stacked by default
     ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(2))
     kw = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0,
           "cache_implementation": "static"}
@@ -276,7 +276,7 @@ def test_stacked_serving_on_a_llama_8b_layer_cuda(scheme):
               else Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
     stacked = copy.deepcopy(model)
     use = use_fp8_kernels if scheme == "fp8" else use_int4_kernels
-    use(model)
+    use(model, stack_siblings=False)
     report = use(stacked, stack_siblings=True)
     assert sum("stacked with" in e.reason for e in report.swapped) == 5
     for shape in ((1, 1), (8, 1), (1, 64)):
