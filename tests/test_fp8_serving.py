@@ -68,15 +68,20 @@ def test_skips_say_why(monkeypatch):
     assert model(x).shape == (3, 16)
 
 
-def test_swapped_model_compiles_to_one_graph(monkeypatch):
+@pytest.mark.parametrize("stack", [False, True])
+def test_swapped_model_compiles_to_one_graph(monkeypatch, stack):
+    """One graph, one op per served linear: 7 a layer, or 4 with q/k/v and gate/up stacked (hf_lowbit.qat.siblings);
+    the LM head."""
     model = _quantize(tiny_model().to(BF16).eval(), monkeypatch=monkeypatch)
-    use_fp8_kernels(model)
+    use_fp8_kernels(model, stack_siblings=stack)
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(ids).logits
         torch._dynamo.reset()
         explained = torch._dynamo.explain(model)(ids)
         assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+        ops = [n for g in explained.graphs for n in g.graph.nodes if "fp8_rowwise_linear" in str(n.target)]
+        assert len(ops) == 2 * (4 if stack else 7) + 1
         torch._dynamo.reset()
         assert torch.equal(torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits, ref)
     torch._dynamo.reset()

@@ -163,25 +163,6 @@ def test_fp8_stacked_model_keeps_the_logits_and_the_codes(monkeypatch):
     assert attn.siblings_q_proj_k_proj_v_proj._stash.x is None
 
 
-def test_fp8_stacked_model_compiles_to_one_graph(monkeypatch):
-    from hf_lowbit.qat.fp8_serving import use_fp8_kernels
-
-    model = _fp8_model(monkeypatch)
-    use_fp8_kernels(model)  # stacked by default
-    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = model(ids).logits
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(model)(ids)
-        assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
-        ops = [n for g in explained.graphs for n in g.graph.nodes if "fp8_rowwise_linear" in str(n.target)]
-        assert len(ops) == 2 * 4 + 1  # per layer qkv, o, gate/up, down; the LM head
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-        assert torch.equal(compiled(ids).logits, ref) and torch.equal(compiled(ids).logits, ref)
-    torch._dynamo.reset()
-
-
 def test_fp8_stack_problems():
     from hf_lowbit.qat.fp8_serving import Fp8ServingLinear, stack_problem
 
