@@ -225,7 +225,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                     "time: MODES=compiled_lean,compiled_int4k TAG=a, then MODES=compiled_int4k_triton TAG=b "
                     "(each with its own bf16 row)",
                     ("~6-8 min (estimate: serve_profile's 4.8 min for 3 checkpoint x mode pairs at batches 1,8; "
-                     "here 6 pairs at batch 1 only; not yet run)"), [
+                     "here 6 pairs at batch 1 only; not yet run at 8 layers); LAYERS=32 MODES=compiled_int4k_stacked: 271 s "
+                     "(226593a)"), [
         "timeout 580 " + B + ("benchmark_serve.py --timeout 420 --layers ${LAYERS:-8} --modes "
                               "${MODES:-compiled_lean,compiled_int4k,compiled_int4k_triton} --batches ${BATCHES:-1} "
                               "--profile --checkpoints qat_int4_tinygemm --json $OUT/serve_int4k_${TAG:-all}_h200.json "
@@ -236,14 +237,15 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                    "the profiler. Run fp8_gemv first: if the kernel is slower than _scaled_mm there, this call will say "
                    "the same. MODES, BATCHES (default 1,8), TAG (a suffix of the output files) and TIMEOUT (seconds "
                    "per process, default 300) narrow or stretch it: at LAYERS=32 run MODES=compiled_fp8k BATCHES=1 "
-                   "TAG=_l32 TIMEOUT=420 (each compile is ~4x longer)", "~5-6 min (estimate, as serve_int4k)", [
+                   "TAG=_l32 TIMEOUT=420 (each compile is ~2-3x longer)", "~5-6 min (estimate at 8 layers); LAYERS=32 "
+                   "MODES=compiled_fp8k,compiled_fp8k_stacked BATCHES=1: 466 s (226593a)", [
         "timeout 580 " + B + "benchmark_serve.py --timeout ${TIMEOUT:-300} --layers ${LAYERS:-8} --modes "
         "${MODES:-compiled_lean,compiled_fp8k} --batches ${BATCHES:-1,8} --profile --checkpoints qat_fp8_rowwise "
         "--json $OUT/serve_fp8k${TAG:-}_h200.json --markdown $OUT/serve_fp8k${TAG:-}_h200.md"]),
     # LAYERS (serve, serve_profile, serve_int4k, serve_fp8k): decoder layers of the served model, 8 by default (issue
     # 26's model). At 8 layers generate()'s host loop (~2-3 ms a token) exceeds every checkpoint's GPU time
     # (bf16 1.40 ms, int4 0.92), so decode ratios measure the host; LAYERS=32 (Llama-8B's depth, ~16 GB of bf16
-    # weights) weighs the GPU as a served 8B model does. Not yet run at 32.
+    # weights) weighs the GPU as a served 8B model does (226593a: serve_fp8k and serve_int4k, docs/qat.md).
     "serve_merge": ("issue 26: the serve calls' JSON (and the probe's) joined, ratios kept per call (a call's file "
                     "that is missing is left out, and said so); the PNG needs matplotlib (merge on any machine that "
                     "has it)", "seconds", [
