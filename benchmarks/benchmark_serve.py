@@ -51,7 +51,7 @@ every linear with an ``Int4TilePackedTo4dTensor`` weight for ``Int4ServingLinear
 default): q/k/v and gate/up each one call over their stacked weights (``hf_lowbit/qat/siblings.py``).
 On a CPU the int4 modes skip int4_tinygemm checkpoints (tinygemm's layout serves on CUDA); others swap nothing and run as
 ``compiled_lean``. Modes run in the order given, on one loaded model; a mode after one that changes the model
-(``compiled_unwrapped``, ``compiled_lean``, ``compiled_int4k``, ``compiled_fp8k``) loads it again.
+(every compiled mode but ``compiled``: ``CHANGES_MODEL``) loads it again.
 A build or measurement that fails (a kernel missing on the image, an unsupported op, a time-out) becomes an
 error row with a one-line reason; the other rows are unaffected. ``--device cpu`` with tiny shapes checks the
 plumbing (``--compile_backend eager``: dynamo without Inductor); its timings mean nothing.
@@ -390,7 +390,7 @@ def measure(a, emit) -> dict:
                     report = getattr(importlib.import_module(module), fn)(model, **kw)
                     phase[key] = {
                         "swapped": len(report.swapped),
-                        "stacked": sum("stacked with" in e.reason for e in report.swapped),
+                        "stacked": sum(", stacked with" in e.reason for e in report.swapped),
                         "not_stacked": sorted({e.reason for e in report.swapped if "not stacked" in e.reason}),
                         "skipped": dict(collections.Counter(e.reason for e in report.skipped))}
                 if mode in ("compiled_lean", *KERNEL_MODES):

@@ -1,9 +1,13 @@
 """hf_lowbit.qat.siblings: q/k/v and gate/up served as one stacked linear (issue 26). Each sibling's output is its
-columns of the stacked product, whatever the call order or input; the stacked serving modules hold the same codes;
-a compiled model keeps one graph with one call per group and nothing stashed between calls."""
+columns of the stacked product; a parent that does not call its siblings on one input (cross-attention, q alone,
+threads) makes the group serve each from its own rows; the stacked serving modules hold the same codes; a compiled
+model keeps one graph with one call per group and nothing stashed between calls."""
+
+import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_model
 from torch import nn
 
@@ -11,6 +15,7 @@ from hf_lowbit.qat.siblings import SiblingGroup, SiblingLinear, fuse_siblings
 from hf_lowbit.swap import SwapEntry, SwapReport
 
 BF16 = torch.bfloat16
+QKV = ("q_proj", "k_proj", "v_proj")
 
 
 class _Attn(nn.Module):
@@ -24,8 +29,25 @@ class _Attn(nn.Module):
                     m.bias.copy_(torch.randint(-3, 4, m.bias.shape))
 
 
+class _Stacked(nn.Linear):
+    """A stacked plain linear with the serving classes' ``forward_rows``, counting both kinds of call."""
+
+    calls = rows_calls = 0
+    counting = True  # off in compiled tests: a counter changing every call is a guard failing every call
+
+    def forward(self, x):
+        if self.counting:
+            self.calls += 1
+        return super().forward(x)
+
+    def forward_rows(self, x, start, end):
+        if self.counting:
+            self.rows_calls += 1
+        return F.linear(x, self.weight[start:end], None if self.bias is None else self.bias[start:end])
+
+
 def _stack_linears(mods):
-    out = nn.Linear(mods[0].in_features, sum(m.out_features for m in mods), bias=mods[0].bias is not None)
+    out = _Stacked(mods[0].in_features, sum(m.out_features for m in mods), bias=mods[0].bias is not None)
     with torch.no_grad():
         out.weight.copy_(torch.cat([m.weight for m in mods]))
         if out.bias is not None:
@@ -33,61 +55,110 @@ def _stack_linears(mods):
     return out
 
 
-class _Counting(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner, self.calls = inner, 0
-
-    def forward(self, x):
-        self.calls += 1
-        return self.inner(x)
-
-
 def _fuse(parent, report=None):
-    return fuse_siblings(parent, nn.Linear, lambda mods: _Counting(_stack_linears(mods)), lambda mods: None, report)
+    return fuse_siblings(parent, nn.Linear, _stack_linears, lambda mods: None, report)
 
 
-def test_each_sibling_gets_its_columns_in_any_order_and_for_any_input():
+def _ints(*shape):
+    return torch.randint(-3, 4, shape).float()
+
+
+def test_each_sibling_gets_its_columns_in_any_order():
     torch.manual_seed(0)
     attn = _Attn(bias=True)
-    ref = {n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")}
-    x, x2 = (torch.randint(-3, 4, (2, 3, 8)).float() for _ in range(2))
+    ref = {n: getattr(attn, n) for n in QKV}
+    x = _ints(2, 3, 8)
     want = {n: m(x) for n, m in ref.items()}
     assert _fuse(attn) == ["q_proj+k_proj+v_proj"]
     group = attn.siblings_q_proj_k_proj_v_proj
     assert isinstance(group, SiblingGroup) and all(isinstance(getattr(attn, n), SiblingLinear) for n in ref)
-    assert {n for n, _ in attn.named_modules()} == {"", "q_proj", "k_proj", "v_proj", "siblings_q_proj_k_proj_v_proj",
-                                                    "siblings_q_proj_k_proj_v_proj.linear",
-                                                    "siblings_q_proj_k_proj_v_proj.linear.inner"}
-    assert set(attn.state_dict()) == {"siblings_q_proj_k_proj_v_proj.linear.inner.weight",
-                                      "siblings_q_proj_k_proj_v_proj.linear.inner.bias"}  # the weight once
-    counting = group.linear
+    assert {n for n, _ in attn.named_modules()} == {"", *QKV, "siblings_q_proj_k_proj_v_proj",
+                                                    "siblings_q_proj_k_proj_v_proj.linear"}
+    assert set(attn.state_dict()) == {"siblings_q_proj_k_proj_v_proj.linear.weight",
+                                      "siblings_q_proj_k_proj_v_proj.linear.bias"}  # the weight once
+    stacked = group.linear
     # the model's order: one stacked call, each sibling its columns, the stash empty after the last
-    outs = {n: getattr(attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")}
-    assert counting.calls == 1 and group._stash.x is None and group._stash.left == 0
+    outs = {n: getattr(attn, n)(x) for n in QKV}
+    assert stacked.calls == 1 and group._stash is None and group.shared
     for n in ref:
         assert torch.equal(outs[n], want[n]) and outs[n].shape == (2, 3, ref[n].out_features)
-    # another order: still one call
-    outs = {n: getattr(attn, n)(x) for n in ("v_proj", "q_proj", "k_proj")}
-    assert counting.calls == 2 and all(torch.equal(outs[n], want[n]) for n in ref)
-    # another input in between (an equal tensor is not the same one): recomputed, each answer its own input's
-    q = attn.q_proj(x)
-    k2 = attn.k_proj(x2)
-    k = attn.k_proj(x)
-    assert counting.calls == 5
-    assert torch.equal(q, want["q_proj"]) and torch.equal(k, want["k_proj"]) and torch.equal(k2, ref["k_proj"](x2))
-    assert torch.equal(attn.v_proj(x.clone()), want["v_proj"])
+    outs = {n: getattr(attn, n)(x) for n in ("v_proj", "q_proj", "k_proj")}  # another order: still one call
+    assert stacked.calls == 2 and stacked.rows_calls == 0 and all(torch.equal(outs[n], want[n]) for n in ref)
     assert "columns 8:10 of q_proj+k_proj+v_proj" in repr(attn.v_proj)
+
+
+@pytest.mark.parametrize("pattern", ["cross", "q_alone", "equal_not_same"])
+def test_a_parent_that_does_not_share_its_input_gets_each_siblings_own_rows(pattern):
+    """Cross-attention (k/v read another tensor), q alone (a decode step against cached keys), an equal tensor that
+    is not the same one: the first new input while a product is unclaimed stops the stacking; every output is its
+    own input's, and from then on each sibling multiplies its own rows only."""
+    torch.manual_seed(0)
+    attn = _Attn(bias=True)
+    ref = {n: getattr(attn, n) for n in QKV}
+    _fuse(attn)
+    group, stacked = attn.siblings_q_proj_k_proj_v_proj, attn.siblings_q_proj_k_proj_v_proj.linear
+    h, enc = _ints(1, 3, 8), _ints(1, 5, 8)
+    if pattern == "cross":
+        calls = [("q_proj", h), ("k_proj", enc), ("v_proj", enc)] * 2
+    elif pattern == "q_alone":
+        calls = [("q_proj", h), ("q_proj", _ints(1, 1, 8)), ("q_proj", _ints(1, 1, 8)), ("k_proj", h)]
+    else:
+        calls = [("q_proj", h), ("k_proj", h.clone()), ("v_proj", h)]
+    for name, x in calls:
+        assert torch.equal(getattr(attn, name)(x), ref[name](x)), (name, pattern)
+    assert not group.shared and group._stash is None and "not stacking" in repr(group)
+    assert stacked.calls == 1 and stacked.rows_calls == len(calls) - 1  # one stacked product too many, at most
+
+
+def test_threads_each_get_their_own_inputs_columns():
+    """One model from several threads: a sibling never slices a product of another thread's input (the stash is
+    read once and replaced whole; a foreign input stops the stacking)."""
+    torch.manual_seed(0)
+    attn = _Attn()
+    ref = {n: getattr(attn, n) for n in QKV}
+    _fuse(attn)
+    wrong = []
+
+    def work(seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(300):
+            x = torch.randint(-3, 4, (2, 8), generator=g).float()
+            for n in QKV:
+                if not torch.equal(getattr(attn, n)(x), ref[n](x)):
+                    wrong.append(n)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
 
 
 def test_problems_leave_a_group_alone_and_the_report_says_why():
     attn = _Attn()
-    report = SwapReport("r", [SwapEntry(n, "Linear", (2, 8), "swapped", "X") for n in ("q_proj", "k_proj", "v_proj")])
+    report = SwapReport("r", [SwapEntry(n, "Linear", (2, 8), "swapped", "X") for n in QKV])
     assert fuse_siblings(attn, nn.Linear, _stack_linears, lambda mods: "no reason at all", report) == []
-    assert all(type(getattr(attn, n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj"))
+    assert all(type(getattr(attn, n)) is nn.Linear for n in QKV)
     assert report.entries[0].reason == "X (not stacked with its siblings: no reason at all)"
     attn.v_proj = attn.k_proj  # one module under two names: never stacked
     assert fuse_siblings(attn, nn.Linear, _stack_linears, lambda mods: None) == []
+    # a sibling shared by two parents keeps its own weight (stacking would copy it into each)
+    a, b = _Attn(), _Attn()
+    b.k_proj = a.k_proj
+    model = nn.ModuleDict({"a": a, "b": b})
+    report = SwapReport("r", [SwapEntry(f"{p}.{n}", "Linear", (2, 8), "swapped", "X") for p in "ab" for n in QKV])
+    assert fuse_siblings(model, nn.Linear, _stack_linears, lambda mods: None, report) == []
+    assert report.entries[1].reason == "X (not stacked with its siblings: a sibling is held in several places (a " \
+                                       "shared module keeps its own weight))"
+    # not all siblings of the kind: the ones that are say so
+    c = _Attn()
+    c.v_proj = nn.Identity()
+    report = SwapReport("r", [SwapEntry(n, "Linear", (2, 8), "swapped", "X") for n in QKV])
+    assert fuse_siblings(c, nn.Linear, _stack_linears, lambda mods: None, report) == []
+    assert report.entries[0].reason == "X (not stacked with its siblings: its siblings are not all Linear " \
+                                       "(v_proj: Identity))"
+    assert report.entries[2].reason == "X"  # the Identity's entry (were it one) is left alone
     report = SwapReport("r", [SwapEntry("k_proj", "Linear", (2, 8), "swapped", "X")])
     mlp = nn.Module()
     mlp.gate_proj, mlp.up_proj = nn.Linear(4, 3), nn.Linear(4, 5)
@@ -95,18 +166,7 @@ def test_problems_leave_a_group_alone_and_the_report_says_why():
     assert report.entries[0].reason == "X"  # an entry of no fused module is left as it was
 
 
-def test_compiled_keeps_one_graph_one_call_per_group_and_nothing_stashed():
-    torch.manual_seed(0)
-    attn = _Attn()
-    _fuse(attn)
-    group = attn.siblings_q_proj_k_proj_v_proj
-    group.linear = group.linear.inner  # nothing counting calls in Python inside the graph
-
-    def f(x):
-        return attn.q_proj(x).sum(-1) + attn.k_proj(x).sum(-1) * attn.v_proj(x).sum(-1)
-
-    x = torch.randint(-3, 4, (4, 8)).float()
-    want = f(x)
+def _graphs_of(f):
     graphs = []
 
     def backend(gm, inputs):
@@ -114,14 +174,52 @@ def test_compiled_keeps_one_graph_one_call_per_group_and_nothing_stashed():
         return gm.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    return torch.compile(f, backend=backend, fullgraph=True), graphs
+
+
+def _linears(graph):
+    return [n for n in graph.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+
+
+def test_compiled_keeps_one_graph_one_call_per_group_and_nothing_stashed():
+    torch.manual_seed(0)
+    attn = _Attn()
+    _fuse(attn)
+    group = attn.siblings_q_proj_k_proj_v_proj
+    group.linear.counting = False
+
+    def f(x):
+        return attn.q_proj(x).sum(-1) + attn.k_proj(x).sum(-1) * attn.v_proj(x).sum(-1)
+
+    x = _ints(4, 8)
+    want = f(x)
+    compiled, graphs = _graphs_of(f)
     for _ in range(3):
-        assert torch.equal(compiled(x), want)
-        assert group._stash.x is None and group._stash.y is None and group._stash.left == 0
+        assert torch.equal(compiled(x), want) and group._stash is None
     assert torch.equal(compiled(x + 1), f(x + 1))
-    assert len(graphs) == 1  # no recompile: the stash is empty at every call's start and end
-    linears = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
-    assert len(linears) == 1
+    assert len(graphs) == 1 and len(_linears(graphs[0])) == 1  # no recompile: the stash empty at start and end
+    torch._dynamo.reset()
+
+
+def test_compiled_cross_attention_stops_stacking_once():
+    torch.manual_seed(0)
+    attn = _Attn()
+    ref = {n: getattr(attn, n) for n in QKV}
+    _fuse(attn)
+    attn.siblings_q_proj_k_proj_v_proj.linear.counting = False
+
+    def f(h, enc):
+        return attn.q_proj(h).sum(-1).sum(-1) + attn.k_proj(enc).sum(-1).sum(-1) * attn.v_proj(enc).sum(-1).sum(-1)
+
+    def plain(h, enc):
+        return ref["q_proj"](h).sum(-1).sum(-1) + ref["k_proj"](enc).sum(-1).sum(-1) * ref["v_proj"](enc).sum(-1).sum(-1)
+
+    compiled, graphs = _graphs_of(f)
+    for i in range(4):
+        h, enc = _ints(1, 3, 8), _ints(1, 5, 8)
+        assert torch.equal(compiled(h, enc), plain(h, enc)), i
+    assert not attn.siblings_q_proj_k_proj_v_proj.shared
+    assert len(graphs) == 2 and len(_linears(graphs[-1])) == 3  # recompiled once, then each its own rows
     torch._dynamo.reset()
 
 
@@ -156,11 +254,11 @@ def test_fp8_stacked_model_keeps_the_logits_and_the_codes(monkeypatch):
     reasons = {e.name: e.reason for e in report.swapped}
     assert reasons["model.layers.1.self_attn.k_proj"] == "Fp8ServingLinear, stacked with q_proj+v_proj (one GEMV)"
     assert reasons["model.layers.1.self_attn.o_proj"] == "Fp8ServingLinear"
-    assert sum("stacked with" in r for r in reasons.values()) == 2 * 5
+    assert sum(", stacked with" in r for r in reasons.values()) == 2 * 5
     # the same codes and scales; each row's float32 sum may run in another order, then one bf16 rounding
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
-    assert attn.siblings_q_proj_k_proj_v_proj._stash.x is None
+    assert attn.siblings_q_proj_k_proj_v_proj._stash is None
 
 
 def test_fp8_stack_problems():
@@ -174,8 +272,11 @@ def test_fp8_stack_problems():
     assert stack_problem([a, c]) == "in_features differ (32, 16)"
     with pytest.raises(ValueError, match="Fp8ServingLinear.concat: in_features differ"):
         Fp8ServingLinear.concat([a, c])
-    d = Fp8ServingLinear.concat([a, Fp8ServingLinear(codes(8, 32), torch.rand(8))])
+    e = Fp8ServingLinear(codes(8, 32), torch.rand(8))
+    d = Fp8ServingLinear.concat([a, e])
     assert (d.out_features, d.in_features) == (24, 32)
+    x = torch.randn(3, 32, dtype=BF16)
+    assert torch.equal(d.forward_rows(x, 16, 24), e(x)) and torch.equal(d.forward_rows(x, 0, 16), a(x))
 
 
 def _tile(N, K=256, gs=32, seed=0, bias=None):
@@ -198,6 +299,9 @@ def test_int4_stacked_tiles_hold_each_rows_codes_scales_and_zeros():
     want = torch.cat([int4_dequantize(*r, 32) for r in (ra, rb, rc)])
     assert torch.equal(int4_tile_dequantize(stacked.qdata, stacked.scale_and_zero, 32, (48, 256)), want)
     x = torch.randn(3, 256).bfloat16()
+    assert torch.equal(stacked.forward_rows(x, 24, 32), b(x)) and torch.equal(stacked.forward_rows(x, 32, 48), c(x))
+    with pytest.raises(ValueError, match="not whole 8-row tiles"):
+        stacked.forward_rows(x, 4, 12)
     out, parts = stacked(x), torch.cat([m(x) for m in (a, b, c)], dim=-1)
     assert ((out.float() - parts.float()).norm() / parts.float().norm()).item() < 1e-2
     padded, _ = _tile(20, seed=3)
@@ -229,7 +333,7 @@ def test_fp8_stacked_model_generates_through_transformers_compiled_path(monkeypa
         again = model.generate(ids, compile_config=config, **kw)
     assert torch.equal(out, ref) and torch.equal(again, ref)
     assert len(compiled_guards()) == 1  # one decode step, not recompiled by the stash
-    assert all(m._stash.x is None for m in model.modules() if isinstance(m, SiblingGroup))
+    assert all(m._stash is None and m.shared for m in model.modules() if isinstance(m, SiblingGroup))
     torch._dynamo.reset()
 
 
@@ -259,7 +363,7 @@ def test_stacked_serving_on_a_llama_8b_layer_cuda(scheme):
     use = use_fp8_kernels if scheme == "fp8" else use_int4_kernels
     use(model, stack_siblings=False)
     report = use(stacked, stack_siblings=True)
-    assert sum("stacked with" in e.reason for e in report.swapped) == 5
+    assert sum(", stacked with" in e.reason for e in report.swapped) == 5
     for shape in ((1, 1), (8, 1), (1, 64)):
         ids = torch.randint(0, 32000, shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
         with torch.no_grad():

@@ -82,12 +82,25 @@ class Int4ServingLinear(nn.Module):
                    first.group_size, first.in_features, sum(m.out_features for m in modules), bias, first.decode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x, self.qdata, self.scale_and_zero, self.out_features, self.bias)
+
+    def forward_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The output features ``start:end`` alone (multiples of 8: whole tile rows), from those rows of the tile
+        layout (a view) and a copy of their scales and zeros (columns of ``scale_and_zero``, small): a stacked
+        sibling's own product (:mod:`hf_lowbit.qat.siblings`)."""
+        if start % 8 or end % 8:
+            raise ValueError(f"Int4ServingLinear.forward_rows: rows {start}:{end} are not whole 8-row tiles")
+        bias = None if self.bias is None else self.bias[start:end]
+        return self._forward(x, self.qdata[start // 8:end // 8], self.scale_and_zero[:, start:end].contiguous(),
+                             end - start, bias)
+
+    def _forward(self, x, qdata, scale_and_zero, n, bias):
         shape = x.shape
-        y = int4_tile_linear(x.reshape(-1, self.in_features).to(torch.bfloat16), self.qdata, self.scale_and_zero,
-                             self.group_size, self.out_features, self.decode)
-        y = y.reshape(*shape[:-1], self.out_features)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        y = int4_tile_linear(x.reshape(-1, self.in_features).to(torch.bfloat16), qdata, scale_and_zero,
+                             self.group_size, n, self.decode)
+        y = y.reshape(*shape[:-1], n)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -131,6 +144,8 @@ def stack_problem(modules: list[Int4ServingLinear]) -> str | None:
             return "tile layouts differ in K or device"
         if (m.bias is None) != (first.bias is None):
             return "some have a bias, some not"
+        if m.bias is not None and m.bias.dtype != first.bias.dtype:
+            return f"bias dtypes differ ({first.bias.dtype}, {m.bias.dtype})"
     return None
 
 

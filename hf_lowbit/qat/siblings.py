@@ -10,16 +10,23 @@ the same reason, by rewriting the model; here the model's own ``forward`` stays 
 
 * :func:`fuse_siblings` replaces each sibling by a :class:`SiblingLinear` and registers one :class:`SiblingGroup` on
   their parent (the stacked weight, built by the serving class's ``concat``: the same bytes, the old ones freed);
-* the first sibling called computes the stacked product and keeps it, with its input, in the group's
-  :class:`_Stash`; a sibling called on *that same tensor* (``is``) takes its columns from it, and the last one
-  clears it. Any other call order or input still gets its own columns right: a sibling whose input is not the
-  stashed one computes the stacked product again. So the arithmetic is each linear's, the output columns a slice.
+* the first sibling called computes the stacked product and keeps it, with its input, in the group's stash; a
+  sibling called on *that same tensor* (``is``; the contract: not modified in place between the calls, as no
+  transformers model does) takes its columns from it, and the last one empties the stash;
+* a parent that does not call its siblings on one input (cross-attention, whose ``k_proj``/``v_proj`` read the
+  encoder's states; a decode step that calls ``q_proj`` alone against cached keys; one model run from several
+  threads; a forward cut by an exception between siblings) shows itself as a new input arriving while a product is
+  still unclaimed: the group then stops stacking for good (``shared = False``) and serves each sibling from its own
+  rows of the stacked weight (views, no copy: ``forward_rows``). So every output is its own input's columns, and
+  a model that cannot gain pays at most one stacked product too many.
 
-Under ``torch.compile`` the stash is a plain Python object, whose attribute writes Dynamo records as side effects:
-the graph holds one stacked call per group, and the stash is empty again at the end of every forward (nothing held
-between calls, no guard that changes from one call to the next). The rows' float32 sums may run in another order
-than separately (the GEMV's split over K is chosen from the stacked shape), so outputs agree with the unfused ones
-within float32 reordering, not bit for bit.
+Under ``torch.compile`` the stash is a plain attribute replaced whole (an immutable tuple, read once: no thread can
+see half of another's), whose writes Dynamo records as side effects: the graph holds one stacked call per group, and
+the stash is empty again at the end of every forward (nothing held between calls, no guard that changes from one
+call to the next; the one switch to ``shared = False`` recompiles once). The rows' float32 sums may run in another
+order than separately (the GEMV's split over K is chosen from the stacked shape), so outputs agree with the unfused
+ones within float32 reordering, not bit for bit. The serving model's state dict names the stacked buffers
+(``...self_attn.siblings_q_proj_k_proj_v_proj.linear.weight_codes``), not the siblings' own.
 """
 
 from __future__ import annotations
@@ -37,19 +44,10 @@ __all__ = ["SIBLING_GROUPS", "SiblingGroup", "SiblingLinear", "fuse_siblings"]
 SIBLING_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class _Stash:
-    """The last stacked product and its input; ``left``: siblings still to take their columns from it."""
-
-    __slots__ = ("x", "y", "left")
-
-    def __init__(self):
-        self.x = self.y = None
-        self.left = 0
-
-
 class SiblingGroup(nn.Module):
     """The stacked linear of a group of siblings (``linear``: a serving linear whose output features are the
-    siblings' in ``names`` order) and the columns each sibling owns."""
+    siblings' in ``names`` order, with ``forward_rows(x, start, end)``: the product of rows ``start:end`` alone) and
+    the columns each sibling owns."""
 
     def __init__(self, linear: nn.Module, names: Sequence[str], sizes: Sequence[int]):
         super().__init__()
@@ -57,24 +55,31 @@ class SiblingGroup(nn.Module):
         self.names = tuple(names)
         self.sizes = tuple(int(s) for s in sizes)
         self.offsets = tuple(sum(self.sizes[:i]) for i in range(len(self.sizes)))
-        self._stash = _Stash()
+        self.shared = True  # False once the parent showed it does not call the siblings on one input
+        self._stash = None  # (x, its stacked product, siblings yet to take their columns), replaced whole
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        """Sibling ``index``'s output for input ``x``: its columns of the stacked product."""
-        stash = self._stash
-        if stash.x is x and stash.left > 0:
-            y = stash.y
-            stash.left -= 1
-            if stash.left == 0:
-                stash.x = stash.y = None
+        """Sibling ``index``'s output for input ``x``: its columns of the stacked product, or its own rows'
+        product once the group stopped stacking."""
+        start = self.offsets[index]
+        end = start + self.sizes[index]
+        if not self.shared:
+            return self.linear.forward_rows(x, start, end)
+        stash = self._stash  # one read
+        if stash is not None and stash[0] is x:
+            y = stash[1]
+            self._stash = (x, y, stash[2] - 1) if stash[2] > 1 else None
+        elif stash is not None:  # another input while a product is unclaimed: stop stacking (see the module doc)
+            self._stash = None
+            self.shared = False
+            return self.linear.forward_rows(x, start, end)
         else:
             y = self.linear(x)
-            stash.x, stash.y, stash.left = x, y, len(self.sizes) - 1
-        start = self.offsets[index]
-        return y[..., start:start + self.sizes[index]]
+            self._stash = (x, y, len(self.sizes) - 1)
+        return y[..., start:end]
 
     def extra_repr(self) -> str:
-        return f"siblings={'+'.join(self.names)}, sizes={self.sizes}"
+        return f"siblings={'+'.join(self.names)}, sizes={self.sizes}" + ("" if self.shared else ", not stacking")
 
 
 class SiblingLinear(nn.Module):
@@ -103,23 +108,33 @@ def fuse_siblings(model: nn.Module, kind: type, concat: Callable[[list[nn.Module
                   groups: Sequence[Sequence[str]] = SIBLING_GROUPS) -> list[str]:
     """Stack every group of sibling ``kind`` modules (children of one parent named as in ``groups``) into one,
     in place. ``problem(modules)``: why a group cannot be stacked (one line) or None; ``concat(modules)``: the
-    stacked module. Returns the fused groups' names (``model.layers.0.self_attn.q_proj+k_proj+v_proj``); with
+    stacked module (with ``forward_rows``, :class:`SiblingGroup`). A group is left as it is when not all its
+    siblings are ``kind`` or when one of them is held in another place too (a module shared by two parents). Returns the fused groups' names (``model.layers.0.self_attn.q_proj+k_proj+v_proj``); with
     ``report``, each sibling's entry says what it became or why it was not stacked."""
     entries = {e.name: e for e in report.entries} if report is not None else {}
+    homes: dict[int, int] = {}  # module -> how many (parent, name) places hold it
+    for parent in model.modules():
+        for child in parent._modules.values():  # every name, where children() yields a module once
+            if child is not None:
+                homes[id(child)] = homes.get(id(child), 0) + 1
     fused: list[str] = []
     for parent_name, parent in list(model.named_modules()):
         for names in groups:
             mods = [getattr(parent, n, None) for n in names]
-            if not all(isinstance(m, kind) for m in mods):
+            ours = [isinstance(m, kind) for m in mods]
+            if not any(ours):
                 continue
             prefix = f"{parent_name}." if parent_name else ""
             label = prefix + "+".join(names)
-            why = problem(mods)
-            if why is None and len({id(m) for m in mods}) < len(mods):
-                why = "the same module under several names"
+            why = problem(mods) if all(ours) else (
+                "its siblings are not all " + kind.__name__ + " (" + ", ".join(
+                    f"{n}: {type(m).__name__}" for n, m, o in zip(names, mods, ours) if not o) + ")")
+            if why is None and any(homes.get(id(m), 0) > 1 for m in mods):
+                why = ("the same module under several names" if len({id(m) for m in mods}) < len(mods) else
+                       "a sibling is held in several places (a shared module keeps its own weight)")
             if why is not None:
-                for n in names:
-                    if prefix + n in entries:
+                for n, o in zip(names, ours):
+                    if o and prefix + n in entries:
                         entries[prefix + n].reason += f" (not stacked with its siblings: {why})"
                 continue
             group = SiblingGroup(concat(mods), names, [m.out_features for m in mods])
