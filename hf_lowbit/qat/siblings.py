@@ -109,8 +109,9 @@ def fuse_siblings(model: nn.Module, kind: type, concat: Callable[[list[nn.Module
     """Stack every group of sibling ``kind`` modules (children of one parent named as in ``groups``) into one,
     in place. ``problem(modules)``: why a group cannot be stacked (one line) or None; ``concat(modules)``: the
     stacked module (with ``forward_rows``, :class:`SiblingGroup`). A group is left as it is when not all its
-    siblings are ``kind`` or when one of them is held in another place too (a module shared by two parents). Returns the fused groups' names (``model.layers.0.self_attn.q_proj+k_proj+v_proj``); with
-    ``report``, each sibling's entry says what it became or why it was not stacked."""
+    siblings are ``kind`` or when one of them is held in another place too (a module shared by two parents).
+    Returns the fused groups' names (``model.layers.0.self_attn.q_proj+k_proj+v_proj``); with ``report``, each
+    sibling's entry says what it became or why it was not stacked."""
     entries = {e.name: e for e in report.entries} if report is not None else {}
     homes: dict[int, int] = {}  # module -> how many (parent, name) places hold it
     for parent in model.modules():
@@ -126,9 +127,9 @@ def fuse_siblings(model: nn.Module, kind: type, concat: Callable[[list[nn.Module
                 continue
             prefix = f"{parent_name}." if parent_name else ""
             label = prefix + "+".join(names)
-            why = problem(mods) if all(ours) else (
-                "its siblings are not all " + kind.__name__ + " (" + ", ".join(
-                    f"{n}: {type(m).__name__}" for n, m, o in zip(names, mods, ours) if not o) + ")")
+            others = ", ".join(f"{n}: {'absent' if m is None else type(m).__name__}"
+                               for n, m, o in zip(names, mods, ours) if not o)
+            why = problem(mods) if all(ours) else f"its siblings are not all {kind.__name__} ({others})"
             if why is None and any(homes.get(id(m), 0) > 1 for m in mods):
                 why = ("the same module under several names" if len({id(m) for m in mods}) < len(mods) else
                        "a sibling is held in several places (a shared module keeps its own weight)")
