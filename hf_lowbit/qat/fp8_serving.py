@@ -66,15 +66,17 @@ class Fp8ServingLinear(nn.Module):
         return cls(torch.cat([m.weight_codes for m in modules]), torch.cat([m.weight_scale for m in modules]), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_rows(x, 0, self.out_features)
+        return self._forward(x, self.weight_codes, self.weight_scale, self.bias)
 
     def forward_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """The output features ``start:end`` alone, from those rows of the weight (views, no copy): a stacked
         sibling's own product (:mod:`hf_lowbit.qat.siblings`)."""
         bias = None if self.bias is None else self.bias[start:end]
-        out = fp8_rowwise_linear(x.reshape(-1, self.in_features), self.weight_codes[start:end],
-                                 self.weight_scale[start:end], bias)
-        return out.reshape(*x.shape[:-1], end - start)
+        return self._forward(x, self.weight_codes[start:end], self.weight_scale[start:end], bias)
+
+    def _forward(self, x, codes, scale, bias):
+        out = fp8_rowwise_linear(x.reshape(-1, self.in_features), codes, scale, bias)
+        return out.reshape(*x.shape[:-1], codes.shape[0])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -86,11 +86,11 @@ class SiblingLinear(nn.Module):
     """What a fused sibling becomes: its columns of its :class:`SiblingGroup`'s stacked product. Holds no tensors
     (the group, registered on the parent, holds the weight); ``in_features`` / ``out_features`` as the linear's."""
 
-    def __init__(self, group: SiblingGroup, index: int, in_features: int):
+    def __init__(self, group: SiblingGroup, index: int):
         super().__init__()
         object.__setattr__(self, "group", group)  # not a submodule: the parent registers it once
         self.index = index
-        self.in_features = in_features
+        self.in_features = group.linear.in_features
         self.out_features = group.sizes[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +126,6 @@ def fuse_siblings(model: nn.Module, kind: type, concat: Callable[[list[nn.Module
             if not any(ours):
                 continue
             prefix = f"{parent_name}." if parent_name else ""
-            label = prefix + "+".join(names)
             others = ", ".join(f"{n}: {'absent' if m is None else type(m).__name__}"
                                for n, m, o in zip(names, mods, ours) if not o)
             why = problem(mods) if all(ours) else f"its siblings are not all {kind.__name__} ({others})"
@@ -140,9 +139,9 @@ def fuse_siblings(model: nn.Module, kind: type, concat: Callable[[list[nn.Module
                 continue
             group = SiblingGroup(concat(mods), names, [m.out_features for m in mods])
             parent.register_module("siblings_" + "_".join(names), group)
-            for i, (n, m) in enumerate(zip(names, mods)):
-                setattr(parent, n, SiblingLinear(group, i, m.in_features))
+            for i, n in enumerate(names):
+                setattr(parent, n, SiblingLinear(group, i))
                 if prefix + n in entries:
                     entries[prefix + n].reason += f", stacked with {'+'.join(x for x in names if x != n)} (one GEMV)"
-            fused.append(label)
+            fused.append(prefix + "+".join(names))
     return fused
