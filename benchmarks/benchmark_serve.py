@@ -40,14 +40,14 @@ to its plain inner tensors and rebuilt by one in-graph call (``Float8Tensor`` to
 model's modules skipped (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``); the prefill's
 ``torch.compile(model)`` gets the same guard filter. Why: on the H200 (c73fbe2) the quantized models' host time per
 token was AOTAutograd's wrapper around the subclass weights (removed by unwrapping) and the guard check (not).
-``compiled_int4k``: ``compiled_lean`` after ``hf_lowbit.qat.int4_serving.use_int4_kernels(model)``, which swaps
+``compiled_int4k``: ``compiled_lean`` after ``hf_lowbit.qat.int4_serving.use_int4_kernels(model, stack_siblings=False)``, which swaps
 every linear with an ``Int4TilePackedTo4dTensor`` weight for ``Int4ServingLinear`` (its own ``qdata`` /
 ``scale_and_zero``, one copy: tinygemm for decode, ``decode="tinygemm"``, our dequantize + cuBLAS for prefill; issue 26); it imports hf_lowbit (the phase says so), so run it last.
-``compiled_int4k_triton``: the same with ``use_int4_kernels(model, decode="triton")``: our tile GEMV decodes too
+``compiled_int4k_triton``: the same with ``decode="triton"``: our tile GEMV decodes too
 (the two decode kernels side by side in one run).
 ``compiled_fp8k``: the same with ``hf_lowbit.qat.fp8_serving.use_fp8_kernels(model, stack_siblings=False)`` (row-wise
 ``Float8Tensor`` linears, one each: a decode GEMV with the activation quantized inside, ``_scaled_mm`` for prefill).
-``compiled_int4k_stacked`` / ``compiled_fp8k_stacked``: those two with ``stack_siblings=True`` (``use_fp8_kernels``'
+``compiled_int4k_stacked`` / ``compiled_fp8k_stacked``: those two with ``stack_siblings=True`` (both calls'
 default): q/k/v and gate/up each one call over their stacked weights (``hf_lowbit/qat/siblings.py``).
 On a CPU the int4 modes skip int4_tinygemm checkpoints (tinygemm's layout serves on CUDA); others swap nothing and run as
 ``compiled_lean``. Modes run in the order given, on one loaded model; a mode after one that changes the model
@@ -82,10 +82,10 @@ CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", "compiled_int4k", "compi
 TINYGEMM_WEIGHT = "Int4TilePackedTo4dTensor"
 # compiled_lean after one of hf_lowbit's kernel swaps: mode -> (module, function, its keyword arguments, the phase's
 # key for its report)
-KERNEL_MODES = {"compiled_int4k": ("hf_lowbit.qat.int4_serving", "use_int4_kernels", {"decode": "tinygemm"},
-                                   "int4_kernels"),
-                "compiled_int4k_triton": ("hf_lowbit.qat.int4_serving", "use_int4_kernels", {"decode": "triton"},
-                                          "int4_kernels"),
+KERNEL_MODES = {"compiled_int4k": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",
+                                   {"decode": "tinygemm", "stack_siblings": False}, "int4_kernels"),
+                "compiled_int4k_triton": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",
+                                          {"decode": "triton", "stack_siblings": False}, "int4_kernels"),
                 "compiled_fp8k": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels", {"stack_siblings": False},
                                   "fp8_kernels"),
                 "compiled_int4k_stacked": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",

@@ -219,14 +219,14 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
     "serve_int4k": ("issue 26: the int4_tinygemm export served with hf_lowbit's int4 kernels beside compiled_lean "
                     "(torchao's tinygemm weight), bf16 in the same call, under the profiler (GPU ms per decoded token, "
                     "prefill GPU ms), decode at batch 1 (issue 26's bar; BATCHES=1,8 adds 8): compiled_int4k "
-                    "(use_int4_kernels + prepare_for_serving: tinygemm decode, our tile dequantize + cuBLAS prefill) "
-                    "and compiled_int4k_triton (decode='triton': our tile GEMV decodes too). Run int4_mm first: if "
+                    "(use_int4_kernels(stack_siblings=False) + prepare_for_serving: tinygemm decode, our tile dequantize + "
+                    "cuBLAS prefill; compiled_int4k_stacked: stacked siblings, the default) and compiled_int4k_triton (decode='triton': our tile GEMV decodes too). Run int4_mm first: if "
                     "a kernel is slower than tinygemm there, this call will say the same. Split if it runs out of "
                     "time: MODES=compiled_lean,compiled_int4k TAG=a, then MODES=compiled_int4k_triton TAG=b "
                     "(each with its own bf16 row)",
                     ("~6-8 min (estimate: serve_profile's 4.8 min for 3 checkpoint x mode pairs at batches 1,8; "
                      "here 6 pairs at batch 1 only; not yet run at 8 layers); LAYERS=32 MODES=compiled_int4k_stacked: 271 s "
-                     "(226593a)"), [
+                     "(226593a); LAYERS=32 MODES=compiled_int4k,compiled_int4k_stacked: 470 s (55d8bf8)"), [
         "timeout 580 " + B + ("benchmark_serve.py --timeout 420 --layers ${LAYERS:-8} --modes "
                               "${MODES:-compiled_lean,compiled_int4k,compiled_int4k_triton} --batches ${BATCHES:-1} "
                               "--profile --checkpoints qat_int4_tinygemm --json $OUT/serve_int4k_${TAG:-all}_h200.json "

@@ -1,7 +1,8 @@
 """Serving ``int4_tinygemm`` exports with hf_lowbit's int4 op (issue 26): tinygemm for decode, ours for prefill.
 
     model = AutoModelForCausalLM.from_pretrained(export_dir, device_map="cuda")
-    report = use_int4_kernels(model)          # every Int4TilePackedTo4dTensor linear -> Int4ServingLinear
+    report = use_int4_kernels(model)          # every Int4TilePackedTo4dTensor linear -> Int4ServingLinear,
+                                              # q/k/v and gate/up stacked (stack_siblings=False: not)
     compile_config = prepare_for_serving(model)
     model.generate(ids, cache_implementation="static", compile_config=compile_config, ...)
 
@@ -149,15 +150,16 @@ def stack_problem(modules: list[Int4ServingLinear]) -> str | None:
     return None
 
 
-def use_int4_kernels(model: nn.Module, decode: str = "tinygemm", stack_siblings: bool = False) -> SwapReport:
+def use_int4_kernels(model: nn.Module, decode: str = "tinygemm", stack_siblings: bool = True) -> SwapReport:
     """Replace every ``nn.Linear`` of ``model`` whose weight is an ``Int4TilePackedTo4dTensor`` (the LM head too) by
     an :class:`Int4ServingLinear`, in place; the report lists what was swapped and, for the other linears, why not
     (a parametrized one is a subclass: call this before :func:`hf_lowbit.qat.prepare_for_serving`, whose unwrap
     then finds no subclass weights left). The replacement holds the old weight's own ``qdata`` and
-    ``scale_and_zero`` (no copy). ``decode``: :class:`Int4ServingLinear`'s. ``stack_siblings``: q/k/v and gate/up
-    each served by one call over their stacked weights (:mod:`hf_lowbit.qat.siblings`; the stacked buffers replace
-    the siblings' own); not yet the default: on the H200 only the stacked model has
-    been served (32 layers: 1.69x bf16's GPU time a token), not the unstacked one beside it."""
+    ``scale_and_zero`` (no copy). ``decode``: :class:`Int4ServingLinear`'s. ``stack_siblings`` (default): q/k/v and
+    gate/up each served by one call over their stacked weights (:mod:`hf_lowbit.qat.siblings`; the stacked buffers
+    replace the siblings' own); ``False``: one linear per module. Stacked is the default because it measured faster
+    in the same run on the H200 (32 Llama-8B layers, batch 1, 55d8bf8: 3.06 against 3.34 ms of GPU time a token,
+    bf16 5.16; docs/results/serve_int4k_l32_h200.md)."""
     report = swap_linears(model, lambda name, linear: Int4ServingLinear.from_linear(linear, decode),
                           recipe="int4_kernels",
                           target="Int4ServingLinear", filter=SERVING_FILTER, check=int4_serving_problem)
