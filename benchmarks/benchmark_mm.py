@@ -280,14 +280,16 @@ def _error_lines(rows: list[dict], what: str, describe) -> list[str]:
 def quant_candidates(kind: str, grid: dict = QUANT_SWEEP) -> list[tuple[str, str, dict]]:
     """``(variant, config name, quantize_t_triton keywords)`` of every candidate for an activation operand
     (``kind="act"``: the two-kernel cross, the fused variant and the atomic ones; ``"act_fp8"``, fp8 codes: the
-    default and the atomic ones) or a weight refresh (``"weight"``: the default and the rows kernel). The first is
+    default and the atomic ones, each with the hardware cast and, ``*_soft``, the float32 rounding) or a weight refresh (``"weight"``: the default and the rows kernel). The first is
     today's default."""
     from hf_lowbit.kernels.triton_quant import _AMAX_TILES, _QUANT_TILES
 
     atomic = [(v, f"amax {_cfg(a)} / quant {_cfg(q)}", {"variant": v, "amax_tiles": a, "quant_tiles": q})
               for v in ("atomic", "atomic_rcp") for a, q in grid.get(v, [])]
-    if kind == "act_fp8":
-        return [("two_kernel", f"default (amax {_cfg(_AMAX_TILES)} / quant {_cfg(_QUANT_TILES)})", {})] + atomic
+    if kind == "act_fp8":  # the atomic variants' codes by the hardware cast (their default on CUDA) and by float32
+        # rounding first ("_soft", fp8_cast="soft": what they ran before 2026-12-03; the CPU's only choice)
+        soft = [(v + "_soft", c, {**kw, "fp8_cast": "soft"}) for v, c, kw in atomic]
+        return [("two_kernel", f"default (amax {_cfg(_AMAX_TILES)} / quant {_cfg(_QUANT_TILES)})", {})] + atomic + soft
     if kind == "act":
         cands = [("two_kernel", f"amax {_cfg(a)} / quant {_cfg(q)}", {"amax_tiles": a, "quant_tiles": q})
                  for a in grid["amax"] for q in grid["quant"] if (a, q) != (_AMAX_TILES, _QUANT_TILES)]
@@ -311,7 +313,7 @@ def quant_sweep_rows(tokens: int, device: str = "cuda", acts=QUANT_ACTS, weights
     torch.manual_seed(0)
     rows = []
     jobs = [("act", (tokens, n), what, count) for n, (what, count) in acts.items()]
-    # fp8 codes (their rounding costs the quantize kernel ~14 more instructions an element): default and atomic ones
+    # fp8 codes (float32 rounding cost the quantize kernel ~7-14 more instructions an element): default and atomic ones
     jobs += [("act_fp8", (tokens, n), what + " (fp8)", count) for n, (what, count) in acts.items()]
     jobs += [("weight", shape, what, count) for shape, (what, count) in weights.items()]
     for kind, shape, what, count in jobs:

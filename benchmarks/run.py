@@ -78,7 +78,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         B + "benchmark_mm.py --backends --sweep --quant --json $OUT/mm_backends_h200.json "
         "--markdown $OUT/mm_backends_h200.md"]),
     "quant_sweep": ("issue 25: the quantization kernels' tiles, one-kernel variants and the atomic / atomic_rcp "
-                    "two-pass variants (activation operands, int8 and fp8; the weight refresh) on a Llama-8B layer's "
+                    "two-pass variants (activation operands, int8 and fp8, fp8 with the hardware cast and *_soft with the "
+                    "float32 rounding; the weight refresh) on a Llama-8B layer's "
                     "shapes at 2048 and 16384 tokens, each checked equal to the default's output", "~3 min", [
         B + "benchmark_mm.py --quant_sweep --tokens 2048 --json $OUT/quant_sweep_h200_t2048.json "
         "--markdown $OUT/quant_sweep_h200_t2048.md",

@@ -480,6 +480,55 @@ def check_rcp_binades(device: str) -> int:
     return n
 
 
+def check_fp8_ties(device: str) -> int:
+    """FP8 codes where rounding decides: every finite e4m3 value, every midpoint between neighbours (a tie: the even
+    code wins), the quarter points between them (no tie), subnormal ones and those that round to ±0, both signs, in
+    columns scaled by powers of two so that each column's absmax is 448 x 2**k and its quotients are exact. The
+    atomic variants (one layout and both) with each ``fp8_cast`` the device runs (CPU: the float32 rounding;
+    CUDA: that and the hardware cast, the default there) against torch's cast, bit for bit; and the choices the
+    launcher refuses. Returns the number of quantizations compared."""
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX
+    from hf_lowbit.kernels.quantize_t import quantize_t
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
+
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(FP8_DTYPE).float()  # +0 ... 448, increasing
+    lo, hi = grid[:-1], grid[1:]
+    half = torch.cat([grid, (lo + hi) / 2, lo + (hi - lo) / 4, lo + 3 * (hi - lo) / 4])  # exact in bf16 too
+    vals = torch.cat([half, -half])
+    g = torch.Generator().manual_seed(5)
+    cols = [vals[torch.randperm(len(vals), generator=g)] * 2.0 ** k for k in (0, -20, 10, 60)]
+    x = torch.stack(cols, dim=1)  # [M, 4]; each column holds +-448 x 2**k: its scale is 2**k exactly
+    casts = ("soft", None) if device == "cpu" else ("soft", "native", None)
+    n = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype).to(device)
+        rq, rs = quantize_t(xd.cpu(), "fp8")
+        assert torch.equal(rs, torch.exp2(torch.tensor([0.0, -20, 10, 60]))), rs
+        for variant in ("atomic", "atomic_rcp"):
+            for cast in casts:
+                for both in (False, True):
+                    out = quantize_t_triton(xd, FP8_DTYPE, FP8_MAX, variant=variant, fp8_cast=cast, both_layouts=both)
+                    q, s = out[0], out[1]
+                    assert torch.equal(s.cpu(), rs), (variant, cast)
+                    bad = (q.view(torch.uint8).cpu() != rq.view(torch.uint8)).nonzero()
+                    assert len(bad) == 0, (f"{dtype} {variant} fp8_cast={cast} both_layouts={both}: {len(bad)} codes "
+                                           f"differ, first at {bad[0].tolist()}: x {xd.T[tuple(bad[0])].item()}")
+                    if both:
+                        assert torch.equal(out[2].view(torch.uint8), q.T.view(torch.uint8)), (variant, cast)
+                    n += 1
+    x1 = torch.randn(8, 6, device=device)
+    refused = [dict(variant="atomic", fp8_cast="fast"), dict(variant="two_kernel", fp8_cast="soft"),
+               dict(variant="fused", fp8_cast="native")] + [dict(variant="atomic", fp8_cast="native")] * (device == "cpu")
+    for opts in refused:
+        try:
+            quantize_t_triton(x1, FP8_DTYPE, FP8_MAX, **opts)
+        except ValueError as e:
+            assert "fp8_cast" in str(e), e
+        else:
+            raise AssertionError(f"{opts} was accepted on {device}")
+    return n
+
+
 def check_quant_sweep(device: str) -> int:
     """``benchmark_mm.py --quant_sweep``'s code path on tiny shapes with its real grid (every config it will time on
     the GPU), so a device run does not die on a typo: every candidate runs and equals the default path's output,
@@ -490,14 +539,16 @@ def check_quant_sweep(device: str) -> int:
     bad = [(r["shape"], r["config"], r.get("error")) for r in rows if not r["equal"]]
     assert not bad, bad
     assert sum(r["default"] for r in rows) == 3  # int8 and fp8 activations, weights
-    assert {r["variant"] for r in rows} == {"two_kernel", "fused", "rows", "atomic", "atomic_rcp"}
+    assert {r["variant"] for r in rows} == {"two_kernel", "fused", "rows", "atomic", "atomic_rcp", "atomic_soft",
+                                            "atomic_rcp_soft"}
     for i, r in enumerate(rows):  # made-up times: the summary's arithmetic and formatting
         r["ms"] = 1.0 / (1 + i % 7)
         r["gb_s"] = 1.0
     table, best = quant_sweep_summary(rows)
     assert set(best) == {"two_kernel (activations)", "fused (activations)", "atomic (activations)",
                          "atomic_rcp (activations)", "two_kernel (activations, fp8)", "atomic (activations, fp8)",
-                         "atomic_rcp (activations, fp8)", "two_kernel (weights)", "rows (weights)"}
+                         "atomic_rcp (activations, fp8)", "atomic_soft (activations, fp8)",
+                         "atomic_rcp_soft (activations, fp8)", "two_kernel (weights)", "rows (weights)"}
     assert any(line.startswith("Best overall config per kernel kind") for line in table)
     return len(rows)
 
@@ -898,6 +949,7 @@ MODES = {
     "tensorwise": lambda: ("checked", check_quantize_tensorwise("cpu"), "tensorwise weight quantizations"),
     "rcp_binades": lambda: ("checked", _with(exact_fma_interpreter(), check_rcp_binades, "cpu"),
                             "columns of every binade"),
+    "fp8_ties": lambda: ("checked", _with(exact_fma_interpreter(), check_fp8_ties, "cpu"), "FP8 quantizations of ties"),
     "quant_sweep": lambda: ("checked", _with(exact_fma_interpreter(), check_quant_sweep, "cpu"),
                             "quant_sweep candidates"),
     "dual": lambda: ("checked", check_quantize_dual("cpu"), "dual quantizations and", check_quant_dual_bench("cpu"),

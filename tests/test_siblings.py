@@ -342,7 +342,9 @@ def test_fp8_stacked_model_generates_through_transformers_compiled_path(monkeypa
 @pytest.mark.parametrize("scheme", ["fp8", "int4"])
 def test_stacked_serving_on_a_llama_8b_layer_cuda(scheme):
     """One Llama-8B-shaped layer quantized by torchao on the GPU, served by our kernels unstacked and stacked: the
-    same logits within the float32 reordering of each row's sums, at decode (GEMV: 1 and 8 rows) and prefill."""
+    same logits within the float32 reordering of each row's sums, at decode (GEMV: 1 and 8 rows) and prefill; then
+    with every group switched to each sibling's own rows (``forward_rows``: FP8 views of the stacked weight, int4 a
+    view of the codes and a copy of the scales), as a parent that calls ``q_proj`` alone makes it."""
     import copy
 
     pytest.importorskip("torchao")
@@ -371,3 +373,18 @@ def test_stacked_serving_on_a_llama_8b_layer_cuda(scheme):
             ref, out = model(ids).logits.float(), stacked(ids).logits.float()
         assert ((out - ref).norm() / ref.norm()).item() < 1e-2, shape
         assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9, shape
+    layer = stacked.model.layers[0]
+    hidden = torch.randn(2, 1, 4096, device="cuda", dtype=BF16)
+    with torch.no_grad():
+        layer.self_attn.q_proj(hidden[0])
+        layer.self_attn.q_proj(hidden[1])  # a new input while k and v have not taken theirs: the attention group
+        layer.mlp.gate_proj(hidden[0])  # stops stacking; the MLP's likewise
+        layer.mlp.gate_proj(hidden[1])
+    groups = [m for m in stacked.modules() if isinstance(m, SiblingGroup)]
+    assert len(groups) == 2 and not any(g.shared for g in groups) and all(g._stash is None for g in groups)
+    for shape in ((1, 1), (8, 1), (1, 64)):
+        ids = torch.randint(0, 32000, shape, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+        with torch.no_grad():
+            ref, out = model(ids).logits.float(), stacked(ids).logits.float()
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-2, ("own rows", shape)
+        assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9, ("own rows", shape)

@@ -302,9 +302,24 @@ def test_quantize_t_atomic_rcp_binades_cuda():
     assert check_rcp_binades("cuda") == 128
 
 
+def test_quantize_t_fp8_ties_interpreted():
+    """FP8 codes at the e4m3 grid's ties and quarter points, subnormals and ±0, through the atomic variants: torch's
+    cast bit for bit (the float32 rounding the CPU runs); fp8_cast's refusals."""
+    assert "checked 16 FP8 quantizations of ties" in run_interpreted("fp8_ties")
+
+
+@pytest.mark.cuda
+def test_quantize_t_fp8_ties_cuda():
+    """The same on the GPU with the hardware cast (fp8_cast="native", the default there) beside the float32 rounding:
+    both torch's bits."""
+    from _triton_checks import check_fp8_ties
+
+    assert check_fp8_ties("cuda") == 24
+
+
 def test_quant_sweep_candidates_interpreted():
     """benchmark_mm.py --quant_sweep's candidates (its real grid) and equality checks on tiny shapes."""
-    assert "checked 47 quant_sweep candidates" in run_interpreted("quant_sweep")
+    assert "checked 51 quant_sweep candidates" in run_interpreted("quant_sweep")
 
 
 @pytest.mark.cuda

@@ -60,8 +60,10 @@ def _configs():
             out.append((f"two_kernel quant {bm}x{bn}w{w} {qt[1:]}", Q._quantize_t_kernel,
                         {**q, "part_ptr": "*fp32", "n_chunks": "i32"}, c, w, 3, bm * bn))
             for rcp in (False, True):
-                out.append((f"{'atomic_rcp' if rcp else 'atomic'} quant {bm}x{bn}w{w} {qt[1:]}",
-                            Q._quantize_t_amax_kernel, {**q, "amax_ptr": "*i32"}, {**c, "RCP": rcp}, w, 3, bm * bn))
+                for native in (False, True) if qt == "*fp8e4nv" else (False,):  # fp8_cast "soft" / "native"
+                    out.append((f"{'atomic_rcp' if rcp else 'atomic'} quant {bm}x{bn}w{w} {qt[1:]}"
+                                + " native cast" * native, Q._quantize_t_amax_kernel, {**q, "amax_ptr": "*i32"},
+                                {**c, "RCP": rcp, "NATIVE_FP8": native}, w, 3, bm * bn))
     return out
 
 

@@ -76,7 +76,9 @@ gated again in the sweep), same tools, same figures:
 Measured on the H200 (5600f0c, docs/results/quant_sweep_h200_t2048.md): over a Llama-8B layer's activation
 quantizations at 2048 tokens ``atomic_rcp`` is 1.21x the two kernels for int8, 1.28x for fp8 (``atomic`` 1.16x /
 1.18x). Which variant ``hf_lowbit::quantize_t`` launches is ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT``
-(int8: ``atomic_rcp``; fp8: still ``two_kernel``, that module says why).
+(``atomic_rcp`` for both formats since 222d22a; FP8's codes there by the hardware cast on CUDA, ``fp8_cast``: with it
+the kernel's body is 19.4 SASS instructions an element at 128x64, 18.3 at 64x64, against 28.4 / 27.4 for the float32
+rounding, registers unchanged, ``tools/quant_t_sass.py``; not yet timed on the GPU).
 
 :func:`quantize_dual_triton` (the op ``hf_lowbit::quantize_dual``) quantizes an output gradient both ways at once, per
 row times the weight's scales (dX) and per column transposed (dW), from two reads instead of three (issue 25).
@@ -133,15 +135,18 @@ def _encode(x, scale, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr
     """Codes of ``x / scale`` (``scale`` broadcast to ``x``'s shape by the caller). ``rand_offs`` (int64): each
     element's index in ``x`` [M, N], ``m * N + n``, the Philox counter of stochastic rounding, so an element's
     draw depends on the seed and its place only, not on the kernel or its tiles."""
-    return _encode_q(tl.math.div_rn(x, scale), seed, rand_offs, QMAX, IS_INT8, STOCHASTIC, False)
+    return _encode_q(tl.math.div_rn(x, scale), seed, rand_offs, QMAX, IS_INT8, STOCHASTIC, False, False)
 
 
 @triton.jit
 def _encode_q(y, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr,
-              POW2: tl.constexpr):
+              POW2: tl.constexpr, NATIVE: tl.constexpr):
     """Codes of the quotient ``y = x / scale`` (IEEE-rounded), as :func:`_encode`. ``POW2`` (fp8): ``y / step``
     as ``y * (1 / step)``, the reciprocal of the power of two built from its exponent bits: the same value (both
-    exact), one multiply instead of an approximate division (MUFU.RCP and its fixups) an element."""
+    exact), one multiply instead of an approximate division (MUFU.RCP and its fixups) an element. ``NATIVE``
+    (fp8, compiled only): the clamped quotient cast by the hardware (``cvt.rn.satfinite``: nearest, ties to even,
+    torch's cast on ``[-448, 448]``) instead of rounded first in float32 arithmetic (:func:`_round_e4m3`, ~7
+    instructions an element more); the interpreter's cast rounds ties up, so the CPU keeps the arithmetic."""
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if STOCHASTIC:  # int8 only: floor(y + u), u ~ U[0, 1), so E[q] = y
         # counter-based, so the random numbers live in registers (no random tensor). The clamp is needed although
@@ -151,6 +156,8 @@ def _encode_q(y, seed, rand_offs, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STO
         q = tl.minimum(tl.floor(y + u), QMAX).to(tl.int8)
     elif IS_INT8:
         q = _rne(y).to(tl.int8)
+    elif NATIVE:
+        q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     else:
         q = _round_e4m3(y, POW2).to(tl.float32, bitcast=True).to(tl.float8e4nv)
     return q
@@ -313,12 +320,13 @@ def _rcp_of(scale):
 def _quantize_t_amax_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qx_ptr, M, N, stride_xm,
                             stride_xn, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr,
                             HAS_MUL: tl.constexpr, BOTH_LAYOUTS: tl.constexpr, RCP: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                            NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``variant="atomic"`` / ``"atomic_rcp"``, pass 2: as ``_quantize_t_kernel`` but the tile of ``x`` is loaded
     first (its latency overlaps the scale's, which ``_quantize_t_kernel`` computes before its load from a loop over
     the partials) and the scales come from one load of ``amax_bits``. ``RCP``: the quotients by
     :func:`_div_rcp` (one IEEE division per column, not per element) and fp8's rounding step by a multiply
-    (``_encode_q``'s ``POW2``); the same bits."""
+    (``_encode_q``'s ``POW2``); the same bits. ``NATIVE_FP8``: fp8 codes by the hardware cast (``_encode_q``'s
+    ``NATIVE``); the same bits."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -334,7 +342,8 @@ def _quantize_t_amax_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr
         y = _div_rcp(x, s[None, :], r[None, :], pre[None, :])
     else:
         y = tl.math.div_rn(x, scale[None, :])
-    q = _encode_q(y, seed, offs_m[:, None].to(tl.int64) * N + offs_n[None, :], QMAX, IS_INT8, STOCHASTIC, RCP)
+    q = _encode_q(y, seed, offs_m[:, None].to(tl.int64) * N + offs_n[None, :], QMAX, IS_INT8, STOCHASTIC, RCP,
+                  NATIVE_FP8)
     _store_col_tile(q, q_ptr, qx_ptr, offs_m, offs_n, M, N, BOTH_LAYOUTS)
 
 
@@ -459,7 +468,8 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
                       out: tuple[torch.Tensor, ...] | None = None, stochastic: bool = False,
                       row_mul: torch.Tensor | None = None, both_layouts: bool = False, *, variant: str = "two_kernel",
                       amax_tiles: tuple[int, int, int] | None = None, quant_tiles: tuple[int, int, int] | None = None,
-                      tiles: tuple[int, int, int] | None = None, tensorwise: bool = False) -> tuple[torch.Tensor, ...]:
+                      tiles: tuple[int, int, int] | None = None, tensorwise: bool = False,
+                      fp8_cast: str | None = None) -> tuple[torch.Tensor, ...]:
     """``x`` [M, N] (any strides) -> ``q`` [N, M] contiguous in ``qdtype``, ``scale`` [N] float32.
 
     ``chunk_m``: rows per partial absmax (a multiple of the row tile; default: sized to the shape). ``out``:
@@ -489,7 +499,13 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     ``quantize_fp8_tensorwise`` on the CPU; eager CUDA torch multiplies by ``1 / qmax`` instead, up to 1 ulp off).
     It refreshes the weight cache of an ``fp8_tensorwise`` layer, which was ~6 unfused eager torch kernels a
     weight, ~30 ms a step for 8 Llama-8B layers on the H200. Two launches: an absmax pass merged by an atomic max,
-    then the rows kernel reading the scale instead of computing one a row."""
+    then the rows kernel reading the scale instead of computing one a row.
+
+    ``fp8_cast`` (``"atomic"`` / ``"atomic_rcp"``, fp8): how the quotients become e4m3 codes, the same bits either
+    way: ``"native"`` (the default on CUDA) the hardware's round-to-nearest-even cast, ``"soft"`` (the default and
+    the only choice in the interpreter, whose cast rounds ties up) rounding in float32 arithmetic first. On the
+    H200 (55d8bf8, 8x2048) FP8's quantize pass took 14.2 ms a step against INT8's 10.0 for the same calls, the
+    arithmetic rounding's instructions and registers being the difference; the other variants round softly."""
     if stochastic and qdtype != torch.int8:  # checked before anything is launched
         raise ValueError(f"quantize_t_triton: stochastic rounding is implemented for int8, not {qdtype}")
     if variant not in VARIANTS:
@@ -505,6 +521,14 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         raise ValueError("quantize_t_triton: tensorwise=True is implemented for variant 'rows' with nearest rounding "
                          f"and no row_mul, got variant={variant!r}, stochastic={stochastic}, "
                          f"row_mul={'given' if row_mul is not None else None}")
+    if fp8_cast not in (None, "native", "soft"):
+        raise ValueError(f"quantize_t_triton: fp8_cast must be 'native', 'soft' or None, got {fp8_cast!r}")
+    if fp8_cast is not None and variant not in ("atomic", "atomic_rcp"):
+        raise ValueError(f"quantize_t_triton: fp8_cast is the 'atomic' and 'atomic_rcp' variants' choice, not "
+                         f"{variant!r}'s (they round in float32 arithmetic)")
+    if fp8_cast == "native" and x.device.type == "cpu":
+        raise ValueError("quantize_t_triton: fp8_cast='native' needs a GPU: Triton's interpreter casts float32 to "
+                         "e4m3 with ties rounded up (not torch's cast); use 'soft' or None on the CPU")
     if variant not in _TWO_PASS and (amax_tiles, quant_tiles, chunk_m) != (None, None, None):
         raise ValueError(f"quantize_t_triton: amax_tiles, quant_tiles and chunk_m are the two-kernel path's, not "
                          f"{variant!r}'s (it takes tiles)")
@@ -525,6 +549,7 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         raise ValueError(f"quantize_t_triton: row_mul must be {M} float32 values, got {tuple(row_mul.shape)} {row_mul.dtype}")
     consts = dict(QMAX=qmax, IS_INT8=qdtype == torch.int8, STOCHASTIC=stochastic, HAS_MUL=row_mul is not None,
                   BOTH_LAYOUTS=both_layouts)
+    native_fp8 = qdtype != torch.int8 and (fp8_cast or ("soft" if small else "native")) == "native"
     # the nearest path never reads seed_ptr (STOCHASTIC is a constexpr): any tensor will do there; nor mul_ptr
     # without HAS_MUL, nor qx_ptr without BOTH_LAYOUTS
     seed = torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device) if stochastic else scale
@@ -566,7 +591,7 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
                 BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=1 if small else _AMAX_STAGES, num_warps=warps)
             wrap_triton(_quantize_t_amax_kernel)[(triton.cdiv(M, qbm), triton.cdiv(N, qbn))](
                 x, amax_bits, q, scale, seed, mul, qx_arg, M, N, x.stride(0), x.stride(1), **consts,
-                RCP=variant == "atomic_rcp", BLOCK_M=qbm, BLOCK_N=qbn, num_warps=qwarps)
+                RCP=variant == "atomic_rcp", NATIVE_FP8=native_fp8, BLOCK_M=qbm, BLOCK_N=qbn, num_warps=qwarps)
     return (q, scale, qx) if both_layouts else (q, scale)
 
 
