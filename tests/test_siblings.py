@@ -270,7 +270,7 @@ def test_fp8_stack_problems():
     b = Fp8ServingLinear(codes(8, 32), torch.rand(8), torch.randn(8, dtype=BF16))
     c = Fp8ServingLinear(codes(8, 16), torch.rand(8))
     assert stack_problem([a, b]) == "some have a bias, some not"
-    assert stack_problem([a, c]) == "in_features differ (32, 16)"
+    assert stack_problem([a, c]) == "in_features differs (32, 16)"
     with pytest.raises(ValueError, match="Fp8ServingLinear.concat: in_features differ"):
         Fp8ServingLinear.concat([a, c])
     e = Fp8ServingLinear(codes(8, 32), torch.rand(8))

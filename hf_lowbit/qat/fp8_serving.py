@@ -24,7 +24,7 @@ from torch import nn
 
 from ..kernels.fp8_gemv import fp8_rowwise_linear
 from ..swap import SERVING_FILTER, SwapReport, swap_linears
-from .siblings import fuse_siblings
+from .siblings import fuse_siblings, shared_problem
 
 __all__ = ["Fp8ServingLinear", "fp8_serving_problem", "stack_problem", "use_fp8_kernels"]
 
@@ -110,18 +110,9 @@ def fp8_serving_problem(module: nn.Module) -> str | None:
 
 
 def stack_problem(modules: list[Fp8ServingLinear]) -> str | None:
-    """Why ``modules`` cannot be stacked into one :class:`Fp8ServingLinear` (one line), or None."""
-    first = modules[0]
-    for m in modules[1:]:
-        if m.in_features != first.in_features:
-            return f"in_features differ ({first.in_features}, {m.in_features})"
-        if (m.bias is None) != (first.bias is None):
-            return "some have a bias, some not"
-        if m.weight_codes.device != first.weight_codes.device:
-            return f"on different devices ({first.weight_codes.device}, {m.weight_codes.device})"
-        if m.bias is not None and m.bias.dtype != first.bias.dtype:
-            return f"bias dtypes differ ({first.bias.dtype}, {m.bias.dtype})"
-    return None
+    """Why ``modules`` cannot be stacked into one :class:`Fp8ServingLinear` (one line), or None: the checks every
+    kind shares (:func:`hf_lowbit.qat.siblings.shared_problem`); row-wise codes and scales stack as they are."""
+    return shared_problem(modules)
 
 
 def use_fp8_kernels(model: nn.Module, stack_siblings: bool = True) -> SwapReport:

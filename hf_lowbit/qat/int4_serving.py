@@ -32,7 +32,7 @@ from ..kernels.int4 import (
     int4_tile_linear,
 )
 from ..swap import SERVING_FILTER, SwapReport, swap_linears
-from .siblings import fuse_siblings
+from .siblings import fuse_siblings, shared_problem
 
 __all__ = ["Int4ServingLinear", "int4_serving_problem", "stack_problem", "use_int4_kernels"]
 
@@ -131,23 +131,17 @@ def int4_serving_problem(module: nn.Module) -> str | None:
 
 
 def stack_problem(modules: list[Int4ServingLinear]) -> str | None:
-    """Why ``modules`` cannot be stacked into one :class:`Int4ServingLinear` (one line), or None: the same input
-    features, group size, decode kernel and bias presence, and no padded rows (``out_features`` a multiple of 8,
-    the tile layout's row block: padding inside the stack would shift the next module's rows)."""
-    first = modules[0]
+    """Why ``modules`` cannot be stacked into one :class:`Int4ServingLinear` (one line), or None: no padded rows
+    (``out_features`` a multiple of 8, the tile layout's row block: padding inside the stack would shift the next
+    module's rows), then the checks every kind shares (:func:`hf_lowbit.qat.siblings.shared_problem`) with the same
+    group size and decode kernel, and tile layouts of one K."""
     for m in modules:
         if m.out_features % 8 or m.qdata.shape[0] * 8 != m.out_features:
             return f"out_features {m.out_features} padded in the tile layout (not a multiple of 8)"
-        for attr in ("in_features", "group_size", "decode"):
-            if getattr(m, attr) != getattr(first, attr):
-                return f"{attr} differs ({getattr(first, attr)}, {getattr(m, attr)})"
-        if m.qdata.shape[1:] != first.qdata.shape[1:] or m.qdata.device != first.qdata.device:
-            return "tile layouts differ in K or device"
-        if (m.bias is None) != (first.bias is None):
-            return "some have a bias, some not"
-        if m.bias is not None and m.bias.dtype != first.bias.dtype:
-            return f"bias dtypes differ ({first.bias.dtype}, {m.bias.dtype})"
-    return None
+    problem = shared_problem(modules, ("in_features", "group_size", "decode"))
+    if problem is None and any(m.qdata.shape[1:] != modules[0].qdata.shape[1:] for m in modules):
+        return "tile layouts differ in K"
+    return problem
 
 
 def use_int4_kernels(model: nn.Module, decode: str = "tinygemm", stack_siblings: bool = True) -> SwapReport:

@@ -103,6 +103,24 @@ class SiblingLinear(nn.Module):
                 f"{'+'.join(g.names)}")
 
 
+def shared_problem(modules: Sequence[nn.Module], attrs: Sequence[str] = ("in_features",)) -> str | None:
+    """What every serving linear's ``stack_problem`` checks (one line, or None): the same values of ``attrs``, one
+    device (their buffers'), a bias in all of them or none, one bias dtype. Each kind adds its own checks."""
+    first = modules[0]
+    device = next(first.buffers()).device
+    for m in modules[1:]:
+        for attr in attrs:
+            if getattr(m, attr) != getattr(first, attr):
+                return f"{attr} differs ({getattr(first, attr)}, {getattr(m, attr)})"
+        if next(m.buffers()).device != device:
+            return f"on different devices ({device}, {next(m.buffers()).device})"
+        if (m.bias is None) != (first.bias is None):
+            return "some have a bias, some not"
+        if m.bias is not None and m.bias.dtype != first.bias.dtype:
+            return f"bias dtypes differ ({first.bias.dtype}, {m.bias.dtype})"
+    return None
+
+
 def fuse_siblings(model: nn.Module, kind: type, concat: Callable[[list[nn.Module]], nn.Module],
                   problem: Callable[[list[nn.Module]], str | None], report: SwapReport | None = None,
                   groups: Sequence[Sequence[str]] = SIBLING_GROUPS) -> list[str]:
