@@ -83,7 +83,8 @@ def test_serve_smoke_on_cpu(tmp_path):
         # (compiled_int4k_triton: the same swap with decode="triton", our tile GEMV for decode too)
         for mode, decode in (("compiled_int4k", "tinygemm"), ("compiled_int4k_triton", "triton")):
             int4k = row[mode]
-            assert int4k["reloaded"] and int4k["imports_hf_lowbit"] and int4k["kernel_kwargs"] == {"decode": decode}
+            assert int4k["reloaded"] and int4k["imports_hf_lowbit"]
+            assert int4k["kernel_kwargs"] == {"decode": decode, "stack_siblings": False}  # stacking is the default
             assert int4k["int4_kernels"] == {
                 "swapped": 0, "stacked": 0, "not_stacked": [], "skipped": {f"weight is {wtype}, not Int4TilePackedTo4dTensor": 8,
                                           "a lookup, not a matmul": 1}}, int4k["int4_kernels"]
