@@ -39,6 +39,9 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   over whole steps and, through the Trainer, the losses. Recorded at 5600f0c the layers blocks had ``int8``,
   ``int8_atomic_rcp``, ``fp8``, ``fp8_atomic_rcp`` (both defaults then ``two_kernel``); at 47a45b8 the Trainer block
   had ``fp8`` on ``two_kernel`` beside ``fp8_atomic_rcp``.
+* ``layers_b8_cast``, ``layers_b1_cast`` (profiled), ``trainer_b1_ga8_cast`` (issue 25): bf16, int8, fp8 (its
+  activation codes by the hardware cast, the default on CUDA since 2026-12-03) and ``fp8_softcast`` (rounded in
+  float32 first, as before; the same bits): what the cast saves in whole steps.
 * ``layers_b8_tensorwise``, ``layers_b1_tensorwise``, ``trainer_b1_ga8_tensorwise``, ``trainer_b8_tensorwise``
   (issue 25's directions; the last with int8 too, the Trainer's 8x2048 row): fp8
   (row-wise scales) beside ``fp8_tensorwise`` (one scale per tensor, ``fp8_tensorwise_mixed_precision``: no per-column
@@ -97,6 +100,8 @@ SHARED = "bf16,int8,int8_unshared,fp8,fp8_unshared"  # X's column codes shared b
 SHARED_B1 = "bf16,int8,int8_shared,fp8,fp8_shared"  # at 1x2048 the default does not share: forced on beside it
 # each format's default quantize_t variant for activations (atomic_rcp for both since session 17) beside the two kernels
 ATOMIC = "bf16,int8,int8_two_kernel,fp8,fp8_two_kernel"
+# FP8's activation codes by the hardware cast (the default on CUDA) and rounded in float32 first (fp8_softcast)
+CAST = "bf16,int8,fp8,fp8_softcast"
 # FP8 with row-wise scales and with one scale per tensor, ours and torchao's
 TENSORWISE = "bf16,fp8,fp8_tensorwise,torchao_float8,torchao_float8_tensorwise"
 # each format with the LM head in bf16 (the default) and in the format (lowbit_include_lm_head): the Trainer path only
@@ -141,6 +146,10 @@ BLOCKS = {
     "layers_b8_atomic": ("layers", 8, 1, "default", ATOMIC, []),
     "layers_b1_atomic": ("layers", 1, 1, "default", ATOMIC, []),
     "trainer_b1_ga8_atomic": ("trainer", 1, 8, "default", ATOMIC, []),  # FP8's loss beside its default's
+    # issue 25: FP8's activation codes by the hardware cast against the float32 rounding (the same bits), whole steps
+    "layers_b8_cast": ("layers", 8, 1, "default", CAST, ["--profile"]),
+    "layers_b1_cast": ("layers", 1, 1, "default", CAST, ["--profile"]),
+    "trainer_b1_ga8_cast": ("trainer", 1, 8, "default", CAST, []),
     # issue 25's directions: FP8 with one scale per tensor against row-wise, ours and torchao's; the Trainer block
     # for its loss beside fp8's (LowBitTrainer's recipes only)
     "layers_b8_tensorwise": ("layers", 8, 1, "default", TENSORWISE, []),

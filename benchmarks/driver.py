@@ -126,19 +126,23 @@ SHARED_VARIANTS = {f"{fmt}_shared": fmt for fmt in ("int8", "fp8")}
 # two-kernel pair, the atomic column absmax, and that with one correctly rounded reciprocal a column instead of a
 # division an element; whichever is the format's default is also its plain recipe
 QUANT_VARIANTS = {f"{fmt}_{variant}": fmt for fmt in ("int8", "fp8") for variant in ("two_kernel", "atomic", "atomic_rcp")}
+# FP8 with its activation codes rounded in float32 before the cast (hf_lowbit.kernels.quantize_t.FP8_CAST = "soft",
+# the only way before 2026-12-03) against the hardware cast, the default on CUDA: the same bits
+CAST_VARIANTS = {"fp8_softcast": "fp8"}
 PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS, **SHARED_VARIANTS,
-                    **QUANT_VARIANTS}  # a base recipe + a process setting
+                    **QUANT_VARIANTS, **CAST_VARIANTS}  # a base recipe + a process setting
 # the trainer path only: LowBitTrainer with lowbit_skip_causal_mask=False, i.e. with the causal mask that transformers
 # materializes under torch.compile (SDPA then computes every block; the default lets SDPA skip them as it does
 # eagerly: hf_lowbit.integrations.causal_mask), to tell that gain from the low-bit compute's in the same run
 MASK_VARIANTS = {"bf16_lbt_mask": "bf16_lbt", "int8_mask": "int8", "fp8_mask": "fp8",
                  "fp8_tensorwise_mask": "fp8_tensorwise"}
 OURS = ("int8", "fp8", "fp8_tensorwise", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt", "int8_recompute",
-        "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *QUANT_VARIANTS,
+        "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *QUANT_VARIANTS, *CAST_VARIANTS,
         *MASK_VARIANTS)  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS)
                 + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS)
-                + tuple(SHARED_VARIANTS) + tuple(QUANT_VARIANTS) + tuple(MASK_VARIANTS))  # compared with bf16
+                + tuple(SHARED_VARIANTS) + tuple(QUANT_VARIANTS) + tuple(CAST_VARIANTS)
+                + tuple(MASK_VARIANTS))  # compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
 # INT8 compute (per step dequantize+quantize, or an INT8 copy cached once); our INT8 base with INT8 compute;
@@ -302,6 +306,19 @@ def _quant_variant(recipe: str):
     return apply, is_set
 
 
+def _fp8_soft_cast():
+    """(set it, whether it is set) for ``fp8_softcast``: ``quantize_t.FP8_CAST = "soft"``."""
+    module = "hf_lowbit.kernels.quantize_t"
+
+    def apply() -> None:
+        importlib.import_module(module).FP8_CAST = "soft"
+
+    def is_set() -> bool:
+        return importlib.import_module(module).FP8_CAST == "soft"
+
+    return apply, is_set
+
+
 # PROCESS_VARIANTS' settings, by family: (set it, whether it is set, what "not active" means)
 _PROCESS_SETTINGS = (
     (RECOMPUTE_VARIANTS, _lift_recompute_ban, _recompute_ban_lifted,
@@ -310,6 +327,7 @@ _PROCESS_SETTINGS = (
     (SHARED_VARIANTS, *_sharing_rule(_always_share), "X's column codes are shared only from SHARE_MIN_ROWS rows"),
     *(({recipe: base}, *_quant_variant(recipe), "activations are quantized by another quantize_t variant")
       for recipe, base in QUANT_VARIANTS.items()),
+    (CAST_VARIANTS, *_fp8_soft_cast(), "FP8's activation codes still come from the hardware cast"),
 )
 
 
@@ -320,7 +338,8 @@ def apply_process_setting(recipe: str) -> bool:
     False``); UNSHARED_VARIANTS: every linear quantizes its X per column itself (``hf_lowbit.kernels.shares_codes``
     always False: no ``hf_lowbit::quantize_t_shared``); SHARED_VARIANTS: siblings share X's column codes on CUDA at
     any number of rows (``shares_codes`` true on CUDA, not only from ``SHARE_MIN_ROWS`` rows); QUANT_VARIANTS
-    (``{fmt}_{variant}``): ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT[fmt] = variant``."""
+    (``{fmt}_{variant}``): ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT[fmt] = variant``; CAST_VARIANTS
+    (``fp8_softcast``): ``quantize_t.FP8_CAST = "soft"``."""
     for family, apply, _, _ in _PROCESS_SETTINGS:
         if recipe in family:
             apply()

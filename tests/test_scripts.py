@@ -911,3 +911,36 @@ def test_ptq_sensitivity_stage_runs_the_default_configs_and_extra_comes_last():
         ["bash", "-c", f"echo {command}"], capture_output=True, text=True, check=True,
         env={"PATH": os.environ["PATH"], "OUT": "/o"}).stdout)[4:])
     assert stage_default.deadline_s and stage_default.deadline_s < 540 and stage_default.json == "/o/ptq_sensitivity_h200.json"
+
+
+def test_benchmark_fp8_softcast_recipe(monkeypatch):
+    """fp8_softcast (issue 25): fp8's swap and arguments with FP8's activation codes rounded in float32 before the
+    cast (quantize_t.FP8_CAST = "soft" for the process; refused as not active without it), passed to the Triton
+    launcher only for FP8 on the atomic variants; the regimes blocks that compare it with the hardware cast."""
+    import importlib
+
+    from conftest import tiny_model
+
+    from benchmarks import driver as bench
+    from benchmarks.benchmark_regimes import BLOCKS
+
+    Q = importlib.import_module("hf_lowbit.kernels.quantize_t")
+    monkeypatch.setattr(Q, "FP8_CAST", Q.FP8_CAST)  # restored after the test
+    monkeypatch.setattr(Q, "ACTIVATION_VARIANT", dict(Q.ACTIVATION_VARIANT))
+    assert Q.FP8_CAST is None and Q._triton_kwargs("fp8", False) == {"variant": "atomic_rcp"}
+    model = tiny_model().bfloat16()
+    bench.apply_recipe(model, "fp8_softcast", min_features=16)
+    with pytest.raises(RuntimeError, match="hardware cast"):
+        bench.check_recipe_active(model, "fp8_softcast", "cpu")
+    assert bench.apply_process_setting("fp8_softcast") and Q.FP8_CAST == "soft"
+    bench.check_recipe_active(model, "fp8_softcast", "cpu")
+    assert Q._triton_kwargs("fp8", False) == {"variant": "atomic_rcp", "fp8_cast": "soft"}
+    assert Q._triton_kwargs("int8", False) == {"variant": "atomic_rcp"}  # INT8 has no cast to choose
+    Q.ACTIVATION_VARIANT["fp8"] = "two_kernel"  # nor do the other variants (quantize_t_triton would refuse it)
+    assert Q._triton_kwargs("fp8", False) == {"variant": "two_kernel"}
+    assert "fp8_softcast" in bench.FULL_RECIPES and "fp8_softcast" in bench.OURS
+    assert bench.mixed_precision_args("fp8_softcast") == bench.mixed_precision_args("fp8")
+    cast = "bf16,int8,fp8,fp8_softcast"
+    assert {name: BLOCKS[name][:5] for name in ("layers_b8_cast", "layers_b1_cast", "trainer_b1_ga8_cast")} == {
+        "layers_b8_cast": ("layers", 8, 1, "default", cast), "layers_b1_cast": ("layers", 1, 1, "default", cast),
+        "trainer_b1_ga8_cast": ("trainer", 1, 8, "default", cast)}

@@ -29,6 +29,18 @@ from .formats import FORMATS
 # then takes ``atomic``. benchmarks/driver.py's ``{fmt}_{variant}`` recipes set one for a process, to compare them in
 # one run.
 ACTIVATION_VARIANT = {"int8": "atomic_rcp", "fp8": "atomic_rcp"}
+# How those variants turn FP8 quotients into codes on CUDA (``quantize_t_triton``'s ``fp8_cast``; the same bits): None,
+# its default, the hardware cast; "soft" the float32 rounding first (28.4 SASS instructions an element against 19.4;
+# before 2026-12-03 the only way). benchmarks/driver.py's ``fp8_softcast`` recipe sets "soft" for a process.
+FP8_CAST = None
+
+
+def _triton_kwargs(fmt: str, stochastic: bool) -> dict:
+    """``quantize_t_triton``'s kernel choice for ``fmt``: the activation variant and, for FP8 on the atomic
+    variants, :data:`FP8_CAST` where one is set."""
+    variant = _activation_variant(fmt, stochastic)
+    cast = FP8_CAST if fmt == "fp8" and variant in ("atomic", "atomic_rcp") else None
+    return {"variant": variant, **({"fp8_cast": cast} if cast else {})}
 
 
 def _activation_variant(fmt: str, stochastic: bool) -> str:
@@ -63,7 +75,7 @@ def quantize_t(x: Tensor, fmt: str, stochastic: bool = False, row_mul: Tensor | 
         from .triton_quant import quantize_t_triton
 
         return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic, row_mul=row_mul,
-                                 variant=_activation_variant(fmt, stochastic))
+                                 **_triton_kwargs(fmt, stochastic))
     if row_mul is not None:
         x = x.float() * row_mul.reshape(-1, 1)
     q, scale = f.quantize(x, dim=0, stochastic=True) if stochastic else f.quantize(x, dim=0)
@@ -86,7 +98,7 @@ def quantize_t_shared(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
 
         f = FORMATS[fmt]
         with set_wrap_triton_enabled(False):
-            return quantize_t_triton(x, f.dtype, f.qmax, variant=_activation_variant(fmt, False))
+            return quantize_t_triton(x, f.dtype, f.qmax, **_triton_kwargs(fmt, False))
     return quantize_t(x, fmt)
 
 
