@@ -309,6 +309,9 @@ def test_int4_stacked_tiles_hold_each_rows_codes_scales_and_zeros():
     assert stack_problem([a, padded]) == "out_features 20 padded in the tile layout (not a multiple of 8)"
     assert stack_problem([a, _tile(8, gs=64)[0]]) == "group_size differs (32, 64)"
     assert stack_problem([a, _tile(8, K=128)[0]]) == "in_features differs (256, 128)"
+    d = _tile(8, seed=4)[0]  # the same K packed with other inner k tiles (torchao's inner_k_tiles): 4 x 2, not 2 x 4
+    other = Int4ServingLinear(d.qdata.reshape(1, 4, 32, 2), d.scale_and_zero, 32, 256, 8)
+    assert stack_problem([a, other]) == "tile layouts differ (qdata tiles [(2, 32, 4), (4, 32, 2)])"
     with_bias, _ = _tile(8, bias=torch.randn(8).bfloat16())
     assert stack_problem([a, with_bias]) == "some have a bias, some not"
 

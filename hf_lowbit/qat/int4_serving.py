@@ -134,13 +134,14 @@ def stack_problem(modules: list[Int4ServingLinear]) -> str | None:
     """Why ``modules`` cannot be stacked into one :class:`Int4ServingLinear` (one line), or None: no padded rows
     (``out_features`` a multiple of 8, the tile layout's row block: padding inside the stack would shift the next
     module's rows), then the checks every kind shares (:func:`hf_lowbit.qat.siblings.shared_problem`) with the same
-    group size and decode kernel, and tile layouts of one K."""
+    group size and decode kernel, and one tile shape (torchao's inner k tiles)."""
     for m in modules:
         if m.out_features % 8 or m.qdata.shape[0] * 8 != m.out_features:
             return f"out_features {m.out_features} padded in the tile layout (not a multiple of 8)"
     problem = shared_problem(modules, ("in_features", "group_size", "decode"))
-    if problem is None and any(m.qdata.shape[1:] != modules[0].qdata.shape[1:] for m in modules):
-        return "tile layouts differ in K"
+    tiles = {tuple(m.qdata.shape[1:]) for m in modules}  # with one K, only the packing's inner k tiles can differ
+    if problem is None and len(tiles) > 1:
+        return f"tile layouts differ (qdata tiles {sorted(tiles)})"
     return problem
 
 
