@@ -14,7 +14,10 @@ layout + cuBLAS, what ``Int4ServingLinear`` serves now). Each: µs (ten calls in
 of ours against tinygemm's output (the same weight: float32 sums in different orders). Also ``--sweep``: the
 tile GEMV's tiles (BLOCK_N, BLOCK_K, warps, stages: ``TILE_SWEEP_TILES``) and split-K on each shape at M = 1, to
 set ``TILE_DECODE_TILES``. The defaults decide ``Int4ServingLinear``'s ``decode`` ("tinygemm" until ``tile`` is
-faster at M = 1 and 8).
+faster at M = 1 and 8). ``gemlite`` (when installed: ``tools/device_prep.sh`` puts its wheel in ``.whl``; its
+default "fast" autotune, ``--gemlite_autotune`` to change it) is the Triton int4 GEMV peer: ``GemLiteLinear`` (A16W4,
+bf16) packed from the same codes, its zeros ``z - 8·scale`` so that it computes tinygemm's ``(q - 8)·scale + z``
+(one more bf16 rounding of the zero term: its max diff is reported beside ours).
 CUDA only: on a CPU it says so and writes nothing.
 """
 
@@ -42,7 +45,26 @@ def _weights(N: int, K: int, gs: int):
     s = (torch.rand(N, K // gs, device="cuda") * 0.01 + 1e-3).bfloat16()
     z = (torch.randn(N, K // gs, device="cuda") * 0.01).bfloat16()
     qdata = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous(), 8)
-    return pack_int4(q), s, z, qdata, pack_tinygemm_scales_and_zeros(s, z)
+    return pack_int4(q), s, z, qdata, pack_tinygemm_scales_and_zeros(s, z), q
+
+
+def _gemlite(q, s, z, group_size: int):
+    """gemlite's A16W4 linear on the same codes, or None where gemlite is not installed (the peer column is then
+    left out). Packed in its fma mode (``W = q·scales + zeros``), whose zeros it derives as ``-zeros·scales``: they
+    are overwritten with tinygemm's ``z - 8·scale`` after packing."""
+    try:
+        from gemlite import DType, GemLiteLinear
+    except ImportError:
+        return None
+    import torch
+
+    N, K = q.shape
+    lin = GemLiteLinear(4, group_size=group_size, in_features=K, out_features=N, input_dtype=DType.BF16,
+                        output_dtype=DType.BF16)
+    lin.pack(q.to(torch.uint8), s, torch.zeros_like(s), None)
+    with torch.no_grad():
+        lin.zeros.copy_((z.float() - 8 * s.float()).to(lin.zeros.dtype).t())
+    return lin
 
 
 def bench(a) -> list[dict]:
@@ -65,7 +87,9 @@ def bench(a) -> list[dict]:
         if K % 1024:  # tinygemm's packing wants K a multiple of 1024 (torchao pads to it)
             print(f"skip {N}x{K}: K not a multiple of 1024", flush=True)
             continue
-        packed, s, z, qdata, sz = _weights(N, K, a.group_size)
+        packed, s, z, qdata, sz, q = _weights(N, K, a.group_size)
+        gl = _gemlite(q, s, z, a.group_size)
+        del q
         w_bf16 = int4_dequantize(packed, s, z, a.group_size)
         int4_bytes = packed.numel() + 2 * s.numel() + 2 * z.numel()
         for M in a.ms + ([a.prefill] if a.prefill else []):
@@ -85,11 +109,17 @@ def bench(a) -> list[dict]:
                 row["split_k"] = decode_split_k(N, K, bn, bk, _sms(x.device))
                 tbn, tbk, _, _ = _tile_decode_tiles(M, None)
                 row["tile_split_k"] = decode_split_k(N, K, tbn, tbk, _sms(x.device))
-            for name, fn, wbytes in (
-                    ("ours", lambda: int4_linear(x, packed, s, z, a.group_size), int4_bytes),
-                    ("tile", lambda: int4_tile_linear(x, qdata, sz, a.group_size, N, "triton"), int4_bytes),
-                    ("tinygemm", lambda: torch.ops.aten._weight_int4pack_mm(x, qdata, a.group_size, sz), int4_bytes),
-                    ("bf16", lambda: F.linear(x, w_bf16), 2 * N * K)):
+            peers = [("ours", lambda: int4_linear(x, packed, s, z, a.group_size), int4_bytes),
+                     ("tile", lambda: int4_tile_linear(x, qdata, sz, a.group_size, N, "triton"), int4_bytes),
+                     ("tinygemm", lambda: torch.ops.aten._weight_int4pack_mm(x, qdata, a.group_size, sz), int4_bytes),
+                     ("bf16", lambda: F.linear(x, w_bf16), 2 * N * K)]
+            if gl is not None:
+                try:
+                    row["gemlite_max_diff_vs_tinygemm"] = (gl(x).float() - tiny.float()).abs().max().item()
+                    peers.append(("gemlite", lambda: gl(x), int4_bytes))
+                except Exception as e:  # noqa: BLE001 - a peer that fails on this shape is recorded, not fatal
+                    row["gemlite_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            for name, fn, wbytes in peers:
                 us = graph_ms(fn) * 1000
                 row[f"{name}_us"] = us
                 row[f"{name}_gb_s"] = (wbytes + io) / us / 1e3
@@ -97,6 +127,9 @@ def bench(a) -> list[dict]:
             row["ours_vs_bf16"] = row["bf16_us"] / row["ours_us"]
             row["tile_vs_tinygemm"] = row["tinygemm_us"] / row["tile_us"]
             row["tile_vs_bf16"] = row["bf16_us"] / row["tile_us"]
+            if "gemlite_us" in row:
+                row["gemlite_vs_tinygemm"] = row["tinygemm_us"] / row["gemlite_us"]
+                row["gemlite_vs_bf16"] = row["bf16_us"] / row["gemlite_us"]
             print(json.dumps(row), flush=True)
             rows.append(row)
         if a.sweep:
@@ -121,7 +154,8 @@ def bench(a) -> list[dict]:
 
 def markdown(rows: list[dict]) -> list[str]:
     head = ["N x K", "M", "split-K", "ours µs", "GB/s", "tile µs", "GB/s", "tinygemm µs", "GB/s", "bf16 µs", "GB/s",
-            "ours vs tinygemm", "tile vs tinygemm", "tile vs bf16", "max diff vs tinygemm: ours, tile (max |y|)"]
+            "ours vs tinygemm", "tile vs tinygemm", "tile vs bf16", "max diff vs tinygemm: ours, tile (max |y|)",
+            "gemlite µs", "GB/s", "gemlite vs tinygemm", "gemlite vs bf16", "gemlite max diff vs tinygemm"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.get("sweep"):
@@ -131,7 +165,10 @@ def markdown(rows: list[dict]) -> list[str]:
             f"{r['ours_us']:.1f}", f"{r['ours_gb_s']:.0f}", f"{r['tile_us']:.1f}", f"{r['tile_gb_s']:.0f}",
             f"{r['tinygemm_us']:.1f}", f"{r['tinygemm_gb_s']:.0f}", f"{r['bf16_us']:.1f}", f"{r['bf16_gb_s']:.0f}",
             f"{r['ours_vs_tinygemm']:.2f}x", f"{r['tile_vs_tinygemm']:.2f}x", f"{r['tile_vs_bf16']:.2f}x",
-            f"{r['max_diff_vs_tinygemm']:.2e}, {r['tile_max_diff_vs_tinygemm']:.2e} ({r['max_abs_tinygemm']:.2e})"])
+            f"{r['max_diff_vs_tinygemm']:.2e}, {r['tile_max_diff_vs_tinygemm']:.2e} ({r['max_abs_tinygemm']:.2e})"]
+            + ([f"{r['gemlite_us']:.1f}", f"{r['gemlite_gb_s']:.0f}", f"{r['gemlite_vs_tinygemm']:.2f}x",
+                f"{r['gemlite_vs_bf16']:.2f}x", f"{r['gemlite_max_diff_vs_tinygemm']:.2e}"] if "gemlite_us" in r
+               else [r.get("gemlite_error", "not installed")[:60], "–", "–", "–", "–"]))
             + " |")
     sweep = sorted((r for r in rows if r.get("sweep") and "ours_us" in r), key=lambda r: (r["N"], r["K"], r["ours_us"]))
     if sweep:
@@ -148,6 +185,8 @@ def main(argv=None) -> None:
     p.add_argument("--prefill", type=int, default=2048, help="rows of the prefill case (0: none)")
     p.add_argument("--group_size", type=int, default=128)
     p.add_argument("--sweep", action="store_true", help="also the tile GEMV's tiles and split-K at M = 1")
+    p.add_argument("--gemlite_autotune", default="fast", choices=("fast", "max", "default"),
+                   help="gemlite's autotune setting (its default: fast; max: ~20 s a shape)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)
@@ -158,6 +197,13 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         print("benchmark_int4.py: no CUDA device (tinygemm and the kernels' timings need one); nothing measured")
         return
+    try:
+        import gemlite
+
+        gemlite.set_autotune(a.gemlite_autotune)
+        print(f"gemlite {getattr(gemlite, '__version__', '?')}, autotune {a.gemlite_autotune}", flush=True)
+    except ImportError:
+        print("gemlite not installed: its column is left out", flush=True)
     rows = bench(a)
     print("\n".join(markdown(rows)))
     if a.json:
