@@ -214,9 +214,12 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "serves), GPU µs (CUDA graph), GB/s of the bytes each must read, the split-K chosen, the largest "
                 "difference from tinygemm's output. tile_vs_tinygemm at M = 1 and 8 decides Int4ServingLinear's "
                 "decode default (tinygemm until tile wins). SWEEP=--sweep adds the tile GEMV's tiles x split-K at "
-                "M = 1 (to set TILE_DECODE_TILES; many Triton compiles)",
-                "38 s measured before the tile GEMV (95d20f0); ~1 min, 5-8 min with --sweep (estimates)", [
-        "timeout 580 " + B + "benchmark_int4.py ${SWEEP:-} --json $OUT/int4_mm_h200.json "
+                "M = 1 (to set TILE_DECODE_TILES; many Triton compiles). With gemlite's wheel in .whl "
+                "(tools/device_prep.sh) its A16W4 linear is a column too (its fast autotune: the shapes take longer; "
+                "GEMLITE=--gemlite_autotune max: ~7 min a shape)",
+                "38 s measured before the tile GEMV (95d20f0); with gemlite (fast): over 200 s for 5 shapes with "
+                "prefill (4a4f0d0, cut at 200 s after 14 of 15 rows); 5-8 min with --sweep (estimate)", [
+        "timeout 580 " + B + "benchmark_int4.py ${SWEEP:-} ${GEMLITE:-} --json $OUT/int4_mm_h200.json "
         "--markdown $OUT/int4_mm_h200.md"]),
     "serve_int4k": ("issue 26: the int4_tinygemm export served with hf_lowbit's int4 kernels beside compiled_lean "
                     "(torchao's tinygemm weight), bf16 in the same call, under the profiler (GPU ms per decoded token, "

@@ -78,7 +78,8 @@ quantizations at 2048 tokens ``atomic_rcp`` is 1.21x the two kernels for int8, 1
 1.18x). Which variant ``hf_lowbit::quantize_t`` launches is ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT``
 (``atomic_rcp`` for both formats since 222d22a; FP8's codes there by the hardware cast on CUDA, ``fp8_cast``: with it
 the kernel's body is 19.4 SASS instructions an element at 128x64, 18.3 at 64x64, against 28.4 / 27.4 for the float32
-rounding, registers unchanged, ``tools/quant_t_sass.py``; not yet timed on the GPU).
+rounding, registers unchanged, ``tools/quant_t_sass.py``; on the H200 at 8x2048 the kernel's 88 calls a step took
+10.76 ms against 14.31 rounding first and INT8's 10.11, 4a4f0d0, docs/benchmarks.md "FP8's hardware cast").
 
 :func:`quantize_dual_triton` (the op ``hf_lowbit::quantize_dual``) quantizes an output gradient both ways at once, per
 row times the weight's scales (dX) and per column transposed (dW), from two reads instead of three (issue 25).
@@ -505,7 +506,8 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     way: ``"native"`` (the default on CUDA) the hardware's round-to-nearest-even cast, ``"soft"`` (the default and
     the only choice in the interpreter, whose cast rounds ties up) rounding in float32 arithmetic first. On the
     H200 (55d8bf8, 8x2048) FP8's quantize pass took 14.2 ms a step against INT8's 10.0 for the same calls, the
-    arithmetic rounding's instructions and registers being the difference; the other variants round softly."""
+    arithmetic rounding's instructions and registers being the difference; with the native cast 10.8 (4a4f0d0, the
+    same run as 14.3 rounding first). The other variants round softly."""
     if stochastic and qdtype != torch.int8:  # checked before anything is launched
         raise ValueError(f"quantize_t_triton: stochastic rounding is implemented for int8, not {qdtype}")
     if variant not in VARIANTS:
