@@ -811,7 +811,7 @@ def test_every_stage_command_runs_its_script_with_flags_it_has():
     env = {"OUT": "/tmp/out", "BLOCKS": "layers_b1", "BATCH": "1", "GA": "8", "GPUS": "1", "RECIPES": "bf16,int8",
            "MODES": "compiled", "CHECKPOINTS": "qat_int4_tinygemm", "TAG": "int4", "FIRST": "1",
            "SCHEME": "int4_tinygemm", "GROUP": "256", "PRETRAIN_LR": "2e-3", "FINETUNE_LR": "3e-4",
-           "CORPUS_CACHE": ".corpus_cache", "WORKERS": "8", "SWEEP": "--sweep", "CONFIGS": "s6x512_lr1e-2", "BATCHES": "1", "LAYERS": "32", "TIMEOUT": "420",
+           "CORPUS_CACHE": ".corpus_cache", "WORKERS": "8", "SWEEP": "--sweep", "GEMLITE": "--gemlite_autotune max", "CONFIGS": "s6x512_lr1e-2", "BATCHES": "1", "LAYERS": "32", "TIMEOUT": "420",
            "EXTRA": "--device cpu --override layers=1,steps=3 --deadline_s 0"}
     checked = 0
     for stage, (_, _, commands) in STAGES.items():
