@@ -291,30 +291,21 @@ def _always_share(x) -> bool:
     return x.device.type == "cuda"
 
 
-def _quant_variant(recipe: str):
-    """(set it, whether it is set) for a QUANT_VARIANTS recipe ``{fmt}_{variant}``:
-    ``quantize_t.ACTIVATION_VARIANT[fmt] = variant``."""
-    fmt, variant = recipe.split("_", 1)
+def _quantize_t_setting(attr: str, value, key: str | None = None):
+    """(set it, whether it is set) for ``hf_lowbit.kernels.quantize_t.<attr> = value`` (``<attr>[key]`` with
+    ``key``): QUANT_VARIANTS' ``ACTIVATION_VARIANT[fmt] = variant``, CAST_VARIANTS' ``FP8_CAST = "soft"``."""
     module = "hf_lowbit.kernels.quantize_t"  # imported by name: the package's attribute quantize_t is the op
 
     def apply() -> None:
-        importlib.import_module(module).ACTIVATION_VARIANT[fmt] = variant
+        m = importlib.import_module(module)
+        if key is None:
+            setattr(m, attr, value)
+        else:
+            getattr(m, attr)[key] = value
 
     def is_set() -> bool:
-        return importlib.import_module(module).ACTIVATION_VARIANT[fmt] == variant
-
-    return apply, is_set
-
-
-def _fp8_soft_cast():
-    """(set it, whether it is set) for ``fp8_softcast``: ``quantize_t.FP8_CAST = "soft"``."""
-    module = "hf_lowbit.kernels.quantize_t"
-
-    def apply() -> None:
-        importlib.import_module(module).FP8_CAST = "soft"
-
-    def is_set() -> bool:
-        return importlib.import_module(module).FP8_CAST == "soft"
+        current = getattr(importlib.import_module(module), attr)
+        return (current if key is None else current[key]) == value
 
     return apply, is_set
 
@@ -325,9 +316,9 @@ _PROCESS_SETTINGS = (
      "the partitioner still bans recomputing materialized activations"),
     (UNSHARED_VARIANTS, *_sharing_rule(_never_share), "X's column codes are still shared"),
     (SHARED_VARIANTS, *_sharing_rule(_always_share), "X's column codes are shared only from SHARE_MIN_ROWS rows"),
-    *(({recipe: base}, *_quant_variant(recipe), "activations are quantized by another quantize_t variant")
-      for recipe, base in QUANT_VARIANTS.items()),
-    (CAST_VARIANTS, *_fp8_soft_cast(), "FP8's activation codes still come from the hardware cast"),
+    *(({recipe: base}, *_quantize_t_setting("ACTIVATION_VARIANT", recipe.split("_", 1)[1], key=base),
+       "activations are quantized by another quantize_t variant") for recipe, base in QUANT_VARIANTS.items()),
+    (CAST_VARIANTS, *_quantize_t_setting("FP8_CAST", "soft"), "FP8's activation codes still come from the hardware cast"),
 )
 
 

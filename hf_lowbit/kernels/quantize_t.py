@@ -37,10 +37,12 @@ FP8_CAST = None
 
 
 def _triton_kwargs(fmt: str, stochastic: bool) -> dict:
-    """``quantize_t_triton``'s kernel choice for ``fmt``: the activation variant and, for FP8 on the atomic
-    variants, :data:`FP8_CAST` where one is set."""
+    """``quantize_t_triton``'s kernel choice for ``fmt``: the activation variant and, for FP8 on the variants that
+    take a cast, :data:`FP8_CAST` where one is set (called where the CUDA path imports the kernels anyway)."""
+    from .triton_quant import FP8_CAST_VARIANTS
+
     variant = _activation_variant(fmt, stochastic)
-    cast = FP8_CAST if fmt == "fp8" and variant in ("atomic", "atomic_rcp") else None
+    cast = FP8_CAST if fmt == "fp8" and variant in FP8_CAST_VARIANTS else None
     return {"variant": variant, **({"fp8_cast": cast} if cast else {})}
 
 

@@ -95,6 +95,7 @@ from torch.library import wrap_triton
 _CHUNK_M = 1024  # rows per partial absmax
 VARIANTS = ("two_kernel", "fused", "rows", "atomic", "atomic_rcp")
 _TWO_PASS = ("two_kernel", "atomic", "atomic_rcp")  # take amax_tiles, quant_tiles, chunk_m
+FP8_CAST_VARIANTS = ("atomic", "atomic_rcp")  # take fp8_cast (the others round FP8 in float32)
 # (BLOCK_M, BLOCK_N, num_warps) defaults on CUDA; the interpreter (CPU) uses 16x16 tiles
 _AMAX_TILES = (64, 64, 4)  # 64x64 with 4 warps: 0.13 ms mean per call in the bench; 32x256 with 8 warps was 3x slower
 _QUANT_TILES = (128, 64, 8)
@@ -525,7 +526,7 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
                          f"row_mul={'given' if row_mul is not None else None}")
     if fp8_cast not in (None, "native", "soft"):
         raise ValueError(f"quantize_t_triton: fp8_cast must be 'native', 'soft' or None, got {fp8_cast!r}")
-    if fp8_cast is not None and variant not in ("atomic", "atomic_rcp"):
+    if fp8_cast is not None and variant not in FP8_CAST_VARIANTS:
         raise ValueError(f"quantize_t_triton: fp8_cast is the 'atomic' and 'atomic_rcp' variants' choice, not "
                          f"{variant!r}'s (they round in float32 arithmetic)")
     if fp8_cast == "native" and x.device.type == "cpu":
