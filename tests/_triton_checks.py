@@ -902,11 +902,27 @@ def tile_operands(N, K, group_size, device, seed=0):
     return p.to(device), s.to(device), z.to(device), qdata.to(device), sz.to(device)
 
 
+def _factored_tol(x, p, s, z, group_size):
+    """``(ref, tol)`` for the factored GEMV (``y = Σ s·Σ (q - 8)·x + z·Σ x`` in float32, the weight never rounded):
+    ``ref`` the exact product in float64; ``tol`` the float32 sums' error bound over both terms' magnitudes
+    (``2K·2**-24·Σ (|s·(q - 8)| + |z|)·|x|``: the zero's term may cancel the codes') plus the one rounding to bf16
+    (``2**-8`` of the result)."""
+    from hf_lowbit.kernels.int4 import unpack_int4
+
+    q8 = unpack_int4(p).double() - 8
+    sd, zd = (t.double().repeat_interleave(group_size, 1) for t in (s, z))
+    xd = x.double()
+    ref = xd @ (q8 * sd + zd).T
+    terms = xd.abs() @ ((q8 * sd).abs() + zd.abs()).T
+    return ref, 2 * x.shape[1] * 2.0 ** -24 * terms + 2.0 ** -8 * ref.abs() * (1 + 2.0 ** -20) + 1e-30
+
+
 def check_int4_tile(device: str) -> int:
     """The kernels reading tinygemm's tile layout (``int4_tile_dequant_triton``, ``int4_tile_decode_triton``)
     against plain torch: the dequantized weight bit for bit :func:`int4_dequantize`'s; the tile GEMV (M = 1, 3, 16;
-    split K 1, 3 and the default; x rows of a wider tensor) within :func:`_int4_tol`. N not a multiple of 8 (the
-    layout's padded rows), K of one and several 128-column blocks, every group size. Returns the number of checks."""
+    split K 1, 3 and the default; x rows of a wider tensor) within :func:`_int4_tol`; the factored GEMV (M = 1, the
+    same splits) within :func:`_factored_tol` of the exact product. N not a multiple of 8 (the layout's padded
+    rows), K of one and several 128-column blocks, every group size. Returns the number of checks."""
     from hf_lowbit.kernels.int4 import int4_dequantize, int4_linear_reference, int4_tile_dequantize
     from hf_lowbit.kernels.triton_int4 import int4_tile_decode_triton, int4_tile_dequant_triton
 
@@ -935,6 +951,15 @@ def check_int4_tile(device: str) -> int:
                 err = (y.double() - ref.double()).abs()
                 assert (err <= tol).all(), f"{(M, N, K, gs)} tile decode split_k={sk}: max err {err.max().item():.3e}"
                 n += 1
+        x = torch.randn(1, K + 8, device=device).bfloat16()[:, 8:]
+        ref, tol = _factored_tol(x, p, s, z, gs)
+        for sk in (None, 1, 3):
+            with PoisonedAllocations() as poison:
+                y = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=sk, factored=True)
+            assert ((1, N), torch.bfloat16) in poison.shapes and torch.isfinite(y).all(), (N, K, sk)
+            err = (y.double() - ref).abs()
+            assert (err <= tol).all(), f"{(N, K, gs)} factored GEMV split_k={sk}: max err {err.max().item():.3e}"
+            n += 1
     return n
 
 

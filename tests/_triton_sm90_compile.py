@@ -57,6 +57,17 @@ def _configs():
                               BLOCK_M=1 if m == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages)
                 out.append((f"int4_tile_decode M={m} tiles={(bn, bk, warps, stages)} gs={gs} split={split}",
                             I._int4_tile_decode_kernel, tile_sig(split), consts, warps, stages))
+    # the factored GEMV (M = 1) at its H200 tiles, every group size, split K or not
+    fact_sig = lambda split: dict(  # noqa: E731
+        xf_ptr="*fp32", xs_ptr="*fp32", q_ptr="*i32", sz_ptr="*i32", out_ptr="*bf16" if split == 1 else "*fp32",
+        N="i32", NP="i32", KP="i32", MAGIC="i32", stride_qn="i32", stride_sg="i32", stride_split="i32")
+    bn, bk, warps, stages = I.FACTORED_TILES
+    for gs in (32, 64, 128, 256):
+        for split in (1, 4):
+            out.append((f"int4_tile_gemv_factored tiles={I.FACTORED_TILES} gs={gs} split={split}",
+                        I._int4_tile_gemv_factored_kernel, fact_sig(split),
+                        dict(GROUP=gs, SPLIT_K=split, SOFT=False, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages), warps,
+                        stages))
     bn, bk, warps = I.TILE_DEQUANT_TILES
     for gs in (32, 128, 256):
         out.append((f"int4_tile_dequant gs={gs}", I._int4_tile_dequant_kernel,

@@ -34,3 +34,26 @@ def test_serving_kernels_compile_for_sm90():
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "FAIL" not in out, out[-8000:]
     assert "compiled" in out and "kernel configs for sm_90" in out, out[-8000:]
+
+
+def test_int4_gemv_sass_factored_has_fewer_instructions():
+    """tools/int4_gemv_sass.py: the factored GEMV's main loop at sm_90 issues fewer SASS instructions a code than the
+    tile GEMV's (the point of the factored design: no scale FMA, no bf16 rounding a code), without spills, for
+    group 128 and 32 (the figures the kernels' docstrings quote come from this tool)."""
+    import re
+
+    why = _compiles_at_all()
+    if why:
+        pytest.skip(why)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "int4_gemv_sass.py")], env=env,
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    per = {(m.group(1), m.group(2), m.group(3)): (float(m.group(5)), int(m.group(4)))
+           for m in re.finditer(r"^(tile|factored) GEMV \S+ \S+ \S+ \S+ group (\d+) split (\d+): \d+ regs, (\d+) B "
+                                r"spilled.* ([\d.]+) a code", r.stdout, re.MULTILINE)}
+    assert len(per) == 8, r.stdout
+    for gs in ("128", "32"):
+        for split in ("1", "4"):
+            (fact, fact_spill), (tile, _) = per["factored", gs, split], per["tile", gs, split]
+            assert fact_spill == 0 and fact < 0.7 * tile, (gs, split, fact, tile)

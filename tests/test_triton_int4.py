@@ -32,17 +32,18 @@ def test_triton_int4_interpreted():
 
 def test_triton_int4_tile_interpreted():
     """The kernels on tinygemm's tile layout: dequantized weights bit for bit, the tile GEMV (M 1, 3, 16; split K
-    1, 3, default) within the order bound, 4 shapes (_triton_checks.check_int4_tile)."""
+    1, 3, default) within the order bound, the factored GEMV (M 1, the same splits) within its bound of the exact
+    product, 4 shapes (_triton_checks.check_int4_tile)."""
     from test_triton_int8 import run_interpreted
 
-    assert "checked 40 int4 tile-layout dequantizations and GEMVs" in run_interpreted("int4_tile")
+    assert "checked 52 int4 tile-layout dequantizations and GEMVs" in run_interpreted("int4_tile")
 
 
 @pytest.mark.cuda
 def test_triton_int4_tile_cuda():
     from _triton_checks import check_int4_tile
 
-    assert check_int4_tile("cuda") == 9 * 10
+    assert check_int4_tile("cuda") == 9 * 13
 
 
 @pytest.mark.cuda
@@ -58,12 +59,13 @@ def test_pack_tinygemm_tiles_is_torchs_cuda_layout():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("decode", ["tinygemm", "triton"])
+@pytest.mark.parametrize("decode", ["tinygemm", "triton", "triton_factored"])
 def test_int4_tile_linear_cuda(decode):
     """The dispatch on CUDA: decode rows (1, 8, 16) through tinygemm or our tile GEMV, prefill rows (17, 300) through
     our dequantize + cuBLAS, all within the order bound of the reference (tinygemm's weight may differ from ours by
-    one bf16 step on rare ties: the bound's 2**-7 |ref| term covers an output, checked here with twice the bound)."""
-    from _triton_checks import _int4_tol, tile_operands
+    one bf16 step on rare ties: the bound's 2**-7 |ref| term covers an output, checked here with twice the bound);
+    the factored GEMV's one row within its own bound of the exact product (it does not round the weight)."""
+    from _triton_checks import _factored_tol, _int4_tol, tile_operands
 
     for N, K, gs in ((4096, 4096, 128), (1000, 1024, 64), (520, 2048, 256)):
         p, s, z, qdata, sz = tile_operands(N, K, gs, "cuda")
@@ -73,8 +75,12 @@ def test_int4_tile_linear_cuda(decode):
             ref = int4_linear_reference(x, p, s, z, gs)
             y = int4_tile_linear(x, qdata, sz, gs, N, decode)
             assert y.shape == (M, N) and y.is_contiguous()
-            err = (y.double() - ref.double()).abs()
-            assert (err <= 2 * _int4_tol(x, ref_w, ref)).all(), (N, K, gs, M, err.max().item())
+            if decode == "triton_factored" and M == 1:
+                exact, tol = _factored_tol(x, p, s, z, gs)
+                err = (y.double() - exact).abs()
+            else:
+                err, tol = (y.double() - ref.double()).abs(), 2 * _int4_tol(x, ref_w, ref)
+            assert (err <= tol).all(), (N, K, gs, M, err.max().item())
 
 
 def test_tinygemm_tiles_round_trip_and_layout():
@@ -98,7 +104,7 @@ def test_tile_op_reference_and_checks():
 
     p, s, z, qdata, sz = tile_operands(20, 256, 64, "cpu")
     x = torch.randn(3, 256).bfloat16()
-    for decode in ("tinygemm", "triton"):
+    for decode in ("tinygemm", "triton", "triton_factored"):
         assert torch.equal(int4_tile_linear(x, qdata, sz, 64, 20, decode), int4_linear_reference(x, p, s, z, 64))
     with pytest.raises(RuntimeError, match="decode 'cuda' is not one of"):
         int4_tile_linear(x, qdata, sz, 64, 20, "cuda")
@@ -236,7 +242,7 @@ def _tinygemm_model(gs, N=1024, K=4096, seed=0):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("decode", ["tinygemm", "triton"])
+@pytest.mark.parametrize("decode", ["tinygemm", "triton", "triton_factored"])
 @pytest.mark.parametrize("gs", [32, 64, 128, 256])
 def test_repack_from_torchao_cuda(gs, decode):
     """Repacked from a real export's weight: the codes exactly (tinygemm's own product with the repacked bf16 weight
@@ -257,7 +263,8 @@ def test_repack_from_torchao_cuda(gs, decode):
             y = fn(x)
             err = (y.float() - ref.float()).abs()
             # the same bf16 weight and exact products; float32 sums in different orders, each layer's output
-            # rounded to bf16 (the second layer's input differs by the first's roundings)
+            # rounded to bf16 (the second layer's input differs by the first's roundings); triton_factored's one
+            # row uses the weight before its bf16 rounding (2**-8 of each weight at most: within the same bound)
             assert (err <= 2 ** -6 * ref.float().abs() + 1e-2 * ref.float().abs().mean()).all(), (M, err.max())
         torch._dynamo.reset()
 
@@ -297,8 +304,13 @@ def test_benchmark_int4_on_cpu(capsys):
            "tile_gb_s": 2200.0, "tinygemm_us": 9.0, "tinygemm_gb_s": 1000.0, "bf16_us": 12.0, "bf16_gb_s": 2800.0,
            "ours_vs_tinygemm": 1.8, "ours_vs_bf16": 2.4, "tile_vs_tinygemm": 2.25, "tile_vs_bf16": 3.0,
            "max_diff_vs_tinygemm": 0.0, "tile_max_diff_vs_tinygemm": 0.0, "max_abs_tinygemm": 1.0}
-    sweep = {"N": 4096, "K": 4096, "M": 1, "sweep": [128, 128, 4, 3], "split_k": 1, "ours_us": 5.0,
-             "ours_gb_s": 1800.0}
-    lines = bench.markdown([row, sweep])
+    sweep = {"N": 4096, "K": 4096, "M": 1, "kernel": "factored", "sweep": [128, 128, 4, 3], "split_k": 1,
+             "ours_us": 5.0, "ours_gb_s": 1800.0}
+    fact = dict(row, factored_us=3.0, factored_gb_s=3000.0, factored_vs_tinygemm=3.0, factored_vs_bf16=4.0,
+                factored_max_diff_vs_tinygemm=0.01)
+    lines = bench.markdown([row, fact, sweep])
+    assert len({line.count("|") for line in lines[:4]}) == 1  # every row has the header's columns
     assert "| 4096x4096 | 1 | 2 | 5.0 | 1800 | 4.0 | 2200 |" in lines[2] and "2.25x" in lines[2]
-    assert "(128, 128, 4, 3)" in lines[-1]
+    assert "| – | – | – | – | – | not installed |" in lines[2]
+    assert "| 3.0 | 3000 | 3.00x | 4.00x | 1.00e-02 | not installed |" in lines[3]
+    assert "| factored | (128, 128, 4, 3) |" in lines[-1]

@@ -20,17 +20,17 @@ transposed store. Then the same check of the fused column kernel (FP8, one layou
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton
 import triton.language as tl
+from sass import compile_sm90, machine_code, registers, tool_args
 
 from hf_lowbit.kernels import triton_quant as Q
 
@@ -211,10 +211,6 @@ def _carried_stores(sass: str) -> tuple[list[tuple], int]:
 
 
 def _rows_main(tmp: str, bindir: str) -> int:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource
-
     br, bk, warps = Q._ROWS_TILES
     print(f"_quantize_rows_kernel at {br}x{bk}, {warps} warps, bf16 w, both layouts (Triton {triton.__version__})")
     for name, fn, qt, tensorwise in (("int8", Q._quantize_rows_kernel, "*i8", False),
@@ -229,11 +225,8 @@ def _rows_main(tmp: str, bindir: str) -> int:
                       "BLOCK_R": br, "BLOCK_K": bk}
             sig = {k: v for k, v in sig.items() if k in fn.arg_names}  # the old kernel has no tensorwise arguments
             consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-            full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
-            attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
-                     if t.startswith("*") or (div and k in ("R", "K", "stride_wr"))}
-            k = triton.compile(ASTSource(fn, full, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": warps, "num_stages": 3})
+            hints = [k for k, t in sig.items() if t.startswith("*") or (div and k in ("R", "K", "stride_wr"))]
+            k = compile_sm90(fn, sig, consts, hints, warps, 3)
             label = f"{name} {'R, K % 16 == 0' if div else 'R, K odd'}"
             base = os.path.join(tmp, "rows_" + re.sub(r"\W+", "_", label))
             ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
@@ -272,8 +265,7 @@ def _rows_main(tmp: str, bindir: str) -> int:
                 stores, loop = _carried_stores(sass)
                 bad = [s for s in stores if s[3]]
                 sts = [s for s in stores if s[1].startswith("STS")]
-                regs = re.search(r"Used (\d+) registers", v).group(1)
-                spill = re.search(r"(\d+) bytes spill stores", v).group(1)
+                regs, spill = registers(v)
                 print(f"  SASS (ptxas {ver}): {regs} regs, {spill} B spilled, F2FP {sass.count('F2FP')}, "
                       f"encode loop {loop} instr ({loop * warps * 32 / (br * bk):.1f}/element), its stores "
                       f"{len(stores)} ({len(sts)} STS.U8 of the transpose): {len(bad)} store the previous "
@@ -289,10 +281,8 @@ def _rows_main(tmp: str, bindir: str) -> int:
                "qx_ptr": "*fp8e4nv", "M": "i32", "N": "i32", "stride_xm": "i32"}
         consts = {"stride_xn": 1, "QMAX": 448.0, "IS_INT8": False, "STOCHASTIC": False, "HAS_MUL": False,
                   "BOTH_LAYOUTS": both, "BLOCK_M": bm, "BLOCK_N": bn}
-        attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
-                 if t.startswith("*") or k in ("M", "N", "stride_xm")}
-        k = triton.compile(ASTSource(fn, {k: sig.get(k, "constexpr") for k in fn.arg_names}, consts, attrs),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+        k = compile_sm90(fn, sig, consts, [k for k, t in sig.items() if t.startswith("*") or k in ("M", "N", "stride_xm")],
+                         warps, 3)
         base = os.path.join(tmp, f"fused_fp8_both{int(both)}")
         with open(base + ".cubin", "wb") as f:
             f.write(k.asm["cubin"])
@@ -308,38 +298,14 @@ def _rows_main(tmp: str, bindir: str) -> int:
 
 
 def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("run with TRITON_INTERPRET unset: this compiles for the GPU")
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dump", help="write each kernel's .ptx and .sass here")
-    p.add_argument("--rows", action="store_true", help="the weight refresh's rows kernel: FP8 transposed store")
-    a = p.parse_args()
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource
-
+    a, tmp = tool_args(__doc__, {"--rows": "the weight refresh's rows kernel: FP8 transposed store"})
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    tmp = a.dump or tempfile.mkdtemp()
-    os.makedirs(tmp, exist_ok=True)
     if a.rows:
         return _rows_main(tmp, bindir)
     for name, fn, sig, consts, warps, stages, tile in _configs():
-        full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
-        attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
-                 if t.startswith("*") or k in ("M", "N", "stride_xm", "n_chunks")}
-        k = triton.compile(ASTSource(fn, full, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps, "num_stages": stages})
-        base = os.path.join(tmp, re.sub(r"\W+", "_", name))
-        with open(base + ".ptx", "w") as f:
-            f.write(k.asm["ptx"])
-        with open(base + ".cubin", "wb") as f:
-            f.write(k.asm["cubin"])
-        v = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name", "sm_90a", base + ".ptx", "-o",
-                            os.devnull], capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", base + ".cubin"], capture_output=True,
-                              text=True, check=True).stdout
-        with open(base + ".sass", "w") as f:
-            f.write(sass)
+        hints = [k for k, t in sig.items() if t.startswith("*") or k in ("M", "N", "stride_xm", "n_chunks")]
+        k = compile_sm90(fn, sig, consts, hints, warps, stages)
+        v, sass = machine_code(k, os.path.join(tmp, re.sub(r"\W+", "_", name)))
         ptx = k.asm["ptx"]
         addr = lambda line: int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) // 16
         lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
@@ -352,8 +318,7 @@ def main() -> int:
             ln = back[-1]
             n = addr(ln) - target(ln) + 1
             loop = f", loop {n} instr ({n / per:.1f}/element)"
-        regs = re.search(r"Used (\d+) registers", v).group(1)
-        spill = re.search(r"(\d+) bytes spill stores", v).group(1)
+        regs, spill = registers(v)
         cp = {o: len(re.findall(r"(?<![\w.])" + re.escape(o) + r"(?![\w])", ptx)) for o in PTX_OPS}
         cs = {o: sass.count(o) for o in SASS_OPS}
         print(f"{name}: {regs} regs, {spill} B spilled, smem {k.metadata.shared} B, body {body} SASS instr "

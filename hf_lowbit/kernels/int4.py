@@ -198,8 +198,9 @@ def _check_tile(x: Tensor, qdata: Tensor, scale_and_zero: Tensor, group_size: in
 
 
 # what runs the decode rows (M <= DECODE_MAX_M) of int4_tile_linear on CUDA: tinygemm (aten._weight_int4pack_mm,
-# the default: 3-4x faster than our first GEMV on the H200, docs/results/int4_mm_h200.md) or our tile GEMV
-DECODE_KERNELS = ("tinygemm", "triton")
+# the default: 3-4x faster than our first GEMV on the H200, docs/results/int4_mm_h200.md), our tile GEMV, or
+# (one row) our factored GEMV, more rows the tile GEMV (triton_int4.int4_tile_decode_triton's ``factored``)
+DECODE_KERNELS = ("tinygemm", "triton", "triton_factored")
 
 
 @torch.library.triton_op("hf_lowbit::int4_tile_linear", mutates_args=())
@@ -210,7 +211,9 @@ def int4_tile_linear(x: Tensor, qdata: Tensor, scale_and_zero: Tensor, group_siz
 
     CUDA: M ≤ ``DECODE_MAX_M`` rows ``decode="tinygemm"`` runs ``aten._weight_int4pack_mm`` (x zero-padded to the
     layout's K, as torchao's linear does), ``"triton"`` our split-K tile GEMV
-    (:func:`hf_lowbit.kernels.triton_int4.int4_tile_decode_triton`); more rows (prefill): the bf16 weight
+    (:func:`hf_lowbit.kernels.triton_int4.int4_tile_decode_triton`), ``"triton_factored"`` at one row its factored
+    GEMV (the scale and zero out of the sum, the weight not rounded to bf16: within that rounding of the others);
+    more rows (prefill): the bf16 weight
     dequantized from the tile layout by a Triton kernel, then ``F.linear`` (cuBLAS). Other devices: the plain-torch
     reference (:func:`int4_tile_dequantize`, float32 matmul). Numerics: our kernels form the weight as
     :func:`int4_dequantize` (``bf16((q - 8)·s + z)``, float32 then one rounding to bf16); tinygemm with one bf16
@@ -229,7 +232,8 @@ def int4_tile_linear(x: Tensor, qdata: Tensor, scale_and_zero: Tensor, group_siz
                 xp = F.pad(x, (0, K_pad - K)) if K_pad != K else x.contiguous()
                 y = torch.ops.aten._weight_int4pack_mm(xp, qdata, group_size, scale_and_zero)
                 return y if y.shape[1] == N else y[:, :N].contiguous()
-            return int4_tile_decode_triton(x, qdata, scale_and_zero, group_size, N)
+            return int4_tile_decode_triton(x, qdata, scale_and_zero, group_size, N,
+                                           factored=decode == "triton_factored")
         return F.linear(x, int4_tile_dequant_triton(qdata, scale_and_zero, group_size, (N, K)))
     return int4_linear_reference(x, *tinygemm_operands(qdata, scale_and_zero, (N, K), group_size), group_size)
 

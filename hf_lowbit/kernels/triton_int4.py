@@ -23,7 +23,8 @@ are exact in float32, accumulated in float32, bf16 out.
   (~1.2 GB for 8 Llama-8B layers: ~0.5 ms at 4.8 TB/s against ~13 ms of bf16 prefill matmuls).
 
 Tiles are constexprs with defaults for the H200 (``DECODE_TILES``); under ``TRITON_INTERPRET=1`` 16-wide tiles so
-the kernels can be checked on a CPU (as :mod:`hf_lowbit.kernels.triton_int8` does). Not yet measured on a GPU.
+the kernels can be checked on a CPU (as :mod:`hf_lowbit.kernels.triton_int8` does). Measured on the H200
+(docs/results/int4_mm_h200.md): this first GEMV 0.26-0.34x tinygemm at one row, the tile GEMV below 0.45-0.75x.
 """
 
 from __future__ import annotations
@@ -250,7 +251,8 @@ def int4_dequant_triton(packed: torch.Tensor, scales: torch.Tensor, zeros: torch
 # its loads of ``x`` have no masks and a word's four pairs are one 16-byte vector. sm_90 code of the M = 1 loop
 # (128 x 128 tiles, per step and thread): before, 65 4-byte cp.async copies of x, 137 selp, 65 setp, 1533 SASS
 # instructions (12.0 a code); now 16 16-byte copies, 9 selp, 1 setp and (the magic constant a register, bf16x2
-# rounding) 1013 SASS (7.9 a code). Not yet measured on a GPU.
+# rounding) 1013 SASS (7.9 a code): 0.45-0.75x tinygemm at M = 1 on the H200 (session 13). The factored GEMV below
+# takes the scale and zero out of the sum: 4.23 a code (tools/int4_gemv_sass.py).
 # ``scale_and_zero [K/group, N, 2]`` bf16 is read as int32 (the scale the low half, the zero the high half): one
 # 4-byte load gives both, and each word's 8 columns share a group (groups are >= 32 columns).
 
@@ -261,6 +263,8 @@ TILE_DECODE_TILES = {1: (128, 128, 4, 3), 16: (64, 128, 4, 3)}
 TILE_SWEEP_TILES = [(bn, bk, w, st) for bn, bk, w in ((64, 128, 2), (64, 256, 2), (128, 128, 4), (128, 256, 4),
                                                       (256, 128, 8), (128, 128, 8)) for st in (2, 4)]
 TILE_DECODE_TILES_INTERPRET = {1: (16, 128, 1, 1), 16: (16, 128, 1, 1)}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the factored GEMV (M = 1): the tile GEMV's guess, not measured
+FACTORED_TILES = (128, 128, 4, 3)
 TILE_DEQUANT_TILES = (32, 256, 4)  # BLOCK_N, BLOCK_K, warps
 TILE_DEQUANT_TILES_INTERPRET = (16, 128, 1)
 
@@ -397,6 +401,81 @@ def _int4_tile_decode_kernel(
 
 
 @triton.jit
+def _nibble_f32(words, SH: tl.constexpr, magic):
+    """``(q - 8)·2**SH`` as float32, exact: the nibble at bit ``SH`` (< 20) of each word read in place, OR-ed into
+    2**23's mantissa, minus ``2**23 + 8·2**SH``. One LOP3 (``magic`` a register) and one FADD a code."""
+    OFF: tl.constexpr = 8388608.0 + 8.0 * (1 << SH)
+    return ((words & (15 << SH)) | magic).to(tl.float32, bitcast=True) - OFF
+
+
+@triton.jit
+def _int4_tile_gemv_factored_kernel(
+    xf_ptr, xs_ptr, q_ptr, sz_ptr, out_ptr,
+    N, NP, KP, MAGIC,
+    stride_qn, stride_sg, stride_split,
+    GROUP: tl.constexpr, SPLIT_K: tl.constexpr, SOFT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """One row of ``x`` times the tile words, the scale and zero factored out of the sum:
+    ``y[n] = Σ_groups s·Σ (q - 8)·x + z·Σ x``. ``xf [KP]`` float32 (:func:`_tile_x_factored`: the words' order,
+    8 values a word, nibble ``ab``'s even and odd column at ``2ab``, ``2ab + 1``, scaled by ``2**-4ab`` and
+    ``2**-(4ab + 4)``: the even nibbles are read in place at bits ``4ab``, the odd ones at ``4ab + 4`` of the word
+    shifted right by 12, one shift a word), ``xs``: ``Σ x`` a step (``GROUP >= BLOCK_K``) or a word.
+
+    Per code a LOP3, an FADD and an FFMA (the products are exact in float32: 12 significant bits), against the
+    per-element weight of :func:`_int4_tile_decode_kernel` (a scale FMA and a bf16 rounding more): 4.23 SASS
+    instructions a code in the loop at the H200 tiles and group 128 (4.98 at group 32), 72 registers, against 7.91
+    and 245 (sm_90, Triton 3.6, ``tools/int4_gemv_sass.py``). The weight is not rounded to bf16 first: the sum is
+    closer to the exact product than tinygemm's, and differs from it by up to the weights' bf16 rounding
+    (``2**-8 Σ|x·w|``). Not yet measured on a GPU."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KW: tl.constexpr = BLOCK_K // 8
+    j = tl.arange(0, KW)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < NP
+    row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
+    first, last = _split_k_steps(pid_k, KP // BLOCK_K, SPLIT_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for step in tl.range(first, last, num_stages=NUM_STAGES):
+        k0 = step * BLOCK_K
+        words = tl.load(q_ptr + (k0 + (j // 16) * 128 + (j % 16))[:, None] + row[None, :], mask=mask_n[None, :],
+                        other=0)
+        # a word's 8 x values (one 32-byte load), split into [KW] vectors: ab = 2·a1 + a0, then the column's parity
+        x = tl.reshape(tl.load(xf_ptr + k0 + (8 * j)[:, None] + tl.arange(0, 8)[None, :]), (KW, 2, 2, 2))
+        xe, xo = tl.split(x)
+        xe0, xe1 = tl.split(xe)
+        xo0, xo1 = tl.split(xo)
+        e0, e2 = tl.split(xe0)
+        e1, e3 = tl.split(xe1)
+        o0, o2 = tl.split(xo0)
+        o1, o3 = tl.split(xo1)
+        odd = (words.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)  # odd nibbles at bits 4..19
+        inner = _nibble_f32(words, 0, MAGIC) * e0[:, None]  # [KW, BN]: Σ (q - 8)·x of each word
+        inner += _nibble_f32(odd, 4, MAGIC) * o0[:, None]
+        inner += _nibble_f32(words, 4, MAGIC) * e1[:, None]
+        inner += _nibble_f32(odd, 8, MAGIC) * o1[:, None]
+        inner += _nibble_f32(words, 8, MAGIC) * e2[:, None]
+        inner += _nibble_f32(odd, 12, MAGIC) * o2[:, None]
+        inner += _nibble_f32(words, 12, MAGIC) * e3[:, None]
+        inner += _nibble_f32(odd, 16, MAGIC) * o3[:, None]
+        if GROUP >= BLOCK_K:  # the step lies in one group
+            szw = tl.load(sz_ptr + (k0 // GROUP) * stride_sg + offs_n, mask=mask_n, other=0)
+            s = (szw << 16).to(tl.float32, bitcast=True)
+            z = (szw & -65536).to(tl.float32, bitcast=True)
+            acc += s * tl.sum(inner, axis=0) + z * tl.load(xs_ptr + step)
+        else:  # each word lies in one group (groups are >= 32 columns)
+            g = (k0 + (j // 16) * 128 + (j % 4) * 32) // GROUP
+            szw = tl.load(sz_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask_n[None, :], other=0)
+            s = (szw << 16).to(tl.float32, bitcast=True)
+            z = (szw & -65536).to(tl.float32, bitcast=True)
+            acc += tl.sum(s * inner + z * tl.load(xs_ptr + k0 // 8 + j)[:, None], axis=0)
+    if SPLIT_K == 1:
+        acc = _round_bf16(acc, SOFT)
+    tl.store(out_ptr + pid_k * stride_split + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
 def _int4_tile_dequant_kernel(q_ptr, sz_ptr, w_ptr, N, K, stride_qn, stride_sg, stride_wn,
                               GROUP: tl.constexpr, SOFT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The bf16 weight ``w [N, K]`` of the tile words (rows and columns past ``N``, ``K``: the layout's padding)."""
@@ -438,29 +517,60 @@ def _tile_x(x: torch.Tensor, KP: int) -> torch.Tensor:
     return x.reshape(M, KP).view(torch.int32)
 
 
+def _tile_x_factored(x: torch.Tensor, KP: int, block_k: int, per_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [1, K]`` bf16 as the factored GEMV reads it: ``xf [KP]`` float32 in the words' order (:func:`_tile_x`'s,
+    8 values a word: nibble ``ab``'s even and odd column), times ``2**-4ab`` and ``2**-(4ab + 4)`` (exact: the
+    kernel's in-place nibbles are ``(q - 8)`` times their inverse); and ``xs``, the float32 sums of ``x`` a
+    ``block_k`` step (``per_step``) or a word (8 columns), for the zeros' term. 16 KB and a few sums for K = 4096: a
+    pad, a permute and a reduction that ``torch.compile`` fuses."""
+    K = x.shape[1]
+    if K != KP:
+        x = torch.nn.functional.pad(x, (0, KP - K))
+    # [block, w, ab, c, pair half] -> [block, c, w, ab, pair half] = [word, ab, half]
+    xw = x.reshape(KP // 128, 4, 4, 4, 2).permute(0, 3, 1, 2, 4).reshape(KP // 8, 4, 2).float()
+    bits = 4 * torch.arange(4, device=x.device)[:, None] + 4 * torch.arange(2, device=x.device)  # no host copy
+    inv = ((127 - bits.int()) << 23).view(torch.float32)  # [ab, half]: 2**-4ab, 2**-(4ab + 4), exactly
+    xf = (xw * inv).reshape(KP)
+    xs = xw.sum((1, 2))
+    return xf, (xs.reshape(KP // block_k, block_k // 8).sum(1) if per_step else xs)
+
+
 def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
                             out_features: int, split_k: int | None = None,
-                            tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                            tiles: tuple[int, int, int, int] | None = None, factored: bool = False) -> torch.Tensor:
     """``x [M, K]`` bf16 (M ≤ 16) times the int4 weight in tinygemm's tile layout (``qdata``, ``scale_and_zero``:
-    torchao's, as stored), bf16 ``[M, out_features]``, with :func:`int4_decode_triton`'s numerics. ``split_k`` /
-    ``tiles`` (BLOCK_N, BLOCK_K, warps, stages) override the defaults (tests, benchmarks)."""
+    torchao's, as stored), bf16 ``[M, out_features]``, with :func:`int4_decode_triton`'s numerics. ``factored``:
+    one row goes through :func:`_int4_tile_gemv_factored_kernel` instead (the scale and zero out of the sum; the
+    weight not rounded to bf16); more rows as without. ``split_k`` / ``tiles`` (BLOCK_N, BLOCK_K, warps, stages)
+    override the defaults (tests, benchmarks)."""
     M = x.shape[0]
     NP, KP = qdata.shape[0] * 8, qdata.shape[1] * 128
+    factored = factored and M == 1
     bn, bk, warps, stages = _tile_decode_tiles(M, tiles)
+    if factored and tiles is None and not _INTERPRET:
+        bn, bk, warps, stages = FACTORED_TILES
     if split_k is None:
         split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device))
-    use_dot = M > 1
-    block_m = 16 if use_dot else 1
-    x2 = _tile_x(x, KP)
     sz = scale_and_zero.view(torch.int32).squeeze(-1)  # [G, NP]
     out = torch.empty((M, out_features), dtype=torch.bfloat16, device=x.device)
     dest = out if split_k == 1 else torch.empty((split_k, M, out_features), dtype=torch.float32, device=x.device)
-    wrap_triton(_int4_tile_decode_kernel)[(triton.cdiv(NP, bn), split_k)](
-        x2, qdata, sz, dest, M, out_features, NP, KP, _MAGIC_BITS,
-        x2.stride(0), qdata.stride(0), sz.stride(0), out_features, M * out_features,
-        GROUP=group_size, SPLIT_K=split_k, USE_DOT=use_dot, DOT_IEEE=_INTERPRET, SOFT=_INTERPRET,
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=warps, num_stages=stages,
-    )
+    if factored:
+        xf, xs = _tile_x_factored(x, KP, bk, group_size >= bk)
+        wrap_triton(_int4_tile_gemv_factored_kernel)[(triton.cdiv(NP, bn), split_k)](
+            xf, xs, qdata, sz, dest, out_features, NP, KP, _MAGIC_BITS, qdata.stride(0), sz.stride(0),
+            M * out_features, GROUP=group_size, SPLIT_K=split_k, SOFT=_INTERPRET, BLOCK_N=bn, BLOCK_K=bk,
+            NUM_STAGES=stages, num_warps=warps, num_stages=stages,
+        )
+    else:
+        use_dot = M > 1
+        x2 = _tile_x(x, KP)
+        wrap_triton(_int4_tile_decode_kernel)[(triton.cdiv(NP, bn), split_k)](
+            x2, qdata, sz, dest, M, out_features, NP, KP, _MAGIC_BITS,
+            x2.stride(0), qdata.stride(0), sz.stride(0), out_features, M * out_features,
+            GROUP=group_size, SPLIT_K=split_k, USE_DOT=use_dot, DOT_IEEE=_INTERPRET, SOFT=_INTERPRET,
+            BLOCK_M=16 if use_dot else 1, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=warps,
+            num_stages=stages,
+        )
     if split_k > 1:
         block = 256 if _INTERPRET else 1024
         wrap_triton(_split_sum_kernel)[(triton.cdiv(M * out_features, block),)](

@@ -9,11 +9,13 @@
 :class:`Int4ServingLinear` keeps torchao's tile-packed weight as it is (buffers ``qdata`` and ``scale_and_zero``:
 ONE copy of the weight, nothing repacked, no extra memory) and calls ``hf_lowbit::int4_tile_linear``
 (:func:`hf_lowbit.kernels.int4.int4_tile_linear`): up to 16 rows (decode) ``decode="tinygemm"`` (the default:
-``aten._weight_int4pack_mm``, what torchao runs, 3-4x faster than our first GEMV on the H200) or ``"triton"`` (our
-tile-layout GEMV, to be measured against it); more rows (prefill) a Triton kernel dequantizes the tile layout to
-bf16 and cuBLAS multiplies (20-24x tinygemm's prefill on the H200 with the first layout). Numerics: tinygemm's weight
-``bf16((q - 8)·scale + zero)`` (ours forms it in float32 and rounds once; the two differ only on rare ties), float32
-accumulation in both. Plain buffers: no tensor subclass for Dynamo to guard or AOTAutograd to flatten per call.
+``aten._weight_int4pack_mm``, what torchao runs, 3-4x faster than our first GEMV on the H200), ``"triton"`` (our
+tile-layout GEMV: 0.45-0.75x tinygemm at one row on the H200) or ``"triton_factored"`` (at one row the tile layout's
+GEMV with the scale and zero out of the sum, ~4.2 instructions a code against 7.9: not yet measured on a GPU);
+more rows (prefill) a Triton kernel dequantizes the tile layout to bf16 and cuBLAS multiplies (20-24x tinygemm's
+prefill on the H200 with the first layout). Numerics: tinygemm's weight ``bf16((q - 8)·scale + zero)`` (ours forms it
+in float32 and rounds once; the two differ only on rare ties; ``"triton_factored"`` does not round it), float32
+accumulation in all. Plain buffers: no tensor subclass for Dynamo to guard or AOTAutograd to flatten per call.
 
 Needs torch, Triton (on CUDA) and :mod:`hf_lowbit.kernels.int4` / :mod:`hf_lowbit.swap`; torchao's
 ``Int4TilePackedTo4dTensor`` is recognised by type name, not imported. Measured on the H200 per linear
@@ -44,7 +46,7 @@ class Int4ServingLinear(nn.Module):
     ``[N_pad/8, K_pad/128, 32, 4]`` and ``scale_and_zero`` bf16 ``[K_pad/group_size, N_pad, 2]``, torchao's
     ``Int4TilePackedTo4dTensor`` fields as stored; N padded to a multiple of 8, K of 1024). Inputs of any leading
     shape and floating dtype: computed in bf16 (as tinygemm's linear does), returned in the input's dtype.
-    ``decode``: what runs up to 16 rows on CUDA, ``"tinygemm"`` or ``"triton"`` (settable after construction)."""
+    ``decode``: what runs up to 16 rows on CUDA, one of ``DECODE_KERNELS`` (settable after construction)."""
 
     def __init__(self, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int, in_features: int,
                  out_features: int, bias: torch.Tensor | None = None, decode: str = "tinygemm"):
