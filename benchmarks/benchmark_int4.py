@@ -13,10 +13,11 @@ layout + cuBLAS, what ``Int4ServingLinear`` serves now). Each: µs (ten calls in
 + bf16 scales and zeros, or bf16; plus x and y). Also the split-K factor ours chose, and the largest difference
 of ours against tinygemm's output (the same weight: float32 sums in different orders). Also ``--sweep``: the
 tile GEMV's tiles (BLOCK_N, BLOCK_K, warps, stages: ``TILE_SWEEP_TILES``) and split-K on each shape at M = 1, to
-set ``TILE_DECODE_TILES``, and the same for the factored GEMV (``FACTORED_TILES``). ``factored`` (M = 1 only:
-``int4_tile_linear(decode="triton_factored")``) is the tile layout's GEMV with the scale and zero taken out of the
-sum, ~4.2 SASS instructions a code against the tile GEMV's 7.9 (``tools/int4_gemv_sass.py``); it does not round
-the weight to bf16, so its difference from tinygemm includes the weights' bf16 rounding (reported beside the others). The defaults decide ``Int4ServingLinear``'s ``decode`` ("tinygemm" until ``tile`` is
+set ``TILE_DECODE_TILES``, and the same for the factored GEMVs (``FACTORED_TILES``, ``MMA_TILES``). ``factored``
+(M = 1 only: ``int4_tile_linear(decode="triton_factored")``) is the tile layout's GEMV with the scale and zero taken
+out of the sum, ~4.2 SASS instructions a code against the tile GEMV's 7.9 (``tools/int4_gemv_sass.py``); ``mma``
+(M ≤ 16, group ≥ 128: ``decode="triton_mma"``) the same sums on tensor cores, ~3.3 a code. Neither rounds the weight
+to bf16, so their difference from tinygemm includes the weights' bf16 rounding (reported beside the others). The defaults decide ``Int4ServingLinear``'s ``decode`` ("tinygemm" until ``tile`` is
 faster at M = 1 and 8). ``gemlite`` (when installed: ``tools/device_prep.sh`` puts its wheel in ``.whl``; its
 default "fast" autotune, ``--gemlite_autotune`` to change it) is the Triton int4 GEMV peer: ``GemLiteLinear`` (A16W4,
 bf16) packed from the same codes, its zeros ``z - 8·scale`` so that it computes tinygemm's ``(q - 8)·scale + z``
@@ -77,6 +78,7 @@ def bench(a) -> list[dict]:
     from benchmarks.driver import graph_ms
     from hf_lowbit.kernels.int4 import int4_dequantize, int4_linear, int4_tile_linear
     from hf_lowbit.kernels.triton_int4 import (
+        TILE_KERNELS,
         TILE_SWEEP_TILES,
         _decode_tiles,
         _sms,
@@ -100,15 +102,20 @@ def bench(a) -> list[dict]:
             io = 2 * M * (K + N)
             ours = int4_linear(x, packed, s, z, a.group_size)
             tile = int4_tile_linear(x, qdata, sz, a.group_size, N, "triton")
-            fact = int4_tile_linear(x, qdata, sz, a.group_size, N, "triton_factored") if M == 1 else None
+            # our factored GEMVs where they run (else their fallback, not timed): CUDA cores at one row, tensor
+            # cores up to 16 rows (groups of 128 and more)
+            ours_more = {name: decode for name, decode, ok in (("factored", "triton_factored", M == 1),
+                                                                ("mma", "triton_mma", M <= 16 and a.group_size >= 128))
+                         if ok}
+            extra = {name: int4_tile_linear(x, qdata, sz, a.group_size, N, decode) for name, decode in ours_more.items()}
             tiny = torch.ops.aten._weight_int4pack_mm(x, qdata, a.group_size, sz)
             ref = F.linear(x, w_bf16)
             row = {"N": N, "K": K, "M": M, "group_size": a.group_size,
                    "max_diff_vs_tinygemm": (ours.float() - tiny.float()).abs().max().item(),
                    "tile_max_diff_vs_tinygemm": (tile.float() - tiny.float()).abs().max().item(),
                    "max_abs_tinygemm": tiny.float().abs().max().item(),
-                   **({"factored_max_diff_vs_tinygemm": (fact.float() - tiny.float()).abs().max().item()}
-                      if fact is not None else {}),
+                   **{f"{name}_max_diff_vs_tinygemm": (y.float() - tiny.float()).abs().max().item()
+                      for name, y in extra.items()},
                    "max_diff_vs_bf16_linear": (ours.float() - ref.float()).abs().max().item()}
             if M <= 16:
                 bn, bk, _ = _decode_tiles(M, a.group_size, None)
@@ -119,9 +126,8 @@ def bench(a) -> list[dict]:
                      ("tile", lambda: int4_tile_linear(x, qdata, sz, a.group_size, N, "triton"), int4_bytes),
                      ("tinygemm", lambda: torch.ops.aten._weight_int4pack_mm(x, qdata, a.group_size, sz), int4_bytes),
                      ("bf16", lambda: F.linear(x, w_bf16), 2 * N * K)]
-            if fact is not None:
-                peers.append(("factored", lambda: int4_tile_linear(x, qdata, sz, a.group_size, N, "triton_factored"),
-                              int4_bytes))
+            for name, decode in ours_more.items():
+                peers.append((name, lambda d=decode: int4_tile_linear(x, qdata, sz, a.group_size, N, d), int4_bytes))
             if gl is not None:
                 try:
                     row["gemlite_max_diff_vs_tinygemm"] = (gl(x).float() - tiny.float()).abs().max().item()
@@ -136,7 +142,7 @@ def bench(a) -> list[dict]:
             row["ours_vs_bf16"] = row["bf16_us"] / row["ours_us"]
             row["tile_vs_tinygemm"] = row["tinygemm_us"] / row["tile_us"]
             row["tile_vs_bf16"] = row["bf16_us"] / row["tile_us"]
-            for peer in ("factored", "gemlite"):
+            for peer in ("factored", "mma", "gemlite"):
                 if f"{peer}_us" in row:
                     row[f"{peer}_vs_tinygemm"] = row["tinygemm_us"] / row[f"{peer}_us"]
                     row[f"{peer}_vs_bf16"] = row["bf16_us"] / row[f"{peer}_us"]
@@ -144,18 +150,18 @@ def bench(a) -> list[dict]:
             rows.append(row)
         if a.sweep:
             x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-            for kernel, factored in (("tile", False), ("factored", True)):
+            for kernel in TILE_KERNELS:
                 for tiles in TILE_SWEEP_TILES:
                     for split in (1, 2, 4, 8):
                         key = {"N": N, "K": K, "M": 1, "kernel": kernel, "sweep": list(tiles), "split_k": split}
                         try:
                             us = graph_ms(lambda: int4_tile_decode_triton(x, qdata, sz, a.group_size, N, split, tiles,
-                                                                          factored)) * 1000
+                                                                          kernel)) * 1000
                         except Exception as e:  # noqa: BLE001 - a tile that does not compile is recorded, not fatal
                             rows.append({**key, "error": f"{type(e).__name__}: {str(e)[:100]}"})
                             continue
                         rows.append({**key, "ours_us": us, "ours_gb_s": (int4_bytes + 2 * (K + N)) / us / 1e3})
-            for kernel in ("tile", "factored"):
+            for kernel in TILE_KERNELS:
                 best = min((r for r in rows if r.get("sweep") and r["N"] == N and r["K"] == K and "ours_us" in r
                             and r["kernel"] == kernel), key=lambda r: r["ours_us"], default=None)
                 print(f"sweep {N}x{K} {kernel} best: {best}", flush=True)
@@ -167,6 +173,7 @@ def markdown(rows: list[dict]) -> list[str]:
     head = ["N x K", "M", "split-K", "ours µs", "GB/s", "tile µs", "GB/s", "tinygemm µs", "GB/s", "bf16 µs", "GB/s",
             "ours vs tinygemm", "tile vs tinygemm", "tile vs bf16", "max diff vs tinygemm: ours, tile (max abs y)",
             "factored µs", "GB/s", "factored vs tinygemm", "factored vs bf16", "factored max diff vs tinygemm",
+            "mma µs", "GB/s", "mma vs tinygemm", "mma vs bf16", "mma max diff vs tinygemm",
             "gemlite µs", "GB/s", "gemlite vs tinygemm", "gemlite vs bf16", "gemlite max diff vs tinygemm"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -178,9 +185,10 @@ def markdown(rows: list[dict]) -> list[str]:
             f"{r['tinygemm_us']:.1f}", f"{r['tinygemm_gb_s']:.0f}", f"{r['bf16_us']:.1f}", f"{r['bf16_gb_s']:.0f}",
             f"{r['ours_vs_tinygemm']:.2f}x", f"{r['tile_vs_tinygemm']:.2f}x", f"{r['tile_vs_bf16']:.2f}x",
             f"{r['max_diff_vs_tinygemm']:.2e}, {r['tile_max_diff_vs_tinygemm']:.2e} ({r['max_abs_tinygemm']:.2e})"]
-            + ([f"{r['factored_us']:.1f}", f"{r['factored_gb_s']:.0f}", f"{r['factored_vs_tinygemm']:.2f}x",
-                f"{r['factored_vs_bf16']:.2f}x", f"{r['factored_max_diff_vs_tinygemm']:.2e}"] if "factored_us" in r
-               else ["–"] * 5)
+            + [cell for name in ("factored", "mma") for cell in (
+                [f"{r[name + '_us']:.1f}", f"{r[name + '_gb_s']:.0f}", f"{r[name + '_vs_tinygemm']:.2f}x",
+                 f"{r[name + '_vs_bf16']:.2f}x", f"{r[name + '_max_diff_vs_tinygemm']:.2e}"] if name + "_us" in r
+                else ["–"] * 5)]
             + ([f"{r['gemlite_us']:.1f}", f"{r['gemlite_gb_s']:.0f}", f"{r['gemlite_vs_tinygemm']:.2f}x",
                 f"{r['gemlite_vs_bf16']:.2f}x", f"{r['gemlite_max_diff_vs_tinygemm']:.2e}"] if "gemlite_us" in r
                else [r.get("gemlite_error", "not installed")[:60], "–", "–", "–", "–"]))

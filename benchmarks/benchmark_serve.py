@@ -49,8 +49,9 @@ every linear with an ``Int4TilePackedTo4dTensor`` weight for ``Int4ServingLinear
 ``Float8Tensor`` linears, one each: a decode GEMV with the activation quantized inside, ``_scaled_mm`` for prefill).
 ``compiled_int4k_stacked`` / ``compiled_fp8k_stacked``: those two with ``stack_siblings=True`` (both calls'
 default): q/k/v and gate/up each one call over their stacked weights (``hf_lowbit/qat/siblings.py``).
-``compiled_int4k_factored``: ``compiled_int4k_stacked`` with ``decode="triton_factored"`` (our factored GEMV at
-batch 1, the tile GEMV at 2-16 rows).
+``compiled_int4k_factored`` / ``compiled_int4k_mma``: ``compiled_int4k_stacked`` with ``decode="triton_factored"``
+(our factored GEMV at batch 1, the tile GEMV at 2-16 rows) / ``decode="triton_mma"`` (the factored sums on tensor
+cores up to 16 rows, groups of 128 and more).
 On a CPU the int4 modes skip int4_tinygemm checkpoints (tinygemm's layout serves on CUDA); others swap nothing and run as
 ``compiled_lean``. Modes run in the order given, on one loaded model; a mode after one that changes the model
 (every compiled mode but ``compiled``: ``CHANGES_MODEL``) loads it again.
@@ -77,10 +78,11 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_int4k_triton",
-         "compiled_fp8k", "compiled_int4k_stacked", "compiled_fp8k_stacked", "compiled_int4k_factored")
+         "compiled_fp8k", "compiled_int4k_stacked", "compiled_fp8k_stacked", "compiled_int4k_factored",
+         "compiled_int4k_mma")
 # a mode after one of these loads the model again
 CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_int4k_triton", "compiled_fp8k",
-                 "compiled_int4k_stacked", "compiled_fp8k_stacked", "compiled_int4k_factored")
+                 "compiled_int4k_stacked", "compiled_fp8k_stacked", "compiled_int4k_factored", "compiled_int4k_mma")
 TINYGEMM_WEIGHT = "Int4TilePackedTo4dTensor"
 # compiled_lean after one of hf_lowbit's kernel swaps: mode -> (module, function, its keyword arguments, the phase's
 # key for its report)
@@ -95,7 +97,9 @@ KERNEL_MODES = {"compiled_int4k": ("hf_lowbit.qat.int4_serving", "use_int4_kerne
                 "compiled_fp8k_stacked": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels", {"stack_siblings": True},
                                           "fp8_kernels"),
                 "compiled_int4k_factored": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",
-                                            {"decode": "triton_factored", "stack_siblings": True}, "int4_kernels")}
+                                            {"decode": "triton_factored", "stack_siblings": True}, "int4_kernels"),
+                "compiled_int4k_mma": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",
+                                       {"decode": "triton_mma", "stack_siblings": True}, "int4_kernels")}
 SERVING_HELPERS = os.path.join(ROOT, "hf_lowbit", "qat", "serving.py")
 DEFAULT_CHECKPOINTS = ("bf16,qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,"
                        "qat_int4_weight_only")

@@ -211,7 +211,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "F.linear on the Llama-8B layer shapes and LM heads, M = 1 and 8 (and the 2048-row prefill path): "
                 "ours (the first GEMV, our packed layout), tile (the tile GEMV on tinygemm's own layout, "
                 "int4_tile_linear decode='triton'; prefill: tile dequantize + cuBLAS, what Int4ServingLinear "
-                "serves), factored (M = 1: decode='triton_factored', the scale and zero out of the sum), GPU µs (CUDA graph), GB/s of the bytes each must read, the split-K chosen, the largest "
+                "serves), factored (M = 1: decode='triton_factored', the scale and zero out of the sum) and mma (M <= 16: "
+                "decode='triton_mma', the same on tensor cores), GPU µs (CUDA graph), GB/s of the bytes each must read, the split-K chosen, the largest "
                 "difference from tinygemm's output. tile_vs_tinygemm at M = 1 and 8 decides Int4ServingLinear's "
                 "decode default (tinygemm until tile wins). SWEEP=--sweep adds the tile GEMV's tiles x split-K at "
                 "M = 1 (to set TILE_DECODE_TILES; many Triton compiles). With gemlite's wheel in .whl "
@@ -225,7 +226,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                     "(torchao's tinygemm weight), bf16 in the same call, under the profiler (GPU ms per decoded token, "
                     "prefill GPU ms), decode at batch 1 (issue 26's bar; BATCHES=1,8 adds 8): compiled_int4k "
                     "(use_int4_kernels(stack_siblings=False) + prepare_for_serving: tinygemm decode, our tile dequantize + "
-                    "cuBLAS prefill; compiled_int4k_stacked: stacked siblings, the default), compiled_int4k_triton (decode='triton': our tile GEMV decodes too) and compiled_int4k_factored (stacked, decode='triton_factored': our factored GEMV at batch 1). Run int4_mm first: if "
+                    "cuBLAS prefill; compiled_int4k_stacked: stacked siblings, the default), compiled_int4k_triton (decode='triton': our tile GEMV decodes too) compiled_int4k_factored / compiled_int4k_mma (stacked, decode='triton_factored' / 'triton_mma': our factored GEMVs). Run int4_mm first: if "
                     "a kernel is slower than tinygemm there, this call will say the same. Split if it runs out of "
                     "time: MODES=compiled_lean,compiled_int4k TAG=a, then MODES=compiled_int4k_triton TAG=b "
                     "(each with its own bf16 row)",

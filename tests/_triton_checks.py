@@ -920,9 +920,10 @@ def _factored_tol(x, p, s, z, group_size):
 def check_int4_tile(device: str) -> int:
     """The kernels reading tinygemm's tile layout (``int4_tile_dequant_triton``, ``int4_tile_decode_triton``)
     against plain torch: the dequantized weight bit for bit :func:`int4_dequantize`'s; the tile GEMV (M = 1, 3, 16;
-    split K 1, 3 and the default; x rows of a wider tensor) within :func:`_int4_tol`; the factored GEMV (M = 1, the
-    same splits) within :func:`_factored_tol` of the exact product. N not a multiple of 8 (the layout's padded
-    rows), K of one and several 128-column blocks, every group size. Returns the number of checks."""
+    split K 1, 3 and the default; x rows of a wider tensor) within :func:`_int4_tol`; the factored GEMVs (on CUDA
+    cores, M = 1; on tensor cores, M = 1, 3, 16; the same splits) within :func:`_factored_tol` of the exact product
+    (where the group is under a tensor-core step, what they fall back to). N not a multiple of 8 (the layout's
+    padded rows), K of one and several 128-column blocks, every group size. Returns the number of checks."""
     from hf_lowbit.kernels.int4 import int4_dequantize, int4_linear_reference, int4_tile_dequantize
     from hf_lowbit.kernels.triton_int4 import int4_tile_decode_triton, int4_tile_dequant_triton
 
@@ -951,15 +952,19 @@ def check_int4_tile(device: str) -> int:
                 err = (y.double() - ref.double()).abs()
                 assert (err <= tol).all(), f"{(M, N, K, gs)} tile decode split_k={sk}: max err {err.max().item():.3e}"
                 n += 1
-        x = torch.randn(1, K + 8, device=device).bfloat16()[:, 8:]
-        ref, tol = _factored_tol(x, p, s, z, gs)
-        for sk in (None, 1, 3):
-            with PoisonedAllocations() as poison:
-                y = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=sk, factored=True)
-            assert ((1, N), torch.bfloat16) in poison.shapes and torch.isfinite(y).all(), (N, K, sk)
-            err = (y.double() - ref).abs()
-            assert (err <= tol).all(), f"{(N, K, gs)} factored GEMV split_k={sk}: max err {err.max().item():.3e}"
-            n += 1
+        for kernel, M in (("factored", 1), ("mma", 1), ("mma", 3), ("mma", 16)):
+            x = torch.randn(M, K + 8, device=device).bfloat16()[:, 8:]
+            ref, tol = _factored_tol(x, p, s, z, gs)
+            for sk in (None, 1, 3):
+                with PoisonedAllocations() as poison:
+                    y = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=sk, kernel=kernel)
+                assert ((M, N), torch.bfloat16) in poison.shapes and torch.isfinite(y).all(), (N, K, M, sk)
+                err = (y.double() - ref).abs()
+                if kernel == "mma" and M > 1 and gs < 128:  # groups under a step: the tile GEMV, whose weight is bf16
+                    err, tol = (y.double() - int4_linear_reference(x, p, s, z, gs).double()).abs(), _int4_tol(
+                        x, ref_w, int4_linear_reference(x, p, s, z, gs))
+                assert (err <= tol).all(), f"{(M, N, K, gs)} {kernel} GEMV split_k={sk}: max err {err.max().item():.3e}"
+                n += 1
     return n
 
 

@@ -68,6 +68,18 @@ def _configs():
                         I._int4_tile_gemv_factored_kernel, fact_sig(split),
                         dict(GROUP=gs, SPLIT_K=split, SOFT=False, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages), warps,
                         stages))
+    # its tensor-core form (M <= 16, groups of at least its BLOCK_K)
+    mma_sig = lambda split: dict(  # noqa: E731
+        x_ptr="*bf16", xs_ptr="*fp32", q_ptr="*i32", sz_ptr="*i32", out_ptr="*bf16" if split == 1 else "*fp32",
+        M="i32", N="i32", NP="i32", KP="i32", stride_xm="i32", stride_xsm="i32", stride_qn="i32", stride_sg="i32",
+        stride_om="i32", stride_split="i32")
+    bn, bk, warps, stages = I.MMA_TILES
+    for gs in (128, 256):
+        for split in (1, 4):
+            out.append((f"int4_tile_gemv_mma tiles={I.MMA_TILES} gs={gs} split={split}",
+                        I._int4_tile_gemv_mma_kernel, mma_sig(split),
+                        dict(GROUP=gs, SPLIT_K=split, SOFT=False, DOT_IEEE=False, BLOCK_N=bn, BLOCK_K=bk,
+                             NUM_STAGES=stages), warps, stages))
     bn, bk, warps = I.TILE_DEQUANT_TILES
     for gs in (32, 128, 256):
         out.append((f"int4_tile_dequant gs={gs}", I._int4_tile_dequant_kernel,
@@ -176,7 +188,7 @@ def _configs():
 # the int arguments a launch on Llama shapes passes as multiples of 16 (Triton then marks them, as it marks 16-byte
 # aligned pointers, ``tt.divisibility = 16``: vectorized loads and cp.async pipelining, other code than without)
 _ALIGNED_INTS = {"N", "K", "R", "stride_wr", "K_PER_SPLIT", "MN", "stride_xm", "stride_pn", "stride_wn", "stride_om",
-                 "stride_split", "NP", "KP", "stride_qn", "stride_sg"}
+                 "stride_split", "NP", "KP", "stride_qn", "stride_sg", "stride_xsm"}
 
 
 def _with_hints(configs):

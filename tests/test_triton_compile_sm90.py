@@ -38,8 +38,9 @@ def test_serving_kernels_compile_for_sm90():
 
 def test_int4_gemv_sass_factored_has_fewer_instructions():
     """tools/int4_gemv_sass.py: the factored GEMV's main loop at sm_90 issues fewer SASS instructions a code than the
-    tile GEMV's (the point of the factored design: no scale FMA, no bf16 rounding a code), without spills, for
-    group 128 and 32 (the figures the kernels' docstrings quote come from this tool)."""
+    tile GEMV's (the point of the factored design: no scale FMA, no bf16 rounding a code), and its tensor-core form
+    fewer still (two codes an instruction until the MMA), without spills, for group 128 and 32 (the tensor-core
+    form: 128 only); the figures the kernels' docstrings quote come from this tool."""
     import re
 
     why = _compiles_at_all()
@@ -50,10 +51,13 @@ def test_int4_gemv_sass_factored_has_fewer_instructions():
                        capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     per = {(m.group(1), m.group(2), m.group(3)): (float(m.group(5)), int(m.group(4)))
-           for m in re.finditer(r"^(tile|factored) GEMV \S+ \S+ \S+ \S+ group (\d+) split (\d+): \d+ regs, (\d+) B "
+           for m in re.finditer(r"^(tile|factored|mma) GEMV \S+ \S+ \S+ \S+ group (\d+) split (\d+): \d+ regs, (\d+) B "
                                 r"spilled.* ([\d.]+) a code", r.stdout, re.MULTILINE)}
-    assert len(per) == 8, r.stdout
+    assert len(per) == 10, r.stdout
     for gs in ("128", "32"):
         for split in ("1", "4"):
             (fact, fact_spill), (tile, _) = per["factored", gs, split], per["tile", gs, split]
             assert fact_spill == 0 and fact < 0.7 * tile, (gs, split, fact, tile)
+            if gs == "128":
+                mma, mma_spill = per["mma", gs, split]
+                assert mma_spill == 0 and mma < 0.9 * fact, (split, mma, fact)

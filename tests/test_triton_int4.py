@@ -32,18 +32,18 @@ def test_triton_int4_interpreted():
 
 def test_triton_int4_tile_interpreted():
     """The kernels on tinygemm's tile layout: dequantized weights bit for bit, the tile GEMV (M 1, 3, 16; split K
-    1, 3, default) within the order bound, the factored GEMV (M 1, the same splits) within its bound of the exact
-    product, 4 shapes (_triton_checks.check_int4_tile)."""
+    1, 3, default) within the order bound, the factored GEMVs (CUDA cores: M 1; tensor cores: M 1, 3, 16; the same
+    splits) within their bound of the exact product, 4 shapes (_triton_checks.check_int4_tile)."""
     from test_triton_int8 import run_interpreted
 
-    assert "checked 52 int4 tile-layout dequantizations and GEMVs" in run_interpreted("int4_tile")
+    assert "checked 88 int4 tile-layout dequantizations and GEMVs" in run_interpreted("int4_tile")
 
 
 @pytest.mark.cuda
 def test_triton_int4_tile_cuda():
     from _triton_checks import check_int4_tile
 
-    assert check_int4_tile("cuda") == 9 * 13
+    assert check_int4_tile("cuda") == 9 * 22
 
 
 @pytest.mark.cuda
@@ -59,12 +59,12 @@ def test_pack_tinygemm_tiles_is_torchs_cuda_layout():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("decode", ["tinygemm", "triton", "triton_factored"])
+@pytest.mark.parametrize("decode", ["tinygemm", "triton", "triton_factored", "triton_mma"])
 def test_int4_tile_linear_cuda(decode):
     """The dispatch on CUDA: decode rows (1, 8, 16) through tinygemm or our tile GEMV, prefill rows (17, 300) through
     our dequantize + cuBLAS, all within the order bound of the reference (tinygemm's weight may differ from ours by
     one bf16 step on rare ties: the bound's 2**-7 |ref| term covers an output, checked here with twice the bound);
-    the factored GEMV's one row within its own bound of the exact product (it does not round the weight)."""
+    the factored GEMVs' rows within their own bound of the exact product (they do not round the weight)."""
     from _triton_checks import _factored_tol, _int4_tol, tile_operands
 
     for N, K, gs in ((4096, 4096, 128), (1000, 1024, 64), (520, 2048, 256)):
@@ -75,7 +75,8 @@ def test_int4_tile_linear_cuda(decode):
             ref = int4_linear_reference(x, p, s, z, gs)
             y = int4_tile_linear(x, qdata, sz, gs, N, decode)
             assert y.shape == (M, N) and y.is_contiguous()
-            if decode == "triton_factored" and M == 1:
+            factored = M == 1 if decode == "triton_factored" else M == 1 or (M <= 16 and gs >= 128)
+            if decode in ("triton_factored", "triton_mma") and factored:  # else the tile GEMV or the prefill path
                 exact, tol = _factored_tol(x, p, s, z, gs)
                 err = (y.double() - exact).abs()
             else:
@@ -104,7 +105,7 @@ def test_tile_op_reference_and_checks():
 
     p, s, z, qdata, sz = tile_operands(20, 256, 64, "cpu")
     x = torch.randn(3, 256).bfloat16()
-    for decode in ("tinygemm", "triton", "triton_factored"):
+    for decode in ("tinygemm", "triton", "triton_factored", "triton_mma"):
         assert torch.equal(int4_tile_linear(x, qdata, sz, 64, 20, decode), int4_linear_reference(x, p, s, z, 64))
     with pytest.raises(RuntimeError, match="decode 'cuda' is not one of"):
         int4_tile_linear(x, qdata, sz, 64, 20, "cuda")
@@ -242,7 +243,7 @@ def _tinygemm_model(gs, N=1024, K=4096, seed=0):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("decode", ["tinygemm", "triton", "triton_factored"])
+@pytest.mark.parametrize("decode", ["tinygemm", "triton", "triton_factored", "triton_mma"])
 @pytest.mark.parametrize("gs", [32, 64, 128, 256])
 def test_repack_from_torchao_cuda(gs, decode):
     """Repacked from a real export's weight: the codes exactly (tinygemm's own product with the repacked bf16 weight
@@ -263,8 +264,8 @@ def test_repack_from_torchao_cuda(gs, decode):
             y = fn(x)
             err = (y.float() - ref.float()).abs()
             # the same bf16 weight and exact products; float32 sums in different orders, each layer's output
-            # rounded to bf16 (the second layer's input differs by the first's roundings); triton_factored's one
-            # row uses the weight before its bf16 rounding (2**-8 of each weight at most: within the same bound)
+            # rounded to bf16 (the second layer's input differs by the first's roundings); the factored GEMVs
+            # use the weight before its bf16 rounding (2**-8 of each weight at most: within the same bound)
             assert (err <= 2 ** -6 * ref.float().abs() + 1e-2 * ref.float().abs().mean()).all(), (M, err.max())
         torch._dynamo.reset()
 
@@ -311,6 +312,6 @@ def test_benchmark_int4_on_cpu(capsys):
     lines = bench.markdown([row, fact, sweep])
     assert len({line.count("|") for line in lines[:4]}) == 1  # every row has the header's columns
     assert "| 4096x4096 | 1 | 2 | 5.0 | 1800 | 4.0 | 2200 |" in lines[2] and "2.25x" in lines[2]
-    assert "| – | – | – | – | – | not installed |" in lines[2]
-    assert "| 3.0 | 3000 | 3.00x | 4.00x | 1.00e-02 | not installed |" in lines[3]
+    assert "| – | – | – | – | – | – | – | – | – | – | not installed |" in lines[2]
+    assert "| 3.0 | 3000 | 3.00x | 4.00x | 1.00e-02 | – | – | – | – | – | not installed |" in lines[3]
     assert "| factored | (128, 128, 4, 3) |" in lines[-1]

@@ -3,7 +3,8 @@
 [--dump DIR] [--sweep]``.
 
 Per kernel at one row of ``x`` (the tile GEMV's M = 1 branch, ``TILE_DECODE_TILES[1]``, and the factored GEMV,
-``FACTORED_TILES``), group 128 and 32, split K 1 and 4, as a launch on Llama shapes marks it (16-byte aligned
+``FACTORED_TILES``; its tensor-core form, ``MMA_TILES``, for up to 16 rows and groups of 128), group 128 and 32,
+split K 1 and 4, as a launch on Llama shapes marks it (16-byte aligned
 pointers, ``N``, ``NP``, ``KP`` and the strides multiples of 16): registers and spills (``ptxas -v``), shared memory,
 and the main loop's SASS instructions (the longest loop), per code a thread handles a step (``BLOCK_N · BLOCK_K /
 threads``), with the loop's opcodes. ``--sweep``: also the benchmark's sweep tiles (``TILE_SWEEP_TILES``), group 128,
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sass import back_edges, compile_sm90, machine_code, opcode_counts, registers, tool_args  # noqa: E402
 
-_ALIGNED = ("N", "NP", "KP", "stride_xm", "stride_qn", "stride_sg", "stride_om", "stride_split")
+_ALIGNED = ("N", "NP", "KP", "stride_xm", "stride_xsm", "stride_qn", "stride_sg", "stride_om", "stride_split")
 
 
 def _configs(sweep: bool):
@@ -33,11 +34,15 @@ def _configs(sweep: bool):
                     stride_xm="i32", stride_qn="i32", stride_sg="i32", stride_om="i32", stride_split="i32")
     fact_sig = dict(xf_ptr="*fp32", xs_ptr="*fp32", q_ptr="*i32", sz_ptr="*i32", N="i32", NP="i32", KP="i32",
                     MAGIC="i32", stride_qn="i32", stride_sg="i32", stride_split="i32")
-    cases = [(I.TILE_DECODE_TILES[1], I.FACTORED_TILES, gs, split) for gs in (128, 32) for split in (1, 4)]
+    mma_sig = dict(x_ptr="*bf16", xs_ptr="*fp32", q_ptr="*i32", sz_ptr="*i32", M="i32", N="i32", NP="i32", KP="i32",
+                   stride_xm="i32", stride_xsm="i32", stride_qn="i32", stride_sg="i32", stride_om="i32",
+                   stride_split="i32")
+    cases = [(I.TILE_DECODE_TILES[1], I.FACTORED_TILES, I.MMA_TILES, gs, split) for gs in (128, 32)
+             for split in (1, 4)]
     if sweep:
-        cases += [(t, t, 128, 1) for t in I.TILE_SWEEP_TILES]
+        cases += [(t, t, t, 128, 1) for t in I.TILE_SWEEP_TILES]
     out = []
-    for tile_tiles, fact_tiles, gs, split in cases:
+    for tile_tiles, fact_tiles, mma_tiles, gs, split in cases:
         out_t = "*bf16" if split == 1 else "*fp32"
         bn, bk, warps, stages = tile_tiles
         out.append((f"tile GEMV {tile_tiles} group {gs} split {split}", I._int4_tile_decode_kernel,
@@ -49,6 +54,12 @@ def _configs(sweep: bool):
                     {**fact_sig, "out_ptr": out_t},
                     dict(GROUP=gs, SPLIT_K=split, SOFT=False, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages), warps,
                     stages, bn * bk / (32 * warps)))
+        bn, bk, warps, stages = mma_tiles
+        if gs >= bk and bn >= 64:  # its groups (smaller ones fall back) and wgmma's rows
+            out.append((f"mma GEMV {mma_tiles} group {gs} split {split}", I._int4_tile_gemv_mma_kernel,
+                        {**mma_sig, "out_ptr": out_t},
+                        dict(GROUP=gs, SPLIT_K=split, SOFT=False, DOT_IEEE=False, BLOCK_N=bn, BLOCK_K=bk,
+                             NUM_STAGES=stages), warps, stages, bn * bk / (32 * warps)))
     return out
 
 

@@ -199,8 +199,10 @@ def _check_tile(x: Tensor, qdata: Tensor, scale_and_zero: Tensor, group_size: in
 
 # what runs the decode rows (M <= DECODE_MAX_M) of int4_tile_linear on CUDA: tinygemm (aten._weight_int4pack_mm,
 # the default: 3-4x faster than our first GEMV on the H200, docs/results/int4_mm_h200.md), our tile GEMV, or
-# (one row) our factored GEMV, more rows the tile GEMV (triton_int4.int4_tile_decode_triton's ``factored``)
-DECODE_KERNELS = ("tinygemm", "triton", "triton_factored")
+# our factored GEMVs: one row on CUDA cores (more rows: the tile GEMV) or up to 16 on tensor cores (groups of 128
+# and more) (triton_int4.int4_tile_decode_triton's ``kernel``: tile, factored, mma)
+DECODE_KERNELS = ("tinygemm", "triton", "triton_factored", "triton_mma")
+_TILE_KERNEL = {"triton": "tile", "triton_factored": "factored", "triton_mma": "mma"}
 
 
 @torch.library.triton_op("hf_lowbit::int4_tile_linear", mutates_args=())
@@ -212,7 +214,8 @@ def int4_tile_linear(x: Tensor, qdata: Tensor, scale_and_zero: Tensor, group_siz
     CUDA: M ≤ ``DECODE_MAX_M`` rows ``decode="tinygemm"`` runs ``aten._weight_int4pack_mm`` (x zero-padded to the
     layout's K, as torchao's linear does), ``"triton"`` our split-K tile GEMV
     (:func:`hf_lowbit.kernels.triton_int4.int4_tile_decode_triton`), ``"triton_factored"`` at one row its factored
-    GEMV (the scale and zero out of the sum, the weight not rounded to bf16: within that rounding of the others);
+    GEMV (the scale and zero out of the sum, the weight not rounded to bf16: within that rounding of the others),
+    ``"triton_mma"`` the factored GEMV on tensor cores (up to 16 rows, groups of 128 columns or more);
     more rows (prefill): the bf16 weight
     dequantized from the tile layout by a Triton kernel, then ``F.linear`` (cuBLAS). Other devices: the plain-torch
     reference (:func:`int4_tile_dequantize`, float32 matmul). Numerics: our kernels form the weight as
@@ -232,8 +235,7 @@ def int4_tile_linear(x: Tensor, qdata: Tensor, scale_and_zero: Tensor, group_siz
                 xp = F.pad(x, (0, K_pad - K)) if K_pad != K else x.contiguous()
                 y = torch.ops.aten._weight_int4pack_mm(xp, qdata, group_size, scale_and_zero)
                 return y if y.shape[1] == N else y[:, :N].contiguous()
-            return int4_tile_decode_triton(x, qdata, scale_and_zero, group_size, N,
-                                           factored=decode == "triton_factored")
+            return int4_tile_decode_triton(x, qdata, scale_and_zero, group_size, N, kernel=_TILE_KERNEL[decode])
         return F.linear(x, int4_tile_dequant_triton(qdata, scale_and_zero, group_size, (N, K)))
     return int4_linear_reference(x, *tinygemm_operands(qdata, scale_and_zero, (N, K), group_size), group_size)
 

@@ -263,8 +263,11 @@ TILE_DECODE_TILES = {1: (128, 128, 4, 3), 16: (64, 128, 4, 3)}
 TILE_SWEEP_TILES = [(bn, bk, w, st) for bn, bk, w in ((64, 128, 2), (64, 256, 2), (128, 128, 4), (128, 256, 4),
                                                       (256, 128, 8), (128, 128, 8)) for st in (2, 4)]
 TILE_DECODE_TILES_INTERPRET = {1: (16, 128, 1, 1), 16: (16, 128, 1, 1)}
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the factored GEMV (M = 1): the tile GEMV's guess, not measured
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the factored GEMV (M = 1) and of its tensor-core form (M <= 16):
+# guesses, not measured (128 rows: Hopper's wgmma wants the weight rows, its M, >= 64 with 4 warps)
 FACTORED_TILES = (128, 128, 4, 3)
+MMA_TILES = (128, 128, 4, 3)
+TILE_KERNELS = ("tile", "factored", "mma")  # int4_tile_decode_triton's kernel
 TILE_DEQUANT_TILES = (32, 256, 4)  # BLOCK_N, BLOCK_K, warps
 TILE_DEQUANT_TILES_INTERPRET = (16, 128, 1)
 
@@ -476,6 +479,82 @@ def _int4_tile_gemv_factored_kernel(
 
 
 @triton.jit
+def _nibble_pair_bf16(words, SH: tl.constexpr, SOFT: tl.constexpr):
+    """``(q - 8)`` of the nibble at bit ``SH`` of each word's low half (an even column) and high half (its odd
+    neighbour), as two bf16 tensors (exact: small integers). On the GPU one LOP3 for the pair (mask both halves and
+    OR them into bf16 128.0's mantissa: ``128 + q``) and one ``sub.rn.bf16x2`` of 136; the interpreter takes
+    :func:`_nibble_f32`'s float32 route."""
+    if SH > 0:
+        words = (words.to(tl.uint32, bitcast=True) >> SH).to(tl.int32, bitcast=True)
+    if SOFT:
+        even = ((words & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        odd = (((words >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        return even.to(tl.bfloat16), odd.to(tl.bfloat16)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, m; mov.b32 m, 0x43084308; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xea; "
+            "sub.rn.bf16x2 t, t, m; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r", [words], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _int4_tile_gemv_mma_kernel(
+    x_ptr, xs_ptr, q_ptr, sz_ptr, out_ptr,
+    M, N, NP, KP,
+    stride_xm, stride_xsm, stride_qn, stride_sg, stride_om, stride_split,
+    GROUP: tl.constexpr, SPLIT_K: tl.constexpr, SOFT: tl.constexpr, DOT_IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Up to 16 rows of ``x`` times the tile words on tensor cores, the scale and zero factored out of the sum as in
+    :func:`_int4_tile_gemv_factored_kernel`: per step (inside one group: ``GROUP >= BLOCK_K``) the codes' ``q - 8``
+    in bf16 (exact) times ``x`` by ``tl.dot`` (``[BLOCK_N, BLOCK_K] @ [BLOCK_K, 16]``: the weight rows are the MMA's
+    M, so Hopper's wgmma takes them; ``x``'s rows padded to 16 are its N), then ``acc += s·part + z·Σ x``. ``x [M,
+    KP]`` bf16 in the words' order (:func:`_tile_x` viewed as bf16: word ``j``'s columns at ``8j + 2ab + d``, the
+    order the joins below give the codes), ``xs [M, KP/BLOCK_K]`` float32: ``x``'s sums a step. Products and sums
+    in float32 on the tensor cores; the weight is not rounded to bf16. Per code half a LOP3 and half a bf16x2
+    subtraction, 3/8 of a shift, then the weight tile through shared memory into wgmma: 3.32 SASS instructions a
+    code in the loop at ``MMA_TILES`` (against the CUDA-core form's 4.23), 182 registers, 61 KB of shared memory
+    (``tools/int4_gemv_sass.py``). Not yet measured on a GPU."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KW: tl.constexpr = BLOCK_K // 8
+    j = tl.arange(0, KW)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    mask_n = offs_n < NP
+    mask_m = offs_m < M
+    row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
+    first, last = _split_k_steps(pid_k, KP // BLOCK_K, SPLIT_K)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for step in tl.range(first, last, num_stages=NUM_STAGES):
+        k0 = step * BLOCK_K
+        words = tl.load(q_ptr + (k0 + (j // 16) * 128 + (j % 16))[None, :] + row[:, None], mask=mask_n[:, None],
+                        other=0)
+        e0, o0 = _nibble_pair_bf16(words, 0, SOFT)
+        e1, o1 = _nibble_pair_bf16(words, 4, SOFT)
+        e2, o2 = _nibble_pair_bf16(words, 8, SOFT)
+        e3, o3 = _nibble_pair_bf16(words, 12, SOFT)
+        # [BN, KW, ab, d] flattened: 8j + 2ab + d (a join stacks on a new last axis: (e0, e2), (e1, e3) -> 2·a1 + a0)
+        w = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(o0, o2), tl.join(o1, o3)))
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+        x = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[:, None], mask=mask_m[None, :],
+                    other=0.0)
+        if DOT_IEEE:  # the interpreter's bf16 dot is wrong (Triton 3.6); the products are exact in float32
+            part = tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(w, x, out_dtype=tl.float32)
+        szw = tl.load(sz_ptr + (k0 // GROUP) * stride_sg + offs_n, mask=mask_n, other=0)
+        s = (szw << 16).to(tl.float32, bitcast=True)
+        z = (szw & -65536).to(tl.float32, bitcast=True)
+        xs = tl.load(xs_ptr + offs_m * stride_xsm + step, mask=mask_m, other=0.0)
+        acc += part * s[:, None] + z[:, None] * xs[None, :]
+    if SPLIT_K == 1:
+        acc = _round_bf16(acc, SOFT)
+    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & mask_m[None, :])
+
+
+@triton.jit
 def _int4_tile_dequant_kernel(q_ptr, sz_ptr, w_ptr, N, K, stride_qn, stride_sg, stride_wn,
                               GROUP: tl.constexpr, SOFT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The bf16 weight ``w [N, K]`` of the tile words (rows and columns past ``N``, ``K``: the layout's padding)."""
@@ -537,34 +616,51 @@ def _tile_x_factored(x: torch.Tensor, KP: int, block_k: int, per_step: bool) -> 
 
 def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
                             out_features: int, split_k: int | None = None,
-                            tiles: tuple[int, int, int, int] | None = None, factored: bool = False) -> torch.Tensor:
+                            tiles: tuple[int, int, int, int] | None = None, kernel: str = "tile") -> torch.Tensor:
     """``x [M, K]`` bf16 (M ≤ 16) times the int4 weight in tinygemm's tile layout (``qdata``, ``scale_and_zero``:
-    torchao's, as stored), bf16 ``[M, out_features]``, with :func:`int4_decode_triton`'s numerics. ``factored``:
-    one row goes through :func:`_int4_tile_gemv_factored_kernel` instead (the scale and zero out of the sum; the
-    weight not rounded to bf16); more rows as without. ``split_k`` / ``tiles`` (BLOCK_N, BLOCK_K, warps, stages)
-    override the defaults (tests, benchmarks)."""
+    torchao's, as stored), bf16 ``[M, out_features]``. ``kernel``: ``"tile"`` (:func:`_int4_tile_decode_kernel`,
+    :func:`int4_decode_triton`'s numerics), ``"factored"`` (one row: :func:`_int4_tile_gemv_factored_kernel`, the
+    scale and zero out of the sum, the weight not rounded to bf16; more rows: ``"tile"``) or ``"mma"``
+    (:func:`_int4_tile_gemv_mma_kernel` on tensor cores, the same factored numerics, for groups of at least its
+    ``BLOCK_K`` columns; smaller groups: ``"factored"``'s choice). ``split_k`` / ``tiles`` (BLOCK_N, BLOCK_K, warps,
+    stages) override the defaults (tests, benchmarks)."""
+    if kernel not in TILE_KERNELS:
+        raise ValueError(f"int4_tile_decode_triton: kernel {kernel!r} is not one of {TILE_KERNELS}")
     M = x.shape[0]
     NP, KP = qdata.shape[0] * 8, qdata.shape[1] * 128
-    factored = factored and M == 1
-    bn, bk, warps, stages = _tile_decode_tiles(M, tiles)
-    if factored and tiles is None and not _INTERPRET:
-        bn, bk, warps, stages = FACTORED_TILES
+    default = TILE_DECODE_TILES_INTERPRET[1 if M == 1 else 16] if _INTERPRET else None
+    if kernel == "mma" and group_size < (tiles or default or MMA_TILES)[1]:
+        kernel = "factored"
+    if kernel == "factored" and M > 1:
+        kernel = "tile"
+    bn, bk, warps, stages = tiles or default or {"factored": FACTORED_TILES, "mma": MMA_TILES}.get(
+        kernel, TILE_DECODE_TILES[1 if M == 1 else 16])
     if split_k is None:
         split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device))
     sz = scale_and_zero.view(torch.int32).squeeze(-1)  # [G, NP]
     out = torch.empty((M, out_features), dtype=torch.bfloat16, device=x.device)
     dest = out if split_k == 1 else torch.empty((split_k, M, out_features), dtype=torch.float32, device=x.device)
-    if factored:
+    grid = (triton.cdiv(NP, bn), split_k)
+    if kernel == "factored":
         xf, xs = _tile_x_factored(x, KP, bk, group_size >= bk)
-        wrap_triton(_int4_tile_gemv_factored_kernel)[(triton.cdiv(NP, bn), split_k)](
+        wrap_triton(_int4_tile_gemv_factored_kernel)[grid](
             xf, xs, qdata, sz, dest, out_features, NP, KP, _MAGIC_BITS, qdata.stride(0), sz.stride(0),
             M * out_features, GROUP=group_size, SPLIT_K=split_k, SOFT=_INTERPRET, BLOCK_N=bn, BLOCK_K=bk,
             NUM_STAGES=stages, num_warps=warps, num_stages=stages,
         )
+    elif kernel == "mma":
+        xb = _tile_x(x, KP).view(torch.bfloat16)  # [M, KP]: the words' order
+        xp = torch.nn.functional.pad(x, (0, KP - x.shape[1])) if KP != x.shape[1] else x
+        xs = xp.float().reshape(M, KP // bk, bk).sum(-1)  # a step's columns: the same set in either order
+        wrap_triton(_int4_tile_gemv_mma_kernel)[grid](
+            xb, xs, qdata, sz, dest, M, out_features, NP, KP, xb.stride(0), xs.stride(0), qdata.stride(0),
+            sz.stride(0), out_features, M * out_features, GROUP=group_size, SPLIT_K=split_k, SOFT=_INTERPRET,
+            DOT_IEEE=_INTERPRET, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=warps, num_stages=stages,
+        )
     else:
         use_dot = M > 1
         x2 = _tile_x(x, KP)
-        wrap_triton(_int4_tile_decode_kernel)[(triton.cdiv(NP, bn), split_k)](
+        wrap_triton(_int4_tile_decode_kernel)[grid](
             x2, qdata, sz, dest, M, out_features, NP, KP, _MAGIC_BITS,
             x2.stride(0), qdata.stride(0), sz.stride(0), out_features, M * out_features,
             GROUP=group_size, SPLIT_K=split_k, USE_DOT=use_dot, DOT_IEEE=_INTERPRET, SOFT=_INTERPRET,
