@@ -902,18 +902,19 @@ def tile_operands(N, K, group_size, device, seed=0):
     return p.to(device), s.to(device), z.to(device), qdata.to(device), sz.to(device)
 
 
-def _factored_tol(x, p, s, z, group_size):
-    """``(ref, tol)`` for the factored GEMV (``y = Σ s·Σ (q - 8)·x + z·Σ x`` in float32, the weight never rounded):
-    ``ref`` the exact product in float64; ``tol`` the float32 sums' error bound over both terms' magnitudes
-    (``2K·2**-24·Σ (|s·(q - 8)| + |z|)·|x|``: the zero's term may cancel the codes') plus the one rounding to bf16
-    (``2**-8`` of the result)."""
+def _factored_tol(x, p, s, z, group_size, offset=0):
+    """``(ref, tol)`` for the factored GEMVs (``y = Σ s·Σ (q - 8 + offset)·x + (z - offset·s)·Σ x`` in float32, the
+    weight never rounded; the tensor-core form sums ``128 + q``: ``offset`` 136): ``ref`` the exact product in
+    float64; ``tol`` the float32 sums' error bound over both terms' magnitudes
+    (``2K·2**-24·Σ (|s·(q - 8 + offset)| + |z - offset·s|)·|x|``: the zero's term may cancel the codes') plus the one
+    rounding to bf16 (``2**-8`` of the result)."""
     from hf_lowbit.kernels.int4 import unpack_int4
 
     q8 = unpack_int4(p).double() - 8
     sd, zd = (t.double().repeat_interleave(group_size, 1) for t in (s, z))
     xd = x.double()
     ref = xd @ (q8 * sd + zd).T
-    terms = xd.abs() @ ((q8 * sd).abs() + zd.abs()).T
+    terms = xd.abs() @ (((q8 + offset) * sd).abs() + (zd - offset * sd).abs()).T
     return ref, 2 * x.shape[1] * 2.0 ** -24 * terms + 2.0 ** -8 * ref.abs() * (1 + 2.0 ** -20) + 1e-30
 
 
@@ -954,7 +955,7 @@ def check_int4_tile(device: str) -> int:
                 n += 1
         for kernel, M in (("factored", 1), ("mma", 1), ("mma", 3), ("mma", 16)):
             x = torch.randn(M, K + 8, device=device).bfloat16()[:, 8:]
-            ref, tol = _factored_tol(x, p, s, z, gs)
+            ref, tol = _factored_tol(x, p, s, z, gs, 136 if kernel == "mma" and gs >= 128 else 0)
             for sk in (None, 1, 3):
                 with PoisonedAllocations() as poison:
                     y = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=sk, kernel=kernel)

@@ -71,7 +71,7 @@ def _configs():
     # its tensor-core form (M <= 16, groups of at least its BLOCK_K)
     mma_sig = lambda split: dict(  # noqa: E731
         x_ptr="*bf16", xs_ptr="*fp32", q_ptr="*i32", sz_ptr="*i32", out_ptr="*bf16" if split == 1 else "*fp32",
-        M="i32", N="i32", NP="i32", KP="i32", stride_xm="i32", stride_xsm="i32", stride_qn="i32", stride_sg="i32",
+        M="i32", N="i32", NP="i32", KP="i32", stride_xm="i32", stride_qn="i32", stride_sg="i32",
         stride_om="i32", stride_split="i32")
     bn, bk, warps, stages = I.MMA_TILES
     for gs in (128, 256):

@@ -39,7 +39,7 @@ def test_serving_kernels_compile_for_sm90():
 def test_int4_gemv_sass_factored_has_fewer_instructions():
     """tools/int4_gemv_sass.py: the factored GEMV's main loop at sm_90 issues fewer SASS instructions a code than the
     tile GEMV's (the point of the factored design: no scale FMA, no bf16 rounding a code), and its tensor-core form
-    fewer still (two codes an instruction until the MMA), without spills, for group 128 and 32 (the tensor-core
+    fewer still (two codes an instruction, no shared-memory trip), without spills, for group 128 and 32 (the tensor-core
     form: 128 only); the figures the kernels' docstrings quote come from this tool."""
     import re
 
@@ -60,4 +60,4 @@ def test_int4_gemv_sass_factored_has_fewer_instructions():
             assert fact_spill == 0 and fact < 0.7 * tile, (gs, split, fact, tile)
             if gs == "128":
                 mma, mma_spill = per["mma", gs, split]
-                assert mma_spill == 0 and mma < 0.9 * fact, (split, mma, fact)
+                assert mma_spill == 0 and mma < 0.7 * fact, (split, mma, fact)

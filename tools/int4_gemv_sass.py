@@ -35,7 +35,7 @@ def _configs(sweep: bool):
     fact_sig = dict(xf_ptr="*fp32", xs_ptr="*fp32", q_ptr="*i32", sz_ptr="*i32", N="i32", NP="i32", KP="i32",
                     MAGIC="i32", stride_qn="i32", stride_sg="i32", stride_split="i32")
     mma_sig = dict(x_ptr="*bf16", xs_ptr="*fp32", q_ptr="*i32", sz_ptr="*i32", M="i32", N="i32", NP="i32", KP="i32",
-                   stride_xm="i32", stride_xsm="i32", stride_qn="i32", stride_sg="i32", stride_om="i32",
+                   stride_xm="i32", stride_qn="i32", stride_sg="i32", stride_om="i32",
                    stride_split="i32")
     cases = [(I.TILE_DECODE_TILES[1], I.FACTORED_TILES, I.MMA_TILES, gs, split) for gs in (128, 32)
              for split in (1, 4)]

@@ -480,20 +480,19 @@ def _int4_tile_gemv_factored_kernel(
 
 @triton.jit
 def _nibble_pair_bf16(words, SH: tl.constexpr, SOFT: tl.constexpr):
-    """``(q - 8)`` of the nibble at bit ``SH`` of each word's low half (an even column) and high half (its odd
-    neighbour), as two bf16 tensors (exact: small integers). On the GPU one LOP3 for the pair (mask both halves and
-    OR them into bf16 128.0's mantissa: ``128 + q``) and one ``sub.rn.bf16x2`` of 136; the interpreter takes
-    :func:`_nibble_f32`'s float32 route."""
+    """``128 + q`` of the nibble at bit ``SH`` of each word's low half (an even column) and high half (its odd
+    neighbour), as two bf16 tensors (exact: integers up to 143). On the GPU one LOP3 for the pair: mask both halves
+    and OR them into bf16 128.0's mantissa (the caller takes the 136 off after the sum); the interpreter computes
+    the same values in float32."""
     if SH > 0:
         words = (words.to(tl.uint32, bitcast=True) >> SH).to(tl.int32, bitcast=True)
     if SOFT:
-        even = ((words & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-        odd = (((words >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        even = ((words & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388480.0  # 2**23 - 128
+        odd = (((words >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388480.0
         return even.to(tl.bfloat16), odd.to(tl.bfloat16)
     else:
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 t, m; mov.b32 m, 0x43084308; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xea; "
-            "sub.rn.bf16x2 t, t, m; mov.b32 {$0, $1}, t; }",
+            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xea; mov.b32 {$0, $1}, t; }",
             "=h,=h,r", [words], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
 
 
@@ -501,20 +500,24 @@ def _nibble_pair_bf16(words, SH: tl.constexpr, SOFT: tl.constexpr):
 def _int4_tile_gemv_mma_kernel(
     x_ptr, xs_ptr, q_ptr, sz_ptr, out_ptr,
     M, N, NP, KP,
-    stride_xm, stride_xsm, stride_qn, stride_sg, stride_om, stride_split,
+    stride_xm, stride_qn, stride_sg, stride_om, stride_split,
     GROUP: tl.constexpr, SPLIT_K: tl.constexpr, SOFT: tl.constexpr, DOT_IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Up to 16 rows of ``x`` times the tile words on tensor cores, the scale and zero factored out of the sum as in
-    :func:`_int4_tile_gemv_factored_kernel`: per step (inside one group: ``GROUP >= BLOCK_K``) the codes' ``q - 8``
+    :func:`_int4_tile_gemv_factored_kernel`: per step (inside one group: ``GROUP >= BLOCK_K``) the codes' ``128 + q``
     in bf16 (exact) times ``x`` by ``tl.dot`` (``[BLOCK_N, BLOCK_K] @ [BLOCK_K, 16]``: the weight rows are the MMA's
-    M, so Hopper's wgmma takes them; ``x``'s rows padded to 16 are its N), then ``acc += s·part + z·Σ x``. ``x [M,
-    KP]`` bf16 in the words' order (:func:`_tile_x` viewed as bf16: word ``j``'s columns at ``8j + 2ab + d``, the
-    order the joins below give the codes), ``xs [M, KP/BLOCK_K]`` float32: ``x``'s sums a step. Products and sums
-    in float32 on the tensor cores; the weight is not rounded to bf16. Per code half a LOP3 and half a bf16x2
-    subtraction, 3/8 of a shift, then the weight tile through shared memory into wgmma: 3.32 SASS instructions a
-    code in the loop at ``MMA_TILES`` (against the CUDA-core form's 4.23), 182 registers, 61 KB of shared memory
-    (``tools/int4_gemv_sass.py``). Not yet measured on a GPU."""
+    M, so Hopper's wgmma takes them; ``x``'s rows padded to 16 are its N), then ``acc += s·part + (z - 136·s)·Σ x``
+    (``Σ (q - 8)·x = part - 136·Σ x``: the offset costs ~4 of float32's 24 bits, far above bf16's 8). ``x [M,
+    KP]`` bf16 as it is (zero-padded to the layout's K), ``xs [KP/BLOCK_K, 16]`` float32: ``x``'s sums a step, zero
+    past row ``M``.
+    Products (16 significant bits) exact, sums in float32 on the tensor cores; the weight is not rounded to bf16.
+    Per code half a LOP3 and 3/8 of a shift; the codes, joined and permuted into ``x``'s column order (as
+    :func:`_int4_tile_dequant_kernel` orders them), land in the register layout wgmma reads its A operand from, so
+    the tile never goes through shared memory: 2.45 SASS instructions a code in the loop at ``MMA_TILES`` (against
+    the CUDA-core form's 4.23), 128 registers, 29 KB of shared memory (``tools/int4_gemv_sass.py``; joined in the
+    words' order instead, with ``x`` permuted to match, it was 3.32 through shared memory). Not yet measured on a
+    GPU."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     KW: tl.constexpr = BLOCK_K // 8
@@ -534,9 +537,11 @@ def _int4_tile_gemv_mma_kernel(
         e1, o1 = _nibble_pair_bf16(words, 4, SOFT)
         e2, o2 = _nibble_pair_bf16(words, 8, SOFT)
         e3, o3 = _nibble_pair_bf16(words, 12, SOFT)
-        # [BN, KW, ab, d] flattened: 8j + 2ab + d (a join stacks on a new last axis: (e0, e2), (e1, e3) -> 2·a1 + a0)
+        # [BN, KW, ab, d] (a join stacks on a new last axis: (e0, e2), (e1, e3) -> 2·a1 + a0 = ab), then x's
+        # column order: [BN, (ko, c, w), ab, d] -> [BN, ko, w, ab, c, d] (k = 128ko + 32w + 8ab + 2c + d)
         w = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(o0, o2), tl.join(o1, o3)))
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K // 128, 4, 4, 4, 2))
+        w = tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K))
         x = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[:, None], mask=mask_m[None, :],
                     other=0.0)
         if DOT_IEEE:  # the interpreter's bf16 dot is wrong (Triton 3.6); the products are exact in float32
@@ -545,8 +550,8 @@ def _int4_tile_gemv_mma_kernel(
             part = tl.dot(w, x, out_dtype=tl.float32)
         szw = tl.load(sz_ptr + (k0 // GROUP) * stride_sg + offs_n, mask=mask_n, other=0)
         s = (szw << 16).to(tl.float32, bitcast=True)
-        z = (szw & -65536).to(tl.float32, bitcast=True)
-        xs = tl.load(xs_ptr + offs_m * stride_xsm + step, mask=mask_m, other=0.0)
+        z = (szw & -65536).to(tl.float32, bitcast=True) - 136.0 * s  # 136·s exact (12 bits); one rounding at most
+        xs = tl.load(xs_ptr + step * 16 + offs_m)  # zero past M: no mask
         acc += part * s[:, None] + z[:, None] * xs[None, :]
     if SPLIT_K == 1:
         acc = _round_bf16(acc, SOFT)
@@ -649,11 +654,11 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
             NUM_STAGES=stages, num_warps=warps, num_stages=stages,
         )
     elif kernel == "mma":
-        xb = _tile_x(x, KP).view(torch.bfloat16)  # [M, KP]: the words' order
-        xp = torch.nn.functional.pad(x, (0, KP - x.shape[1])) if KP != x.shape[1] else x
-        xs = xp.float().reshape(M, KP // bk, bk).sum(-1)  # a step's columns: the same set in either order
+        xb = torch.nn.functional.pad(x, (0, KP - x.shape[1])) if KP != x.shape[1] else x.contiguous()
+        # x's sums a step, for the zeros' term: [steps, 16], zero past M (one unmasked 64-byte load a step)
+        xs = torch.nn.functional.pad(xb.float().reshape(M, KP // bk, bk).sum(-1).T, (0, 16 - M)).contiguous()
         wrap_triton(_int4_tile_gemv_mma_kernel)[grid](
-            xb, xs, qdata, sz, dest, M, out_features, NP, KP, xb.stride(0), xs.stride(0), qdata.stride(0),
+            xb, xs, qdata, sz, dest, M, out_features, NP, KP, xb.stride(0), qdata.stride(0),
             sz.stride(0), out_features, M * out_features, GROUP=group_size, SPLIT_K=split_k, SOFT=_INTERPRET,
             DOT_IEEE=_INTERPRET, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=warps, num_stages=stages,
         )
