@@ -10,7 +10,8 @@ and the main loop's SASS instructions (the longest loop), per code a thread hand
 threads``), with the loop's opcodes. ``--sweep``: also the benchmark's sweep tiles (``TILE_SWEEP_TILES``), group 128,
 no split. Instruction counts bound a GEMV that streams int4 codes: at 4 bits a code, the H200's ~4.8 TB/s is
 ~9.6e12 codes a second, and its 132 SMs issue ~33e12 thread-instructions a second (4 warp-instructions a cycle an
-SM at ~1.98 GHz): above ~3.5 instructions a code the loop cannot keep up with the memory.
+SM at ~1.98 GHz): above ~3.5 instructions a code the loop cannot keep up with the memory. Each line ends with that
+bound (the loop's instructions alone, every cycle issuing: an upper bound, not a prediction).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sass import back_edges, compile_sm90, machine_code, opcode_counts, registers, tool_args  # noqa: E402
 
+# thread-instructions the H200 issues a second: 132 SMs x 4 schedulers x 32 lanes x ~1.98 GHz (one warp-instruction
+# a scheduler a cycle: a bound, reached by no real loop); at 2 codes a byte, codes/s / 2 = bytes/s
+H200_ISSUE = 132 * 4 * 32 * 1.98e9
 _ALIGNED = ("N", "NP", "KP", "stride_xm", "stride_xsm", "stride_qn", "stride_sg", "stride_om", "stride_split")
 
 
@@ -77,7 +81,8 @@ def main() -> int:
         n = last - first + 1
         ops = opcode_counts(sass, first, last)
         print(f"{name}: {regs} regs, {spill} B spilled, smem {k.metadata.shared} B, loop {n} SASS instr, "
-              f"{n / codes:.2f} a code ({codes:g} codes a thread a step)")
+              f"{n / codes:.2f} a code ({codes:g} codes a thread a step); issue bound "
+              f"{H200_ISSUE / (n / codes) / 2 / 1e12:.1f} TB/s of int4 codes")
         print("  " + ", ".join(f"{o} {c}" for o, c in list(ops.items())[:12]), flush=True)
     return 0
 
