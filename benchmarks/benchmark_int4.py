@@ -15,7 +15,7 @@ of ours against tinygemm's output (the same weight: float32 sums in different or
 tile GEMV's tiles (BLOCK_N, BLOCK_K, warps, stages: ``TILE_SWEEP_TILES``) and split-K on each shape at M = 1, to
 set ``TILE_DECODE_TILES``, and the same for the factored GEMVs (``FACTORED_TILES``, ``MMA_TILES``). ``factored``
 (M = 1 only: ``int4_tile_linear(decode="triton_factored")``) is the tile layout's GEMV with the scale and zero taken
-out of the sum, ~4.2 SASS instructions a code against the tile GEMV's 7.9 (``tools/int4_gemv_sass.py``); ``mma``
+out of the sum, ~4.3 SASS instructions a code against the tile GEMV's 7.9 (``tools/int4_gemv_sass.py``); ``mma``
 (M ≤ 16, group ≥ 128: ``decode="triton_mma"``) the same sums on tensor cores, ~2.5 a code. Neither rounds the weight
 to bf16, so their difference from tinygemm includes the weights' bf16 rounding (reported beside the others). The defaults decide ``Int4ServingLinear``'s ``decode`` ("tinygemm" until ``tile`` is
 faster at M = 1 and 8). ``gemlite`` (when installed: ``tools/device_prep.sh`` puts its wheel in ``.whl``; its

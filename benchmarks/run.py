@@ -226,7 +226,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                     "(torchao's tinygemm weight), bf16 in the same call, under the profiler (GPU ms per decoded token, "
                     "prefill GPU ms), decode at batch 1 (issue 26's bar; BATCHES=1,8 adds 8): compiled_int4k "
                     "(use_int4_kernels(stack_siblings=False) + prepare_for_serving: tinygemm decode, our tile dequantize + "
-                    "cuBLAS prefill; compiled_int4k_stacked: stacked siblings, the default), compiled_int4k_triton (decode='triton': our tile GEMV decodes too) compiled_int4k_factored / compiled_int4k_mma (stacked, decode='triton_factored' / 'triton_mma': our factored GEMVs). Run int4_mm first: if "
+                    "cuBLAS prefill; compiled_int4k_stacked: stacked siblings, the default), compiled_int4k_triton (decode='triton': our tile GEMV decodes too), and compiled_int4k_factored / compiled_int4k_mma (stacked, decode='triton_factored' / 'triton_mma': our factored GEMVs). Run int4_mm first: if "
                     "a kernel is slower than tinygemm there, this call will say the same. Split if it runs out of "
                     "time: MODES=compiled_lean,compiled_int4k TAG=a, then MODES=compiled_int4k_triton TAG=b "
                     "(each with its own bf16 row)",

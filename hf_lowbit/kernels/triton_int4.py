@@ -252,7 +252,7 @@ def int4_dequant_triton(packed: torch.Tensor, scales: torch.Tensor, zeros: torch
 # (128 x 128 tiles, per step and thread): before, 65 4-byte cp.async copies of x, 137 selp, 65 setp, 1533 SASS
 # instructions (12.0 a code); now 16 16-byte copies, 9 selp, 1 setp and (the magic constant a register, bf16x2
 # rounding) 1013 SASS (7.9 a code): 0.45-0.75x tinygemm at M = 1 on the H200 (session 13). The factored GEMV below
-# takes the scale and zero out of the sum: 4.23 a code (tools/int4_gemv_sass.py).
+# takes the scale and zero out of the sum: 4.27 a code (tools/int4_gemv_sass.py).
 # ``scale_and_zero [K/group, N, 2]`` bf16 is read as int32 (the scale the low half, the zero the high half): one
 # 4-byte load gives both, and each word's 8 columns share a group (groups are >= 32 columns).
 
@@ -405,10 +405,12 @@ def _int4_tile_decode_kernel(
 
 @triton.jit
 def _nibble_f32(words, SH: tl.constexpr, magic):
-    """``(q - 8)·2**SH`` as float32, exact: the nibble at bit ``SH`` (< 20) of each word read in place, OR-ed into
-    2**23's mantissa, minus ``2**23 + 8·2**SH``. One LOP3 (``magic`` a register) and one FADD a code."""
-    OFF: tl.constexpr = 8388608.0 + 8.0 * (1 << SH)
-    return ((words & (15 << SH)) | magic).to(tl.float32, bitcast=True) - OFF
+    """``q - 8`` as float32, exact, of the nibble at bit ``SH`` (< 20) of each word read in place: OR-ed into 2**23's
+    mantissa it is ``2**23 + q·2**SH``; one FMA scales that by ``2**-SH`` and takes ``2**(23 - SH) + 8`` off (both
+    exact, so the one rounding has nothing to round). One LOP3 (``magic`` a register) and one FFMA a code."""
+    INV: tl.constexpr = 1.0 / (1 << SH)
+    OFF: tl.constexpr = 8388608.0 / (1 << SH) + 8.0
+    return tl.fma(((words & (15 << SH)) | magic).to(tl.float32, bitcast=True), INV, -OFF)
 
 
 @triton.jit
@@ -421,13 +423,14 @@ def _int4_tile_gemv_factored_kernel(
 ):
     """One row of ``x`` times the tile words, the scale and zero factored out of the sum:
     ``y[n] = Σ_groups s·Σ (q - 8)·x + z·Σ x``. ``xf [KP]`` float32 (:func:`_tile_x_factored`: the words' order,
-    8 values a word, nibble ``ab``'s even and odd column at ``2ab``, ``2ab + 1``, scaled by ``2**-4ab`` and
-    ``2**-(4ab + 4)``: the even nibbles are read in place at bits ``4ab``, the odd ones at ``4ab + 4`` of the word
-    shifted right by 12, one shift a word), ``xs``: ``Σ x`` a step (``GROUP >= BLOCK_K``) or a word.
+    8 values a word, nibble ``ab``'s even and odd column at ``2ab``, ``2ab + 1``; the even nibbles are read in place
+    at bits ``4ab``, the odd ones at ``4ab + 4`` of the word shifted right by 12, one shift a word), ``xs``: ``Σ x``
+    a step (``GROUP >= BLOCK_K``) or a word.
 
-    Per code a LOP3, an FADD and an FFMA (the products are exact in float32: 12 significant bits), against the
-    per-element weight of :func:`_int4_tile_decode_kernel` (a scale FMA and a bf16 rounding more): 4.23 SASS
-    instructions a code in the loop at the H200 tiles and group 128 (4.98 at group 32), 72 registers, against 7.91
+    Per code a LOP3 and two FFMAs (:func:`_nibble_f32`'s, and the product with ``x``, exact in float32: 12
+    significant bits), against the per-element weight of :func:`_int4_tile_decode_kernel` (a scale FMA and a bf16
+    rounding more): 4.27 SASS instructions a code in the loop at the H200 tiles and group 128 (5.04 at group 32),
+    80 registers, against 7.91
     and 245 (sm_90, Triton 3.6, ``tools/int4_gemv_sass.py``). The weight is not rounded to bf16 first: the sum is
     closer to the exact product than tinygemm's, and differs from it by up to the weights' bf16 rounding
     (``2**-8 Σ|x·w|``). Not yet measured on a GPU."""
@@ -515,7 +518,7 @@ def _int4_tile_gemv_mma_kernel(
     Per code half a LOP3 and 3/8 of a shift; the codes, joined and permuted into ``x``'s column order (as
     :func:`_int4_tile_dequant_kernel` orders them), land in the register layout wgmma reads its A operand from, so
     the tile never goes through shared memory: 2.45 SASS instructions a code in the loop at ``MMA_TILES`` (against
-    the CUDA-core form's 4.23), 128 registers, 29 KB of shared memory (``tools/int4_gemv_sass.py``; joined in the
+    the CUDA-core form's 4.27), 128 registers, 29 KB of shared memory (``tools/int4_gemv_sass.py``; joined in the
     words' order instead, with ``x`` permuted to match, it was 3.32 through shared memory). Not yet measured on a
     GPU."""
     pid_n = tl.program_id(0)
@@ -581,9 +584,12 @@ def _int4_tile_dequant_kernel(q_ptr, sz_ptr, w_ptr, N, K, stride_qn, stride_sg, 
              mask=mask_n[:, None] & (offs_k < K)[None, :])
 
 
-def _tile_decode_tiles(M: int, tiles: tuple[int, int, int, int] | None):
-    table = TILE_DECODE_TILES_INTERPRET if _INTERPRET else TILE_DECODE_TILES
-    return tiles or table[1 if M == 1 else 16]
+def _tile_decode_tiles(M: int, tiles: tuple[int, int, int, int] | None, kernel: str = "tile"):
+    """The tiles ``int4_tile_decode_triton`` launches ``kernel`` with: ``tiles`` where given, else its H200 default
+    (the interpreter's small ones on the CPU)."""
+    if tiles or _INTERPRET:
+        return tiles or TILE_DECODE_TILES_INTERPRET[1 if M == 1 else 16]
+    return {"factored": FACTORED_TILES, "mma": MMA_TILES}.get(kernel, TILE_DECODE_TILES[1 if M == 1 else 16])
 
 
 def _tile_x(x: torch.Tensor, KP: int) -> torch.Tensor:
@@ -603,20 +609,12 @@ def _tile_x(x: torch.Tensor, KP: int) -> torch.Tensor:
 
 def _tile_x_factored(x: torch.Tensor, KP: int, block_k: int, per_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [1, K]`` bf16 as the factored GEMV reads it: ``xf [KP]`` float32 in the words' order (:func:`_tile_x`'s,
-    8 values a word: nibble ``ab``'s even and odd column), times ``2**-4ab`` and ``2**-(4ab + 4)`` (exact: the
-    kernel's in-place nibbles are ``(q - 8)`` times their inverse); and ``xs``, the float32 sums of ``x`` a
-    ``block_k`` step (``per_step``) or a word (8 columns), for the zeros' term. 16 KB and a few sums for K = 4096: a
-    pad, a permute and a reduction that ``torch.compile`` fuses."""
-    K = x.shape[1]
-    if K != KP:
-        x = torch.nn.functional.pad(x, (0, KP - K))
-    # [block, w, ab, c, pair half] -> [block, c, w, ab, pair half] = [word, ab, half]
-    xw = x.reshape(KP // 128, 4, 4, 4, 2).permute(0, 3, 1, 2, 4).reshape(KP // 8, 4, 2).float()
-    bits = 4 * torch.arange(4, device=x.device)[:, None] + 4 * torch.arange(2, device=x.device)  # no host copy
-    inv = ((127 - bits.int()) << 23).view(torch.float32)  # [ab, half]: 2**-4ab, 2**-(4ab + 4), exactly
-    xf = (xw * inv).reshape(KP)
-    xs = xw.sum((1, 2))
-    return xf, (xs.reshape(KP // block_k, block_k // 8).sum(1) if per_step else xs)
+    8 values a word: nibble ``ab``'s even and odd column); and ``xs``, the float32 sums of ``x`` a ``block_k`` step
+    (``per_step``) or a word (8 columns), for the zeros' term. 16 KB and a few sums for K = 4096: a pad, a permute
+    and a reduction that ``torch.compile`` fuses."""
+    xw = _tile_x(x, KP).view(torch.bfloat16).reshape(KP // 8, 8).float()  # [word, (ab, half)]
+    xs = xw.sum(1)
+    return xw.reshape(KP), (xs.reshape(KP // block_k, block_k // 8).sum(1) if per_step else xs)
 
 
 def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
@@ -633,13 +631,11 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
         raise ValueError(f"int4_tile_decode_triton: kernel {kernel!r} is not one of {TILE_KERNELS}")
     M = x.shape[0]
     NP, KP = qdata.shape[0] * 8, qdata.shape[1] * 128
-    default = TILE_DECODE_TILES_INTERPRET[1 if M == 1 else 16] if _INTERPRET else None
-    if kernel == "mma" and group_size < (tiles or default or MMA_TILES)[1]:
+    if kernel == "mma" and group_size < _tile_decode_tiles(M, tiles, "mma")[1]:
         kernel = "factored"
     if kernel == "factored" and M > 1:
         kernel = "tile"
-    bn, bk, warps, stages = tiles or default or {"factored": FACTORED_TILES, "mma": MMA_TILES}.get(
-        kernel, TILE_DECODE_TILES[1 if M == 1 else 16])
+    bn, bk, warps, stages = _tile_decode_tiles(M, tiles, kernel)
     if split_k is None:
         split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device))
     sz = scale_and_zero.view(torch.int32).squeeze(-1)  # [G, NP]
