@@ -77,29 +77,22 @@ import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_int4k_triton",
-         "compiled_fp8k", "compiled_int4k_stacked", "compiled_fp8k_stacked", "compiled_int4k_factored",
-         "compiled_int4k_mma")
-# a mode after one of these loads the model again
-CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", "compiled_int4k", "compiled_int4k_triton", "compiled_fp8k",
-                 "compiled_int4k_stacked", "compiled_fp8k_stacked", "compiled_int4k_factored", "compiled_int4k_mma")
 TINYGEMM_WEIGHT = "Int4TilePackedTo4dTensor"
+_INT4, _FP8 = ("hf_lowbit.qat.int4_serving", "use_int4_kernels", "int4_kernels"), ("hf_lowbit.qat.fp8_serving",
+                                                                                   "use_fp8_kernels", "fp8_kernels")
 # compiled_lean after one of hf_lowbit's kernel swaps: mode -> (module, function, its keyword arguments, the phase's
 # key for its report)
-KERNEL_MODES = {"compiled_int4k": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",
-                                   {"decode": "tinygemm", "stack_siblings": False}, "int4_kernels"),
-                "compiled_int4k_triton": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",
-                                          {"decode": "triton", "stack_siblings": False}, "int4_kernels"),
-                "compiled_fp8k": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels", {"stack_siblings": False},
-                                  "fp8_kernels"),
-                "compiled_int4k_stacked": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",
-                                           {"decode": "tinygemm", "stack_siblings": True}, "int4_kernels"),
-                "compiled_fp8k_stacked": ("hf_lowbit.qat.fp8_serving", "use_fp8_kernels", {"stack_siblings": True},
-                                          "fp8_kernels"),
-                "compiled_int4k_factored": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",
-                                            {"decode": "triton_factored", "stack_siblings": True}, "int4_kernels"),
-                "compiled_int4k_mma": ("hf_lowbit.qat.int4_serving", "use_int4_kernels",
-                                       {"decode": "triton_mma", "stack_siblings": True}, "int4_kernels")}
+KERNEL_MODES = {mode: (module, fn, kwargs, key) for mode, (module, fn, key), kwargs in (
+    ("compiled_int4k", _INT4, {"decode": "tinygemm", "stack_siblings": False}),
+    ("compiled_int4k_triton", _INT4, {"decode": "triton", "stack_siblings": False}),
+    ("compiled_fp8k", _FP8, {"stack_siblings": False}),
+    ("compiled_int4k_stacked", _INT4, {"decode": "tinygemm", "stack_siblings": True}),
+    ("compiled_fp8k_stacked", _FP8, {"stack_siblings": True}),
+    ("compiled_int4k_factored", _INT4, {"decode": "triton_factored", "stack_siblings": True}),
+    ("compiled_int4k_mma", _INT4, {"decode": "triton_mma", "stack_siblings": True}))}
+MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean", *KERNEL_MODES)
+# a mode after one of these loads the model again
+CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", *KERNEL_MODES)
 SERVING_HELPERS = os.path.join(ROOT, "hf_lowbit", "qat", "serving.py")
 DEFAULT_CHECKPOINTS = ("bf16,qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,"
                        "qat_int4_weight_only")
