@@ -6,6 +6,7 @@ CPU (the interpreter must be switched on before Triton compiles anything): ``pyt
 """
 
 import sys
+import unittest.mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -966,6 +967,15 @@ def check_int4_tile(device: str) -> int:
                         x, ref_w, int4_linear_reference(x, p, s, z, gs))
                 assert (err <= tol).all(), f"{(M, N, K, gs)} {kernel} GEMV split_k={sk}: max err {err.max().item():.3e}"
                 n += 1
+        # under torch.compile the split-K slices are summed in the graph (for Inductor to fuse into the consumer)
+        # instead of by the split-sum kernel: the same bits
+        for kernel, M in (("tile", 3), ("factored", 1), ("mma", 3)):
+            x = torch.randn(M, K, device=device).bfloat16()
+            y = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=3, kernel=kernel)
+            with unittest.mock.patch("torch.compiler.is_compiling", return_value=True):
+                y_graph = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=3, kernel=kernel)
+            assert torch.equal(y, y_graph), f"{(M, N, K, gs)} {kernel}: the graph's split-K sum differs"
+            n += 1
     return n
 
 
