@@ -43,7 +43,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "benchmark_train.py, e.g. EXTRA='--recipes bf16,fp8_unshared' to run part of a block)",
                 "~3.5 min per 5-recipe layers block (5600f0c: 205 s at 8x2048, 158 s at 1x2048); a Trainer block of 4 "
                 "recipes ~6 min (5600f0c: 345 s, warm-ups 32-76 s a recipe with the Triton analysis cache; 85-120 s "
-                "before it)", [
+                "before it; trainer_b1_ga8_cast at 51cd30c: 332 s)", [
         B + "benchmark_regimes.py --timeout 240 --blocks ${BLOCKS:-all} --keep_dir $OUT --json $OUT/regimes_h200.json "
         "--markdown $OUT/regimes_h200.md ${EXTRA:-}"]),
     "sdpa_mask_probe": ("SDPA forward + backward with the causal mask materialized (a whole-model-compiled transformers "
@@ -103,7 +103,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                        "repeat it; run it alone in a call; RECIPES: which (default bf16,int8,fp8; e.g. "
                        "bf16,fp8,fp8_tensorwise for FP8 tensorwise's parity; bf16,int8,int8_head,fp8,fp8_head for the LM "
                        "head in the format, lowbit_include_lm_head, its head uncompiled outside the compiled layers)",
-                       "~9.5 min", [
+                       "~9.5 min estimated; measured 184 s (4 recipes, de9803d) and 231 s (5, with the heads, 51cd30c)", [
         "timeout 570 " + B + "benchmark_quality.py --compile_layers --parallel --corpus_packages "
         "torch,transformers,sympy,networkx,numpy --layers 12 --hidden 1024 --intermediate 2816 --heads 16 --kv_heads 4 "
         "--seq 256 --batch 8 --steps 1500 --warmup 100 --lr 3e-4 --json $OUT/quality_parity_h200.json "
@@ -218,7 +218,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "M = 1 (to set TILE_DECODE_TILES; many Triton compiles). With gemlite's wheel in .whl "
                 "(tools/device_prep.sh) its A16W4 linear is a column too (its fast autotune: the shapes take longer; "
                 "GEMLITE=--gemlite_autotune max: ~7 min a shape)",
-                "38 s measured before the tile GEMV (95d20f0); with gemlite (fast): over 200 s for 5 shapes with "
+                "38 s measured before the tile GEMV (95d20f0), ~35 s with the factored and mma columns (51cd30c); with gemlite (fast): over 200 s for 5 shapes with "
                 "prefill (4a4f0d0, cut at 200 s after 14 of 15 rows); 5-8 min with --sweep (estimate)", [
         "timeout 580 " + B + "benchmark_int4.py ${SWEEP:-} ${GEMLITE:-} --json $OUT/int4_mm_h200.json "
         "--markdown $OUT/int4_mm_h200.md"]),
@@ -232,7 +232,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                     "(each with its own bf16 row)",
                     ("~6-8 min (estimate: serve_profile's 4.8 min for 3 checkpoint x mode pairs at batches 1,8; "
                      "here 6 pairs at batch 1 only; not yet run at 8 layers); LAYERS=32 MODES=compiled_int4k_stacked: 271 s "
-                     "(226593a); LAYERS=32 MODES=compiled_int4k,compiled_int4k_stacked: 470 s (55d8bf8)"), [
+                     "(226593a); LAYERS=32 MODES=compiled_int4k,compiled_int4k_stacked: 470 s (55d8bf8); LAYERS=32 "
+                     "MODES=compiled_int4k_stacked,compiled_int4k_mma: ~340 s (51cd30c)"), [
         "timeout 580 " + B + ("benchmark_serve.py --timeout 420 --layers ${LAYERS:-8} --modes "
                               "${MODES:-compiled_lean,compiled_int4k,compiled_int4k_triton} --batches ${BATCHES:-1} "
                               "--profile --checkpoints qat_int4_tinygemm --json $OUT/serve_int4k_${TAG:-all}_h200.json "
