@@ -433,7 +433,7 @@ def _int4_tile_gemv_factored_kernel(
     80 registers, against 7.91
     and 245 (sm_90, Triton 3.6, ``tools/int4_gemv_sass.py``). The weight is not rounded to bf16 first: the sum is
     closer to the exact product than tinygemm's, and differs from it by up to the weights' bf16 rounding
-    (``2**-8 Σ|x·w|``). On the H200: 0.39-0.68x tinygemm at one row on the layer shapes (docs/qat.md)."""
+    (``2**-8 Σ|x·w|``). On the H200: 0.30-0.68x tinygemm at one row on the layer shapes (docs/qat.md)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     KW: tl.constexpr = BLOCK_K // 8
@@ -521,7 +521,7 @@ def _int4_tile_gemv_mma_kernel(
     the tile never goes through shared memory: 2.45 SASS instructions a code in the loop at ``MMA_TILES`` (against
     the CUDA-core form's 4.27), 128 registers, 29 KB of shared memory (``tools/int4_gemv_sass.py``; joined in the
     words' order instead, with ``x`` permuted to match, it was 3.32 through shared memory). On the H200: 1.7-3.6x
-    tinygemm at 8 rows, 0.46-1.49x at one row with the host's preparation (docs/qat.md)."""
+    tinygemm at 8 rows on the MLP and head shapes, 0.35-1.49x at one row with the host's preparation (docs/qat.md)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     KW: tl.constexpr = BLOCK_K // 8

@@ -12,7 +12,8 @@ ONE copy of the weight, nothing repacked, no extra memory) and calls ``hf_lowbit
 ``aten._weight_int4pack_mm``, what torchao runs, 3-4x faster than our first GEMV on the H200), ``"triton"`` (our
 tile-layout GEMV: 0.45-0.75x tinygemm at one row on the H200), ``"triton_factored"`` (at one row the tile layout's
 GEMV with the scale and zero out of the sum, ~4.3 instructions a code against 7.9) or ``"triton_mma"`` (those sums on
-tensor cores, up to 16 rows, ~2.5 a code: on the H200 1.7-3.6x tinygemm at 8 rows, level with it serving at batch 1);
+tensor cores, up to 16 rows, ~2.5 a code: on the H200 1.7-3.6x tinygemm at 8 rows on the MLP and head shapes, level
+with it serving at batch 1);
 more rows (prefill) a Triton kernel dequantizes the tile layout to bf16 and cuBLAS multiplies (20-24x tinygemm's
 prefill on the H200 with the first layout). Numerics: tinygemm's weight ``bf16((q - 8)·scale + zero)`` (ours forms it
 in float32 and rounds once; the two differ only on rare ties; the factored GEMVs do not round it), float32
