@@ -640,7 +640,9 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     if split_k is None:
         split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device))
     sz = scale_and_zero.view(torch.int32).squeeze(-1)  # [G, NP]
-    out = torch.empty((M, out_features), dtype=torch.bfloat16, device=x.device)
+    # under torch.compile the split-K slices are summed in the graph (below): no bf16 output buffer then
+    graph_sum = split_k > 1 and torch.compiler.is_compiling()
+    out = None if graph_sum else torch.empty((M, out_features), dtype=torch.bfloat16, device=x.device)
     dest = out if split_k == 1 else torch.empty((split_k, M, out_features), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(NP, bn), split_k)
     if kernel == "factored":
@@ -671,7 +673,7 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
             num_stages=stages,
         )
     if split_k > 1:
-        if torch.compiler.is_compiling():
+        if graph_sum:
             # the slices' sum in the graph, where Inductor fuses it into what reads the output (up to 8 slices it
             # unrolls the sum into that kernel): no kernel of its own a call (~0.3 ms of a 3 ms token, 32 layers)
             return dest.sum(0).to(torch.bfloat16)
