@@ -222,6 +222,29 @@ def test_op_compiles_without_graph_breaks():
     torch._dynamo.reset()
 
 
+def test_traced_inside_a_triton_op_under_compile(monkeypatch):
+    """int4_tile_decode_triton sums its split-K slices in the graph when traced: the check must hold inside a
+    triton_op's body while AOTAutograd traces it, also where torch.compiler.is_compiling() is False there (torch
+    2.11, the device image: the profile still showed the split-sum kernel), and must not hold eagerly."""
+    from hf_lowbit.kernels.triton_int4 import _traced
+
+    seen = []
+
+    @torch.library.triton_op("hf_lowbit_test::traced_probe", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(_traced(x))
+        return x * 2
+
+    probe(torch.ones(3))
+    assert seen == [False]
+    seen.clear()
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    torch.compile(lambda x: probe(x) + 1, backend="aot_eager", fullgraph=True)(torch.ones(3))
+    assert seen and all(seen), seen
+    torch._dynamo.reset()
+
+
 def test_use_int4_kernels_skips_with_reasons():
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
     report = use_int4_kernels(model)

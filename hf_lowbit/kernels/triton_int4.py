@@ -618,6 +618,13 @@ def _tile_x_factored(x: torch.Tensor, KP: int, block_k: int, per_step: bool) -> 
     return xw.reshape(KP), (xs.reshape(KP // block_k, block_k // 8).sum(1) if per_step else xs)
 
 
+def _traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is being traced by ``torch.compile`` rather than run: Inductor traces a ``triton_op``'s body
+    with fake (functional) tensors. ``torch.compiler.is_compiling()`` alone is not enough: torch 2.11 sets it only
+    while Dynamo traces, not while AOTAutograd traces the op's body (2.13 holds it for the whole compile)."""
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode((t,)) is not None
+
+
 def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
                             out_features: int, split_k: int | None = None,
                             tiles: tuple[int, int, int, int] | None = None, kernel: str = "tile") -> torch.Tensor:
@@ -641,7 +648,7 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
         split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device))
     sz = scale_and_zero.view(torch.int32).squeeze(-1)  # [G, NP]
     # under torch.compile the split-K slices are summed in the graph (below): no bf16 output buffer then
-    graph_sum = split_k > 1 and torch.compiler.is_compiling()
+    graph_sum = split_k > 1 and _traced(x)
     out = None if graph_sum else torch.empty((M, out_features), dtype=torch.bfloat16, device=x.device)
     dest = out if split_k == 1 else torch.empty((split_k, M, out_features), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(NP, bn), split_k)
