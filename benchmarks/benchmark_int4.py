@@ -78,7 +78,7 @@ def bench(a) -> list[dict]:
     from benchmarks.driver import graph_ms
     from hf_lowbit.kernels.int4 import int4_dequantize, int4_linear, int4_tile_linear
     from hf_lowbit.kernels.triton_int4 import (
-        TILE_KERNELS,
+        MMA_SWEEP_TILES,
         TILE_SWEEP_TILES,
         _decode_tiles,
         _sms,
@@ -150,8 +150,9 @@ def bench(a) -> list[dict]:
             rows.append(row)
         if a.sweep:
             x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-            for kernel in TILE_KERNELS:
-                for tiles in TILE_SWEEP_TILES:
+            for kernel in a.sweep_kernels:
+                # the mma GEMV needs BLOCK_K <= the group (a larger one would silently time its fallback)
+                for tiles in MMA_SWEEP_TILES if kernel == "mma" else TILE_SWEEP_TILES:
                     for split in (1, 2, 4, 8):
                         key = {"N": N, "K": K, "M": 1, "kernel": kernel, "sweep": list(tiles), "split_k": split}
                         try:
@@ -161,7 +162,7 @@ def bench(a) -> list[dict]:
                             rows.append({**key, "error": f"{type(e).__name__}: {str(e)[:100]}"})
                             continue
                         rows.append({**key, "ours_us": us, "ours_gb_s": (int4_bytes + 2 * (K + N)) / us / 1e3})
-            for kernel in TILE_KERNELS:
+            for kernel in a.sweep_kernels:
                 best = min((r for r in rows if r.get("sweep") and r["N"] == N and r["K"] == K and "ours_us" in r
                             and r["kernel"] == kernel), key=lambda r: r["ours_us"], default=None)
                 print(f"sweep {N}x{K} {kernel} best: {best}", flush=True)
@@ -210,6 +211,8 @@ def main(argv=None) -> None:
     p.add_argument("--prefill", type=int, default=2048, help="rows of the prefill case (0: none)")
     p.add_argument("--group_size", type=int, default=128)
     p.add_argument("--sweep", action="store_true", help="also the tile and factored GEMVs' tiles and split-K at M = 1")
+    p.add_argument("--sweep_kernels", default="tile,factored,mma",
+                   help="the GEMVs --sweep times (comma-separated: tile, factored, mma)")
     p.add_argument("--gemlite_autotune", default="fast", choices=("fast", "max", "default"),
                    help="gemlite's autotune setting (its default: fast; max: ~20 s a shape)")
     p.add_argument("--json", default=None)
@@ -217,6 +220,12 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     a.shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     a.ms = [int(m) for m in a.ms.split(",")]
+    a.sweep_kernels = [k for k in a.sweep_kernels.split(",") if k]
+    from hf_lowbit.kernels.triton_int4 import TILE_KERNELS
+
+    bad = [k for k in a.sweep_kernels if k not in TILE_KERNELS]
+    if bad:
+        p.error(f"--sweep_kernels: {bad} not among {TILE_KERNELS}")
     import torch
 
     if not torch.cuda.is_available():

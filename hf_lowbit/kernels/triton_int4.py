@@ -262,6 +262,8 @@ TILE_DECODE_TILES = {1: (128, 128, 4, 3), 16: (64, 128, 4, 3)}
 # the benchmark's --sweep of the tile GEMV at M = 1 (each also compiled for sm_90 by tests/_triton_sm90_compile.py)
 TILE_SWEEP_TILES = [(bn, bk, w, st) for bn, bk, w in ((64, 128, 2), (64, 256, 2), (128, 128, 4), (128, 256, 4),
                                                       (256, 128, 8), (128, 128, 8)) for st in (2, 4)]
+# the mma GEMV's sweep: BLOCK_K 128 (at most the group), BLOCK_N 64-256, warps, stages
+MMA_SWEEP_TILES = [(bn, 128, w, st) for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8)) for st in (2, 3, 4)]
 TILE_DECODE_TILES_INTERPRET = {1: (16, 128, 1, 1), 16: (16, 128, 1, 1)}
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the factored GEMV (M = 1) and of its tensor-core form (M <= 16):
 # guesses, not swept yet (128 rows: Hopper's wgmma wants the weight rows, its M, >= 64 with 4 warps)
