@@ -76,10 +76,11 @@ def _configs():
     bn, bk, warps, stages = I.MMA_TILES
     for gs in (128, 256):
         for split in (1, 4):
-            out.append((f"int4_tile_gemv_mma tiles={I.MMA_TILES} gs={gs} split={split}",
-                        I._int4_tile_gemv_mma_kernel, mma_sig(split),
-                        dict(GROUP=gs, SPLIT_K=split, SOFT=False, DOT_IEEE=False, BLOCK_N=bn, BLOCK_K=bk,
-                             NUM_STAGES=stages), warps, stages))
+            for one_row in (False, True):  # M = 1 sums its x in the kernel
+                out.append((f"int4_tile_gemv_mma tiles={I.MMA_TILES} gs={gs} split={split} one_row={one_row}",
+                            I._int4_tile_gemv_mma_kernel, mma_sig(split),
+                            dict(GROUP=gs, SPLIT_K=split, SOFT=False, DOT_IEEE=False, BLOCK_N=bn, BLOCK_K=bk,
+                                 NUM_STAGES=stages, ONE_ROW=one_row), warps, stages))
     bn, bk, warps = I.TILE_DEQUANT_TILES
     for gs in (32, 128, 256):
         out.append((f"int4_tile_dequant gs={gs}", I._int4_tile_dequant_kernel,

@@ -3,7 +3,8 @@
 [--dump DIR] [--sweep]``.
 
 Per kernel at one row of ``x`` (the tile GEMV's M = 1 branch, ``TILE_DECODE_TILES[1]``, and the factored GEMV,
-``FACTORED_TILES``; its tensor-core form, ``MMA_TILES``, for up to 16 rows and groups of 128), group 128 and 32,
+``FACTORED_TILES``; its tensor-core form, ``MMA_TILES``, for up to 16 rows and groups of 128, and as ``mma_row1``
+at one row, which sums ``x`` itself), group 128 and 32,
 split K 1 and 4, as a launch on Llama shapes marks it (16-byte aligned
 pointers, ``N``, ``NP``, ``KP`` and the strides multiples of 16): registers and spills (``ptxas -v``), shared memory,
 and the main loop's SASS instructions (the longest loop), per code a thread handles a step (``BLOCK_N · BLOCK_K /
@@ -60,10 +61,11 @@ def _configs(sweep: bool):
                     stages, bn * bk / (32 * warps)))
         bn, bk, warps, stages = mma_tiles
         if gs >= bk and bn >= 64:  # its groups (smaller ones fall back) and wgmma's rows
-            out.append((f"mma GEMV {mma_tiles} group {gs} split {split}", I._int4_tile_gemv_mma_kernel,
-                        {**mma_sig, "out_ptr": out_t},
-                        dict(GROUP=gs, SPLIT_K=split, SOFT=False, DOT_IEEE=False, BLOCK_N=bn, BLOCK_K=bk,
-                             NUM_STAGES=stages), warps, stages, bn * bk / (32 * warps)))
+            for one_row in (False, True):  # up to 16 rows (x's sums from the host); one row (summed in the kernel)
+                out.append((f"{'mma_row1' if one_row else 'mma'} GEMV {mma_tiles} group {gs} split {split}",
+                            I._int4_tile_gemv_mma_kernel, {**mma_sig, "out_ptr": out_t},
+                            dict(GROUP=gs, SPLIT_K=split, SOFT=False, DOT_IEEE=False, BLOCK_N=bn, BLOCK_K=bk,
+                                 NUM_STAGES=stages, ONE_ROW=one_row), warps, stages, bn * bk / (32 * warps)))
     return out
 
 

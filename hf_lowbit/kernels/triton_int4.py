@@ -507,7 +507,7 @@ def _int4_tile_gemv_mma_kernel(
     M, N, NP, KP,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
     GROUP: tl.constexpr, SPLIT_K: tl.constexpr, SOFT: tl.constexpr, DOT_IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ONE_ROW: tl.constexpr,
 ):
     """Up to 16 rows of ``x`` times the tile words on tensor cores, the scale and zero factored out of the sum as in
     :func:`_int4_tile_gemv_factored_kernel`: per step (inside one group: ``GROUP >= BLOCK_K``) the codes' ``128 + q``
@@ -515,8 +515,12 @@ def _int4_tile_gemv_mma_kernel(
     M, so Hopper's wgmma takes them; ``x``'s rows padded to 16 are its N), then ``acc += s·part + (z - 136·s)·Σ x``
     (``Σ (q - 8)·x = part - 136·Σ x``: the offset costs ~4 of float32's 24 bits, far above bf16's 8). ``x [M,
     KP]`` bf16 as it is (zero-padded to the layout's K), ``xs [KP/BLOCK_K, 16]`` float32: ``x``'s sums a step, zero
-    past row ``M`` (from the host: a small kernel a call, ~0.08 ms of a 3 ms token over 32 layers at 51cd30c; summed
-    here from the tile the dot reads instead, the loop takes 2.98 instructions a code and 165 registers: not done).
+    past row ``M`` (from the host: a small kernel a call, or a reduction fused into ``x``'s producer; summed here from
+    the 16-row tile the dot reads instead, the loop took 2.98 instructions a code and 165 registers: not done).
+    ``ONE_ROW`` (M = 1, batch-1 decoding): no ``xs``; the row's sum a step is taken here from a second, 1-D load of
+    the step's ``x`` (cached: the dot's tile read it) into a separate accumulator of the zeros' terms,
+    ``accz += (z - 136·s)·Σ x``, added to column 0 at the end: 2.31 instructions a code (fewer than with ``xs``: the
+    zeros' FMA is one a row, not one a row and column) at 167 registers, and nothing on the host but the pad.
     Products (16 significant bits) exact, sums in float32 on the tensor cores; the weight is not rounded to bf16.
     Per code half a LOP3 and 3/8 of a shift; the codes, joined and permuted into ``x``'s column order (as
     :func:`_int4_tile_dequant_kernel` orders them), land in the register layout wgmma reads its A operand from, so
@@ -535,6 +539,7 @@ def _int4_tile_gemv_mma_kernel(
     row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
     first, last = _split_k_steps(pid_k, KP // BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    accz = tl.zeros((BLOCK_N,), dtype=tl.float32)  # ONE_ROW: the zeros' terms of row 0
     for step in tl.range(first, last, num_stages=NUM_STAGES):
         k0 = step * BLOCK_K
         words = tl.load(q_ptr + (k0 + (j // 16) * 128 + (j % 16))[None, :] + row[:, None], mask=mask_n[:, None],
@@ -557,8 +562,14 @@ def _int4_tile_gemv_mma_kernel(
         szw = tl.load(sz_ptr + (k0 // GROUP) * stride_sg + offs_n, mask=mask_n, other=0)
         s = (szw << 16).to(tl.float32, bitcast=True)
         z = (szw & -65536).to(tl.float32, bitcast=True) - 136.0 * s  # 136·s exact (12 bits); one rounding at most
-        xs = tl.load(xs_ptr + step * 16 + offs_m)  # zero past M: no mask
-        acc += part * s[:, None] + z[:, None] * xs[None, :]
+        if ONE_ROW:
+            accz += z * tl.sum(tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32))
+            acc += part * s[:, None]
+        else:
+            xs = tl.load(xs_ptr + step * 16 + offs_m)  # zero past M: no mask
+            acc += part * s[:, None] + z[:, None] * xs[None, :]
+    if ONE_ROW:
+        acc += tl.where(offs_m[None, :] == 0, accz[:, None], 0.0)
     if SPLIT_K == 1:
         acc = _round_bf16(acc, SOFT)
     out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -664,12 +675,15 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     elif kernel == "mma":
         xb = torch.nn.functional.pad(x, (0, KP - x.shape[1])) if KP != x.shape[1] else x
         xb = xb if xb.stride(1) == 1 else xb.contiguous()  # rows may be strided (a wider tensor), columns not
-        # x's sums a step, for the zeros' term: [steps, 16], zero past M (one unmasked 64-byte load a step)
-        xs = torch.nn.functional.pad(xb.float().reshape(M, KP // bk, bk).sum(-1).T, (0, 16 - M)).contiguous()
+        # x's sums a step, for the zeros' term: [steps, 16], zero past M (one unmasked 64-byte load a step); one row
+        # sums its own in the kernel (nothing else to launch or fuse: batch-1 decoding)
+        xs = xb if M == 1 else torch.nn.functional.pad(
+            xb.float().reshape(M, KP // bk, bk).sum(-1).T, (0, 16 - M)).contiguous()
         wrap_triton(_int4_tile_gemv_mma_kernel)[grid](
             xb, xs, qdata, sz, dest, M, out_features, NP, KP, xb.stride(0), qdata.stride(0),
             sz.stride(0), out_features, M * out_features, GROUP=group_size, SPLIT_K=split_k, SOFT=_INTERPRET,
-            DOT_IEEE=_INTERPRET, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=warps, num_stages=stages,
+            DOT_IEEE=_INTERPRET, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, ONE_ROW=M == 1, num_warps=warps,
+            num_stages=stages,
         )
     else:
         use_dot = M > 1
