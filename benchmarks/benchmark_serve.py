@@ -281,8 +281,9 @@ _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLau
 
 def _profiled(fn, device: str, top: int = 8) -> dict:
     """One call of ``fn`` under ``torch.profiler``: its wall ms (profiler overhead included), the GPU's kernel ms,
-    and how many host syncs, CUDA-graph replays and kernel launches it made; the ``top`` kernels by time; the host
-    side: every CPU op's self time and calls (``host_ops``, name -> (ms, calls)) and their sum (``host_self_ms``)."""
+    and how many host syncs, CUDA-graph replays and kernel launches it made; every CUDA kernel's ms and calls
+    (``kernels``, name -> (ms, calls)) and the ``top`` by ms (``top_kernels``); the host side: every CPU op's self
+    time and calls (``host_ops``, name -> (ms, calls)) and their sum (``host_self_ms``)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -297,34 +298,47 @@ def _profiled(fn, device: str, top: int = 8) -> dict:
         _sync(device)
         wall = 1000 * (time.perf_counter() - t)
     events = [e for e in prof.key_averages() if not getattr(e, "is_user_annotation", False)]
-    kernels = sorted(((e.key, e.self_device_time_total / 1000) for e in events
-                      if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0), key=lambda k: -k[1])
+    kernels: dict[str, tuple[float, int]] = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0:  # names cut alike: their sum
+            ms, calls = kernels.get(e.key[:120], (0.0, 0))
+            kernels[e.key[:120]] = (ms + e.self_device_time_total / 1000, calls + e.count)
     count = lambda keys: sum(e.count for e in events if e.key in keys)  # noqa: E731
     host = {e.key[:120]: (e.self_cpu_time_total / 1000, e.count) for e in events
             if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0}
-    return {"wall_ms": wall, "device_ms": sum(ms for _, ms in kernels), "syncs": count(_CUDA_SYNCS),
+    return {"wall_ms": wall, "device_ms": sum(ms for ms, _ in kernels.values()), "syncs": count(_CUDA_SYNCS),
             "graph_replays": count(("cudaGraphLaunch",)), "kernel_launches": count(_LAUNCHES),
-            "top_kernels": [{"name": n[:120], "ms": ms} for n, ms in kernels[:top]],
-            "host_self_ms": sum(ms for ms, _ in host.values()), "host_ops": host}
+            "top_kernels": [{"name": n, "ms": ms, "calls": c}
+                            for n, (ms, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
+            "kernels": kernels, "host_self_ms": sum(ms for ms, _ in host.values()), "host_ops": host}
+
+
+def per_token(long: dict, short: dict, n: int, top: int) -> list[dict]:
+    """(``long`` - ``short``) / ``n`` of each name's (ms, calls) in two calls' ``{name: (ms, calls)}``, the ``top`` by
+    ms: what a decoded token adds, the prompt's prefill and each call's fixed work cancelling (a name absent from a
+    call counts 0 there)."""
+    diff = {k: tuple((long.get(k, (0.0, 0))[i] - short.get(k, (0.0, 0))[i]) / n for i in (0, 1))
+            for k in {**long, **short}}
+    return [{"name": k, "ms": ms, "calls": c} for k, (ms, c) in sorted(diff.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
 def decode_profile(run, t1: int, t2: int, device: str) -> dict:
     """Where a decoded token's time goes: ``run(t1)`` and ``run(t2)`` profiled, their difference per token (the
     prompt's prefill and each call's fixed work cancel, as in the timed rate). ``busy``: the GPU's share of the
-    wall time; far below 1, the host (``generate``'s per-token Python, its syncs, launches) is the bound."""
+    wall time; far below 1, the host (``generate``'s per-token Python, its syncs, launches) is the bound.
+    ``top_kernels_per_token``: each CUDA kernel's ms and calls per token (top 24), the kernels a decoded token adds,
+    to set a quantized decode beside bf16's (``top_kernels``: the long call's totals, its prefill included);
+    ``top_host_ops_per_token``: the same for the CPU ops' self time (top 12)."""
     short, long = _profiled(lambda: run(t1), device), _profiled(lambda: run(t2), device)
     n = t2 - t1
     per = {f"{k}_per_token": (long[k] - short[k]) / n
            for k in ("wall_ms", "device_ms", "syncs", "graph_replays", "kernel_launches", "host_self_ms")}
     wall = per["wall_ms_per_token"]
     per["busy"] = per["device_ms_per_token"] / wall if device == "cuda" and wall > 0 else None  # CPU: no GPU timeline
-    # the host's side of a token: each CPU op's self time and calls, the difference of the two calls per token
-    # (what the quantized models' host does between CUDA-graph replays that bf16's does not)
-    ops = {k: ((ms - short["host_ops"].get(k, (0.0, 0))[0]) / n, (c - short["host_ops"].get(k, (0.0, 0))[1]) / n)
-           for k, (ms, c) in long["host_ops"].items()}
-    top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:12]
+    # the host's side of a token: what the quantized models' host does between CUDA-graph replays that bf16's does not
     return {**per, "top_kernels": long["top_kernels"],
-            "top_host_ops_per_token": [{"name": k, "ms": ms, "calls": c} for k, (ms, c) in top]}
+            "top_kernels_per_token": per_token(long["kernels"], short["kernels"], n, 24),
+            "top_host_ops_per_token": per_token(long["host_ops"], short["host_ops"], n, 12)}
 
 
 def measure(a, emit) -> dict:
@@ -419,7 +433,7 @@ def measure(a, emit) -> dict:
                                              device, a.reps)
             if a.profile:
                 pre = _profiled(lambda: forward(prefill_ids, logits_to_keep=1, use_cache=False), device)
-                pre.pop("host_ops")  # every CPU op: the decode profile keeps the top ones per token
+                del pre["host_ops"], pre["kernels"]  # every op and kernel: the decode profile keeps the top per token
                 phase["prefill_profile"] = pre
             emit(row)
             for b, ids in prompts.items():
@@ -562,6 +576,20 @@ def profile_table(rows: list[dict], modes, batches) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *out] if out else []
 
 
+def kernel_table(rows: list[dict], modes, batches, top: int = 12) -> list[str]:
+    """The ``top`` kernels of each profiled decode per token (``top_kernels_per_token``; none in records written
+    before it was, nor on a CPU), one line each."""
+    out = []
+    for r in rows:
+        for mode in modes:
+            for b in batches:
+                d = (r.get(mode) or {}).get(f"decode_profile_b{b}") or {}
+                out += [f"| {r['checkpoint']} | {mode} | {b} | {k['ms']:.4f} | {k['calls']:.2f} | "
+                        f"{k['name'][:80].replace('|', '/')} |" for k in d.get("top_kernels_per_token", [])[:top]]
+    head = ["checkpoint", "mode", "batch", "GPU ms/token", "calls/token", "kernel"]
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *out] if out else []
+
+
 def plot(rows: list[dict], modes, batches, path: str, title: str) -> None:
     """Bars: prefill and decode speed vs bf16 per checkpoint, one panel per mode, and size vs bf16."""
     try:
@@ -613,6 +641,10 @@ def write(data: dict, a) -> None:
         lines += ["", "Profiled (`--profile`, one call each under `torch.profiler`; per decoded token: the difference "
                   "of the two generate lengths; GPU busy = GPU ms / wall ms; cudagraph skips: compiled graphs that "
                   "ran without CUDA graphs):", "", *profiled]
+    kernels = kernel_table(rows, modes, c["batches"])
+    if kernels:
+        lines += ["", "Kernels per decoded token (`--profile`: each kernel's GPU ms and calls in the long generate "
+                  "call less the short one's, per token; the top 12):", "", *kernels]
     if data.get("probe"):
         lines += ["", "torchao serving configs on this machine (one bf16 linear 1024 -> 512, 16 tokens; SNR vs the exact "
                   "product):", "", "| config | its kernel | runs | weight type | SNR dB eager | SNR dB compiled |",
@@ -643,7 +675,8 @@ def main():
     p.add_argument("--compile_backend", default="inductor", help="torch.compile backend (eager: CPU smoke runs)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and the decode (two generate lengths) in each mode: GPU ms, host "
-                        "syncs, CUDA-graph replays and kernel launches per decoded token, the top kernels")
+                        "syncs, CUDA-graph replays and kernel launches per decoded token, the top kernels (and "
+                        "per decoded token)")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the script)")
     p.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: each is deleted once measured)")

@@ -65,7 +65,9 @@ def test_serve_smoke_on_cpu(tmp_path):
             # on a loaded CPU it can come out negative, so only its presence is checked)
             assert isinstance(prof["host_self_ms_per_token"], float)
             assert prof["top_host_ops_per_token"] and all(o["name"] for o in prof["top_host_ops_per_token"])
-            assert "host_ops" not in phase["prefill_profile"]
+            # the kernels a decoded token adds: CUDA kernels only, none profiled on a CPU
+            assert prof["top_kernels_per_token"] == [] and prof["top_kernels"] == []
+            assert "host_ops" not in phase["prefill_profile"] and "kernels" not in phase["prefill_profile"]
             assert phase["prefill_profile"]["wall_ms"] > 0 and phase["cudagraph_skips"] == 0
     assert bf16["eager"]["prefill_vs_bf16"] == 1.0
     # unwrap_tensor_subclass: plain tensors for Dynamo, the same quantized weights rebuilt in the graph
@@ -105,6 +107,7 @@ def test_serve_smoke_on_cpu(tmp_path):
     assert meta["torchao"] == torchao.__version__ and "--checkpoints qat_8da4w" in meta["command"]
     assert "| qat_8da4w | IntxUnpackedToInt8Tensor |" in (tmp_path / "serve.md").read_text()
     assert "| qat_8da4w | compiled |" in (tmp_path / "serve.md").read_text()  # the --profile table
+    assert "Kernels per decoded token" not in (tmp_path / "serve.md").read_text()  # none on a CPU
     assert meta["config"]["profile"] is True
 
 
@@ -212,6 +215,63 @@ def test_serve_merge_leaves_out_a_call_that_wrote_nothing(tmp_path, monkeypatch,
     with pytest.raises(SystemExit, match="none of .*serve_compiled_int4_h200.json exists"):
         _script().main()
     assert not (tmp_path / "x.json").exists()
+
+
+def _fake_profile(wall, kernels, host):
+    """``_profiled``'s return, made up: name -> (ms, calls) of the kernels and of the host's CPU ops."""
+    return {"wall_ms": wall, "device_ms": sum(ms for ms, _ in kernels.values()), "syncs": 2, "graph_replays": 0,
+            "kernel_launches": sum(c for _, c in kernels.values()), "kernels": kernels,
+            "top_kernels": [{"name": k, "ms": ms, "calls": c} for k, (ms, c) in kernels.items()],
+            "host_self_ms": sum(ms for ms, _ in host.values()), "host_ops": host}
+
+
+def test_serve_decode_profile_attributes_kernels_per_token(monkeypatch):
+    """top_kernels_per_token: each kernel's ms and calls in the long call less the short one's, per decoded token,
+    by ms: the prefill (in both calls) cancels; a kernel of the long call only counts whole, one of the short call
+    only negative (last)."""
+    script = _script()
+    per = script.per_token({"gemv": (9.0, 40), "prefill_gemm": (5.0, 1), "dequant": (2.0, 8)},
+                           {"gemv": (3.0, 16), "prefill_gemm": (5.0, 1), "warmup": (0.5, 2)}, 4, 24)
+    assert per == [{"name": "gemv", "ms": 1.5, "calls": 6.0}, {"name": "dequant", "ms": 0.5, "calls": 2.0},
+                   {"name": "prefill_gemm", "ms": 0.0, "calls": 0.0}, {"name": "warmup", "ms": -0.125, "calls": -0.5}]
+    assert [k["name"] for k in script.per_token({f"k{i}": (float(i), 1) for i in range(30)}, {}, 1, 24)] == [
+        f"k{i}" for i in range(29, 5, -1)]  # the top 24 by ms
+    profiles = {2: _fake_profile(10.0, {"gemv": (3.0, 16), "prefill_gemm": (5.0, 1)}, {"aten::mm": (1.0, 10)}),
+                6: _fake_profile(18.0, {"gemv": (9.0, 40), "prefill_gemm": (5.0, 1), "dequant": (2.0, 8)},
+                                 {"aten::mm": (3.0, 30), "aten::copy_": (0.4, 4)})}
+    monkeypatch.setattr(script, "_profiled", lambda fn, device: profiles[fn()])
+    d = script.decode_profile(lambda n: n, 2, 6, "cuda")
+    assert d["top_kernels_per_token"] == [{"name": "gemv", "ms": 1.5, "calls": 6.0},
+                                          {"name": "dequant", "ms": 0.5, "calls": 2.0},
+                                          {"name": "prefill_gemm", "ms": 0.0, "calls": 0.0}]
+    assert d["top_kernels"] == profiles[6]["top_kernels"]  # the long call's, as before
+    assert d["top_host_ops_per_token"] == [{"name": "aten::mm", "ms": 0.5, "calls": 5.0},
+                                           {"name": "aten::copy_", "ms": 0.1, "calls": 1.0}]
+    assert d["device_ms_per_token"] == 2.0 and d["wall_ms_per_token"] == 2.0 and d["busy"] == 1.0
+
+
+def test_serve_markdown_lists_kernels_per_token_where_recorded(tmp_path, monkeypatch):
+    """The markdown's per-token kernel listing: the rows whose decode profile has top_kernels_per_token (the top 12,
+    names cut to 80 characters), none for a record written before it was, which still renders its profile line."""
+    meta = {"config": {"layers": 8, "hidden": 4096, "prefill": 2048, "decode_tokens": [16, 80], "prompt": 128,
+                       "lm_head": "int4", "batches": [1]}, "command": "x"}
+    old = {"wall_ms_per_token": 5.0, "device_ms_per_token": 4.0, "busy": 0.8, "syncs_per_token": 0.0,
+           "graph_replays_per_token": 1.0, "kernel_launches_per_token": 0.0, "host_self_ms_per_token": 0.5,
+           "top_kernels": [{"name": "gemm", "ms": 300.0}]}
+    new = {**old, "top_kernels_per_token": [{"name": f"k{i}_" + "x" * 100, "ms": 1.0 - i / 100, "calls": 32.0}
+                                            for i in range(24)]}
+    rows = [_row("bf16", 0, 10.0, 100.0, 4000), _row("qat_int4_tinygemm", 0, 8.0, 200.0, 1200)]
+    rows[0]["compiled"]["decode_profile_b1"], rows[1]["compiled"]["decode_profile_b1"] = old, new
+    (tmp_path / "part.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    monkeypatch.setattr(sys, "argv", ["benchmark_serve.py", "--merge", str(tmp_path / "part.json"), "--json",
+                                      str(tmp_path / "all.json"), "--markdown", str(tmp_path / "all.md")])
+    _script().main()
+    md = (tmp_path / "all.md").read_text()
+    assert "| bf16 | compiled | – | 1 | 5.00 | 4.00 | 80% |" in md  # the old record's profile line
+    listed = [line for line in md.splitlines() if line.startswith("| qat_int4_tinygemm | compiled | 1 |")]
+    assert listed[0] == f"| qat_int4_tinygemm | compiled | 1 | 1.0000 | 32.00 | {('k0_' + 'x' * 100)[:80]} |"
+    assert len(listed) == 12 and "Kernels per decoded token" in md
+    assert not any(line.startswith("| bf16 | compiled | 1 |") for line in md.splitlines())
 
 
 def test_serve_rejects_bad_arguments():
