@@ -527,7 +527,8 @@ def _int4_tile_gemv_mma_kernel(
     the tile never goes through shared memory: 2.45 SASS instructions a code in the loop at ``MMA_TILES`` (against
     the CUDA-core form's 4.27), 128 registers, 29 KB of shared memory (``tools/int4_gemv_sass.py``; joined in the
     words' order instead, with ``x`` permuted to match, it was 3.32 through shared memory). On the H200: 1.7-3.6x
-    tinygemm at 8 rows on the MLP and head shapes, 0.35-1.49x at one row with the host's preparation (docs/qat.md)."""
+    tinygemm at 8 rows on the MLP and head shapes, 0.35-1.49x at one row with the host's preparation (session 23);
+    at one row with ``ONE_ROW``, 0.80-0.94x on the served layer shapes (session 24; docs/qat.md)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     KW: tl.constexpr = BLOCK_K // 8
