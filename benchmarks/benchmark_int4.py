@@ -80,6 +80,7 @@ def bench(a) -> list[dict]:
     from hf_lowbit.kernels.triton_int4 import (
         MMA_SWEEP_TILES,
         TILE_SWEEP_TILES,
+        _TILE_MAX_SPLIT_K,
         _decode_tiles,
         _sms,
         _tile_decode_tiles,
@@ -121,7 +122,7 @@ def bench(a) -> list[dict]:
                 bn, bk, _ = _decode_tiles(M, a.group_size, None)
                 row["split_k"] = decode_split_k(N, K, bn, bk, _sms(x.device))
                 tbn, tbk, _, _ = _tile_decode_tiles(M, None)
-                row["tile_split_k"] = decode_split_k(N, K, tbn, tbk, _sms(x.device))
+                row["tile_split_k"] = decode_split_k(N, K, tbn, tbk, _sms(x.device), _TILE_MAX_SPLIT_K)
             peers = [("ours", lambda: int4_linear(x, packed, s, z, a.group_size), int4_bytes),
                      ("tile", lambda: int4_tile_linear(x, qdata, sz, a.group_size, N, "triton"), int4_bytes),
                      ("tinygemm", lambda: torch.ops.aten._weight_int4pack_mm(x, qdata, a.group_size, sz), int4_bytes),

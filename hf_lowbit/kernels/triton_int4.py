@@ -51,6 +51,11 @@ DEQUANT_TILES = (64, 128, 4)  # BLOCK_N, BLOCK_K (capped at the group size), war
 DEQUANT_TILES_INTERPRET = (16, 32, 1)
 _WAVES = 2  # programs wanted per SM, at least, before K is split further
 _MAX_SPLIT_K = 16
+# the tile layout's GEMVs (the serving path) split K at most 8 ways: under torch.compile their slices are summed in
+# the graph, and Inductor unrolls a sum of up to 8 (its unroll_reductions_threshold) into the output's consumer,
+# where 16 compile to a reduction kernel of their own (down_proj's 4096 x 14336 at 16: a standalone sum, ~4.5 us a
+# call, in the 32-layer profile at 5b8f89c); the mma GEMV on that shape: 22.1 us at 8, 22.4 at 16 (session 24)
+_TILE_MAX_SPLIT_K = 8
 _MIN_K_STEPS = 4  # each split keeps at least this many BLOCK_K steps
 
 
@@ -179,11 +184,11 @@ def _sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def decode_split_k(N: int, K: int, block_n: int, block_k: int, sms: int) -> int:
+def decode_split_k(N: int, K: int, block_n: int, block_k: int, sms: int, max_split: int = _MAX_SPLIT_K) -> int:
     """How many slices of K the decode kernel uses: doubled while the programs make fewer than ``_WAVES`` per SM,
-    each slice keeps at least ``_MIN_K_STEPS`` steps of ``block_k``, at most ``_MAX_SPLIT_K``."""
+    each slice keeps at least ``_MIN_K_STEPS`` steps of ``block_k``, at most ``max_split``."""
     tiles, steps, split = triton.cdiv(N, block_n), K // block_k, 1
-    while (tiles * split < _WAVES * sms and split * 2 <= _MAX_SPLIT_K
+    while (tiles * split < _WAVES * sms and split * 2 <= max_split
            and steps // (split * 2) >= _MIN_K_STEPS):
         split *= 2
     return split
@@ -659,7 +664,7 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
         kernel = "tile"
     bn, bk, warps, stages = _tile_decode_tiles(M, tiles, kernel)
     if split_k is None:
-        split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device))
+        split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device), _TILE_MAX_SPLIT_K)
     sz = scale_and_zero.view(torch.int32).squeeze(-1)  # [G, NP]
     # under torch.compile the split-K slices are summed in the graph (below): no bf16 output buffer then
     graph_sum = split_k > 1 and _traced(x)
@@ -699,7 +704,8 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     if split_k > 1:
         if graph_sum:
             # the slices' sum in the graph, where Inductor fuses it into what reads the output (up to 8 slices it
-            # unrolls the sum into that kernel): no kernel of its own a call (~0.3 ms of a 3 ms token, 32 layers)
+            # unrolls the sum into that kernel: _TILE_MAX_SPLIT_K): no kernel of its own a call (~0.3 ms of a 3 ms
+            # token, 32 layers)
             return dest.sum(0).to(torch.bfloat16)
         block = 256 if _INTERPRET else 1024
         wrap_triton(_split_sum_kernel)[(triton.cdiv(M * out_features, block),)](
