@@ -219,7 +219,9 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "(tools/device_prep.sh) its A16W4 linear is a column too (its fast autotune: the shapes take longer; "
                 "GEMLITE=--gemlite_autotune max: ~7 min a shape)",
                 "38 s measured before the tile GEMV (95d20f0), ~35 s with the factored and mma columns (51cd30c); with gemlite (fast): over 200 s for 5 shapes with "
-                "prefill (4a4f0d0, cut at 200 s after 14 of 15 rows); 5-8 min with --sweep (estimate)", [
+                "prefill (4a4f0d0, cut at 200 s after 14 of 15 rows); 5-8 min with --sweep (estimate); SWEEP='--sweep "
+                "--sweep_kernels mma --shapes 28672x4096,4096x14336,6144x4096,4096x4096 --ms 1 --prefill 0': ~40 s "
+                "(3053b85)", [
         "timeout 580 " + B + "benchmark_int4.py ${SWEEP:-} ${GEMLITE:-} --json $OUT/int4_mm_h200.json "
         "--markdown $OUT/int4_mm_h200.md"]),
     "serve_int4k": ("issue 26: the int4_tinygemm export served with hf_lowbit's int4 kernels beside compiled_lean "
@@ -233,7 +235,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                     ("~6-8 min (estimate: serve_profile's 4.8 min for 3 checkpoint x mode pairs at batches 1,8; "
                      "here 6 pairs at batch 1 only; not yet run at 8 layers); LAYERS=32 MODES=compiled_int4k_stacked: 271 s "
                      "(226593a); LAYERS=32 MODES=compiled_int4k,compiled_int4k_stacked: 470 s (55d8bf8); LAYERS=32 "
-                     "MODES=compiled_int4k_stacked,compiled_int4k_mma: ~340 s (51cd30c)"), [
+                     "MODES=compiled_int4k_stacked,compiled_int4k_mma: ~340 s (51cd30c), 455 s (488e6b9, a slower host); "
+                     "LAYERS=32 MODES=compiled_int4k_mma: ~400 s (5b8f89c)"), [
         "timeout 580 " + B + ("benchmark_serve.py --timeout 420 --layers ${LAYERS:-8} --modes "
                               "${MODES:-compiled_lean,compiled_int4k,compiled_int4k_triton} --batches ${BATCHES:-1} "
                               "--profile --checkpoints qat_int4_tinygemm --json $OUT/serve_int4k_${TAG:-all}_h200.json "
