@@ -903,16 +903,21 @@ def tile_operands(N, K, group_size, device, seed=0):
     return p.to(device), s.to(device), z.to(device), qdata.to(device), sz.to(device)
 
 
+def exact_weight_parts(p, s, z, group_size):
+    """``(q - 8, scales, zeros)`` in float64, each ``[N, K]`` (scales and zeros repeated over their groups): the
+    exact weight is ``(q - 8)·s + z``, never rounded."""
+    from hf_lowbit.kernels.int4 import unpack_int4
+
+    return (unpack_int4(p).double() - 8, *(t.double().repeat_interleave(group_size, 1) for t in (s, z)))
+
+
 def _factored_tol(x, p, s, z, group_size, offset=0):
     """``(ref, tol)`` for the factored GEMVs (``y = Σ s·Σ (q - 8 + offset)·x + (z - offset·s)·Σ x`` in float32, the
     weight never rounded; the tensor-core form sums ``128 + q``: ``offset`` 136): ``ref`` the exact product in
     float64; ``tol`` the float32 sums' error bound over both terms' magnitudes
     (``2K·2**-24·Σ (|s·(q - 8 + offset)| + |z - offset·s|)·|x|``: the zero's term may cancel the codes') plus the one
     rounding to bf16 (``2**-8`` of the result)."""
-    from hf_lowbit.kernels.int4 import unpack_int4
-
-    q8 = unpack_int4(p).double() - 8
-    sd, zd = (t.double().repeat_interleave(group_size, 1) for t in (s, z))
+    q8, sd, zd = exact_weight_parts(p, s, z, group_size)
     xd = x.double()
     ref = xd @ (q8 * sd + zd).T
     terms = xd.abs() @ (((q8 + offset) * sd).abs() + (zd - offset * sd).abs()).T

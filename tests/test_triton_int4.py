@@ -265,14 +265,6 @@ def _tinygemm_model(gs, N=1024, K=4096, seed=0):
     return model
 
 
-def layer_weight_abs(p, s, z, gs):
-    """``|W|`` in float64 from our packed codes, scales and zeros (``(q - 8)·s + z``, not rounded)."""
-    from hf_lowbit.kernels.int4 import unpack_int4
-
-    sd, zd = (t.double().repeat_interleave(gs, 1) for t in (s, z))
-    return ((unpack_int4(p).double() - 8) * sd + zd).abs()
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("decode", ["tinygemm", "triton", "triton_factored", "triton_mma"])
 @pytest.mark.parametrize("gs", [32, 64, 128, 256])
@@ -282,7 +274,7 @@ def test_repack_from_torchao_cuda(gs, decode):
     compiled) equal tinygemm's within a bf16 rounding of the result; the factored GEMVs (which do not round the
     weight to bf16, so differ from tinygemm by up to that rounding, 2**-9 of each weight) layer by layer within
     their own bound of the exact product of the export's codes."""
-    from _triton_checks import _factored_tol
+    from _triton_checks import _factored_tol, exact_weight_parts
 
     from hf_lowbit.kernels.int4 import tinygemm_operands
 
@@ -295,16 +287,19 @@ def test_repack_from_torchao_cuda(gs, decode):
     assert swapped == {"0", "1"}, report.summary()
     assert ours[0].qdata.data_ptr() == qdata_ptr and ours[0].decode == decode  # one copy: the export's own
     if decode in ("triton_factored", "triton_mma"):
-        layers = [(layer, tinygemm_operands(layer.qdata, layer.scale_and_zero, (layer.out_features, layer.in_features),
-                                            gs)) for layer in ours]
+        layers = []
+        for layer in ours:
+            p, s, z = tinygemm_operands(layer.qdata, layer.scale_and_zero, (layer.out_features, layer.in_features), gs)
+            q8, sd, zd = exact_weight_parts(p, s, z, gs)
+            layers.append((layer, (p, s, z), (q8 * sd + zd).abs()))  # |W|, exact: once a layer
         for M in (1, 8, 16, 17, 300):
             x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
-            for (layer, (p, s, z)), x in zip(layers, (x, model[0](x))):
+            for (layer, (p, s, z), w_abs), x in zip(layers, (x, model[0](x))):
                 # the factored sums' bound (the tensor-core form's offset: the larger of the two) plus, where the
                 # tile GEMV or the prefill path runs on the bf16 weight instead, that weight's rounding, plus the
                 # bias added in bf16
                 exact, tol = _factored_tol(x, p, s, z, gs, 136)
-                tol = tol + 2.0 ** -9 * x.double().abs() @ layer_weight_abs(p, s, z, gs).T
+                tol = tol + 2.0 ** -9 * x.double().abs() @ w_abs.T
                 if layer.bias is not None:
                     exact = exact + layer.bias.double()
                     tol = tol + 2.0 ** -8 * exact.abs()
