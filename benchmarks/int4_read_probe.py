@@ -35,6 +35,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from hf_lowbit.kernels.triton_int4 import _nibble_pair_bf16  # noqa: E402
+
 SHAPES = ((28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096))
 # (BLOCK_N, BLOCK_K, warps, stages)
 READ_TILES = ((128, 128, 4, 1), (128, 128, 4, 3), (128, 128, 4, 6), (128, 256, 4, 3), (256, 128, 8, 3),
@@ -83,6 +85,132 @@ def _read_tma_kernel(desc, out_ptr, NP, KP, SPLIT_K: tl.constexpr, BLOCK_N: tl.c
         acc = acc ^ desc.load([pid_n * (BLOCK_N // 8), step * BLOCK_K])
     offs = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
     tl.store(out_ptr + pid_k * NP + offs, tl.xor_sum(acc, axis=1), mask=offs < NP // 8)
+
+
+@triton.jit
+def _pair_deq_bf16(words, s2, z2, SH: tl.constexpr):
+    """The codes at bit ``SH`` of each word's halves dequantized in bf16 as tinygemm does, ``(q - 8)·s + z``: a LOP3
+    into bf16 128.0's mantissa (``128 + q``, exact), an FMA taking 136 off (exact) and an FMA with the row's scale and
+    zero (``s2``, ``z2``: bf16x2 pairs), one rounding: Marlin's dequantization, 1.5 instructions a code pair."""
+    if SH > 0:
+        words = (words.to(tl.uint32, bitcast=True) >> SH).to(tl.int32, bitcast=True)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, one, off; mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; "
+        "lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 t, t, one, off; fma.rn.bf16x2 t, t, $3, $4; "
+        "mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r,r", [words, s2, z2], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma_variant_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, NP, KP, stride_qn, stride_sg, stride_split,
+                        MODE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        NUM_STAGES: tl.constexpr):
+    """``_int4_tile_gemv_mma_kernel`` at one row with parts taken out, to time what each costs (group = BLOCK_K):
+    MODE 0 as served (``128 + q`` codes, the scale a step on the dot's result, x's sum a step for the zeros);
+    1 without x's sum (wrong: the zeros dropped); 2 the codes' dot accumulated as it is (wrong: no scale or zero,
+    the dot's accumulator chained across steps, so wgmma need not be waited for each step); 3 the weight dequantized
+    in bf16 first (:func:`_pair_deq_bf16`: tinygemm's numerics) and the dot accumulated across steps (right)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KW: tl.constexpr = BLOCK_K // 8
+    j = tl.arange(0, KW)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    mask_n = offs_n < NP
+    row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
+    steps = KP // BLOCK_K
+    per = tl.cdiv(steps, SPLIT_K)
+    first = pid_k * per
+    last = tl.minimum(first + per, steps)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    accz = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for step in tl.range(first, last, num_stages=NUM_STAGES):
+        k0 = step * BLOCK_K
+        words = tl.load(q_ptr + (k0 + (j // 16) * 128 + (j % 16))[None, :] + row[:, None], mask=mask_n[:, None],
+                        other=0)
+        szw = tl.load(sz_ptr + (k0 // BLOCK_K) * stride_sg + offs_n, mask=mask_n, other=0)
+        if MODE == 3:
+            s2 = tl.broadcast_to(((szw & 0xFFFF) * 0x10001)[:, None], (BLOCK_N, KW))
+            z2 = tl.broadcast_to((((szw >> 16) & 0xFFFF) * 0x10001)[:, None], (BLOCK_N, KW))
+            e0, o0 = _pair_deq_bf16(words, s2, z2, 0)
+            e1, o1 = _pair_deq_bf16(words, s2, z2, 4)
+            e2, o2 = _pair_deq_bf16(words, s2, z2, 8)
+            e3, o3 = _pair_deq_bf16(words, s2, z2, 12)
+        else:
+            e0, o0 = _nibble_pair_bf16(words, 0, False)
+            e1, o1 = _nibble_pair_bf16(words, 4, False)
+            e2, o2 = _nibble_pair_bf16(words, 8, False)
+            e3, o3 = _nibble_pair_bf16(words, 12, False)
+        w = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(o0, o2), tl.join(o1, o3)))
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K // 128, 4, 4, 4, 2))
+        w = tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K))
+        x = tl.load(x_ptr + offs_m[None, :] * KP + (k0 + tl.arange(0, BLOCK_K))[:, None], mask=offs_m[None, :] < 1,
+                    other=0.0)
+        if MODE >= 2:
+            acc = tl.dot(w, x, acc, out_dtype=tl.float32)
+        else:
+            part = tl.dot(w, x, out_dtype=tl.float32)
+            s = (szw << 16).to(tl.float32, bitcast=True)
+            z = (szw & -65536).to(tl.float32, bitcast=True) - 136.0 * s
+            if MODE == 0:
+                accz += z * tl.sum(tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32))
+            acc += part * s[:, None]
+    acc += tl.where(offs_m[None, :] == 0, accz[:, None], 0.0)
+    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * N + offs_n[:, None]
+    tl.store(out_ptrs, acc, mask=(offs_n < N)[:, None] & (offs_m[None, :] < 1))
+
+
+@triton.jit
+def _mma_window_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, NP, KP, stride_qn, stride_sg, stride_split,
+                       SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                       SOFT: tl.constexpr):
+    """MODE 4: MODE 0's numerics (``128 + q`` exact, products exact, float32 sums, the scale and zero per group
+    outside the dot) with the dot's accumulator chained, so that wgmma need not be waited for each step: the one
+    row of ``x`` goes into column ``i`` of the dot's 16-column B operand at the ``i``-th step of a window of 16
+    (the other columns zero), so the accumulator's column ``i`` collects step ``i``'s group alone; after the window,
+    one epilogue applies the 16 groups' scales and zeros (``x``'s 16 group sums from one ``[16, BLOCK_K]`` load).
+    Group = ``BLOCK_K``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KW: tl.constexpr = BLOCK_K // 8
+    j = tl.arange(0, KW)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    mask_n = offs_n < NP
+    row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
+    steps = KP // BLOCK_K
+    per = tl.cdiv(steps, SPLIT_K)
+    first = pid_k * per
+    last = tl.minimum(first + per, steps)
+    res = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for w0 in range(first, last, 16):
+        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+        for step in tl.range(w0, tl.minimum(w0 + 16, last), num_stages=NUM_STAGES):
+            k0 = step * BLOCK_K
+            words = tl.load(q_ptr + (k0 + (j // 16) * 128 + (j % 16))[None, :] + row[:, None], mask=mask_n[:, None],
+                            other=0)
+            e0, o0 = _nibble_pair_bf16(words, 0, SOFT)
+            e1, o1 = _nibble_pair_bf16(words, 4, SOFT)
+            e2, o2 = _nibble_pair_bf16(words, 8, SOFT)
+            e3, o3 = _nibble_pair_bf16(words, 12, SOFT)
+            w = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(o0, o2), tl.join(o1, o3)))
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K // 128, 4, 4, 4, 2))
+            w = tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K))
+            x = tl.load(x_ptr + (k0 + tl.arange(0, BLOCK_K))[:, None] + offs_m[None, :] * 0,
+                        mask=offs_m[None, :] == step - w0, other=0.0)
+            if SOFT:
+                acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(w, x, acc, out_dtype=tl.float32)
+        g = w0 + offs_m
+        ing = g < last
+        szw = tl.load(sz_ptr + g[None, :] * stride_sg + offs_n[:, None], mask=mask_n[:, None] & ing[None, :], other=0)
+        s = (szw << 16).to(tl.float32, bitcast=True)
+        z = (szw & -65536).to(tl.float32, bitcast=True) - 136.0 * s
+        xg = tl.load(x_ptr + g[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :], mask=ing[:, None], other=0.0)
+        xs = tl.sum(xg.to(tl.float32), axis=1)
+        res += tl.sum(acc * s + z * xs[None, :], axis=1)
+    tl.store(out_ptr + pid_k * stride_split + offs_n, res, mask=offs_n < N)
 
 
 def _copies(nbytes: int) -> int:
@@ -165,6 +293,78 @@ def bench(shapes, tiles, splits) -> list[dict]:
     return rows
 
 
+VARIANT_TILES = ((128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3), (64, 128, 4, 4))
+VARIANT_SPLITS = (1, 2, 4, 8)
+MODES = (0, 2, 3, 4)  # 1 (x's sum dropped) left out for device time
+
+
+def variants(shapes, tiles=VARIANT_TILES, splits=VARIANT_SPLITS) -> list[dict]:
+    """:func:`_mma_variant_kernel`'s MODEs on each shape, tiles and split-K (group 128, one row, each call on its own
+    weight copy, as :func:`bench`), beside tinygemm; MODE 3's (summed) output's largest difference from tinygemm's
+    and MODE 0's from ``int4_tile_decode_triton(kernel="mma")``'s (the check that the variant times the kernel)."""
+    from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
+
+    from benchmarks.driver import graph_ms
+    from hf_lowbit.kernels.triton_int4 import int4_tile_decode_triton
+
+    rows = []
+    for N, K in shapes:
+        gs = 128
+        n = _copies(N * K // 2)
+        qs, szs = [], []
+        for _ in range(n):
+            q = torch.randint(0, 16, (N, K), device="cuda", dtype=torch.int32)
+            qs.append(torch.ops.aten._convert_weight_to_int4pack(
+                (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous(), 8))
+            s = (torch.rand(N, K // gs, device="cuda") * 0.01 + 1e-3).bfloat16()
+            z = (torch.randn(N, K // gs, device="cuda") * 0.01).bfloat16()
+            szs.append(pack_tinygemm_scales_and_zeros(s, z).view(torch.int32).squeeze(-1))
+        del q
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        NP, KP = qs[0].shape[0] * 8, qs[0].shape[1] * 128
+        tiny = torch.ops.aten._weight_int4pack_mm(x, qs[0], gs, szs[0].view(torch.bfloat16).unsqueeze(-1)).float()
+        mma = int4_tile_decode_triton(x, qs[0], szs[0].view(torch.bfloat16).unsqueeze(-1), gs, N, kernel="mma").float()
+        ref_scale = tiny.abs().max().item()
+        for (bn, bk, warps, stages), split, mode in itertools.product(tiles, splits, MODES):
+            if (KP // bk) // split < 2 or bk > gs:
+                continue
+            out = torch.zeros(split, 1, N, dtype=torch.float32, device="cuda")
+            grid = (triton.cdiv(NP, bn), split)
+
+            def launch(w, sz, out=out, grid=grid, bn=bn, bk=bk, warps=warps, stages=stages, split=split, mode=mode):
+                if mode == 4:
+                    _mma_window_kernel[grid](x, w, sz, out, N, NP, KP, w.stride(0), sz.stride(0), N, SPLIT_K=split,
+                                             BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, SOFT=False,
+                                             num_warps=warps, num_stages=stages)
+                else:
+                    _mma_variant_kernel[grid](x, w, sz, out, N, NP, KP, w.stride(0), sz.stride(0), N, MODE=mode,
+                                              SPLIT_K=split, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages,
+                                              num_warps=warps, num_stages=stages)
+            row = {"shape": f"{N}x{K}", "kernel": f"mma_v{mode}", "tiles": (bn, bk, warps, stages), "split_k": split}
+            try:
+                launch(qs[0], szs[0])
+                got = out.sum(0)
+                if mode in (0, 3, 4):
+                    row["max_diff"] = (got - (tiny if mode == 3 else mma)).abs().max().item() / ref_scale
+                us = graph_ms(_rotating([lambda w=w, sz=sz: launch(w, sz) for w, sz in zip(qs, szs)])) * 1e3
+                row.update(us=us, gb_s=(N * K // 2 + szs[0].numel() * 4) / us / 1e3, copies=n)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is a row, not the end of the run
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            rows.append(row)
+            print(f"{row['shape']:>11} {row['kernel']:8} {str(row['tiles']):18} split {split}: "
+                  + (f"{row['us']:7.1f} us {row['gb_s']:6.0f} GB/s" if "us" in row else row["error"])
+                  + (f"  max diff {row['max_diff']:.2e}" if "max_diff" in row else ""), flush=True)
+        tiny_fns = [lambda w=w, sz=sz: torch.ops.aten._weight_int4pack_mm(x, w, gs, sz.view(torch.bfloat16).unsqueeze(-1))
+                    for w, sz in zip(qs, szs)]
+        us = graph_ms(_rotating(tiny_fns)) * 1e3
+        rows.append({"shape": f"{N}x{K}", "kernel": "tinygemm", "tiles": None, "split_k": None, "us": us,
+                     "gb_s": (N * K // 2 + szs[0].numel() * 4) / us / 1e3, "copies": n})
+        print(f"{N}x{K} tinygemm {us:7.1f} us", flush=True)
+        del qs, szs
+        torch.cuda.empty_cache()
+    return rows
+
+
 def markdown(rows: list[dict], meta: dict) -> list[str]:
     out = [meta["header"], "",
            "| N x K | kernel | tiles (BLOCK_N, BLOCK_K, warps, stages) | split-K | µs | GB/s |", "|---|---|---|---|---|---|"]
@@ -190,12 +390,14 @@ def main(argv=None) -> None:
     p.add_argument("--markdown", help="write the tables here")
     p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
                    help="comma-separated NxK (default: the served Llama-8B layer shapes, stacked)")
+    p.add_argument("--variants", action="store_true",
+                   help="time _mma_variant_kernel's MODEs (what the mma GEMV's parts cost) instead of the read probe")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("int4_read_probe: needs a CUDA GPU; nothing measured or written")
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    rows = bench(shapes, READ_TILES, SPLITS)
+    rows = variants(shapes) if a.variants else bench(shapes, READ_TILES, SPLITS)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": os.environ.get("HF_LOWBIT_COMMIT", "unknown")}
     meta["header"] = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}: "
