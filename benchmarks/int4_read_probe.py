@@ -318,12 +318,13 @@ def variants(shapes, tiles=VARIANT_TILES, splits=VARIANT_SPLITS) -> list[dict]:
                 (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous(), 8))
             s = (torch.rand(N, K // gs, device="cuda") * 0.01 + 1e-3).bfloat16()
             z = (torch.randn(N, K // gs, device="cuda") * 0.01).bfloat16()
-            szs.append(pack_tinygemm_scales_and_zeros(s, z).view(torch.int32).squeeze(-1))
+            szs.append(pack_tinygemm_scales_and_zeros(s, z))  # [G, N, 2] bf16
         del q
         x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
         NP, KP = qs[0].shape[0] * 8, qs[0].shape[1] * 128
-        tiny = torch.ops.aten._weight_int4pack_mm(x, qs[0], gs, szs[0].view(torch.bfloat16).unsqueeze(-1)).float()
-        mma = int4_tile_decode_triton(x, qs[0], szs[0].view(torch.bfloat16).unsqueeze(-1), gs, N, kernel="mma").float()
+        tiny = torch.ops.aten._weight_int4pack_mm(x, qs[0], gs, szs[0]).float()
+        mma = int4_tile_decode_triton(x, qs[0], szs[0], gs, N, kernel="mma").float()
+        sz32 = [sz.view(torch.int32).squeeze(-1) for sz in szs]  # [G, N]: the scale in the low half, the zero high
         ref_scale = tiny.abs().max().item()
         for (bn, bk, warps, stages), split, mode in itertools.product(tiles, splits, MODES):
             if (KP // bk) // split < 2 or bk > gs:
@@ -342,25 +343,24 @@ def variants(shapes, tiles=VARIANT_TILES, splits=VARIANT_SPLITS) -> list[dict]:
                                               num_warps=warps, num_stages=stages)
             row = {"shape": f"{N}x{K}", "kernel": f"mma_v{mode}", "tiles": (bn, bk, warps, stages), "split_k": split}
             try:
-                launch(qs[0], szs[0])
+                launch(qs[0], sz32[0])
                 got = out.sum(0)
                 if mode in (0, 3, 4):
                     row["max_diff"] = (got - (tiny if mode == 3 else mma)).abs().max().item() / ref_scale
-                us = graph_ms(_rotating([lambda w=w, sz=sz: launch(w, sz) for w, sz in zip(qs, szs)])) * 1e3
-                row.update(us=us, gb_s=(N * K // 2 + szs[0].numel() * 4) / us / 1e3, copies=n)
+                us = graph_ms(_rotating([lambda w=w, sz=sz: launch(w, sz) for w, sz in zip(qs, sz32)])) * 1e3
+                row.update(us=us, gb_s=(N * K // 2 + szs[0].numel() * 2) / us / 1e3, copies=n)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is a row, not the end of the run
                 row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             rows.append(row)
             print(f"{row['shape']:>11} {row['kernel']:8} {str(row['tiles']):18} split {split}: "
                   + (f"{row['us']:7.1f} us {row['gb_s']:6.0f} GB/s" if "us" in row else row["error"])
                   + (f"  max diff {row['max_diff']:.2e}" if "max_diff" in row else ""), flush=True)
-        tiny_fns = [lambda w=w, sz=sz: torch.ops.aten._weight_int4pack_mm(x, w, gs, sz.view(torch.bfloat16).unsqueeze(-1))
-                    for w, sz in zip(qs, szs)]
+        tiny_fns = [lambda w=w, sz=sz: torch.ops.aten._weight_int4pack_mm(x, w, gs, sz) for w, sz in zip(qs, szs)]
         us = graph_ms(_rotating(tiny_fns)) * 1e3
         rows.append({"shape": f"{N}x{K}", "kernel": "tinygemm", "tiles": None, "split_k": None, "us": us,
-                     "gb_s": (N * K // 2 + szs[0].numel() * 4) / us / 1e3, "copies": n})
+                     "gb_s": (N * K // 2 + szs[0].numel() * 2) / us / 1e3, "copies": n})
         print(f"{N}x{K} tinygemm {us:7.1f} us", flush=True)
-        del qs, szs
+        del qs, szs, sz32
         torch.cuda.empty_cache()
     return rows
 
