@@ -15,9 +15,10 @@ of ours against tinygemm's output (the same weight: float32 sums in different or
 tile GEMV's tiles (BLOCK_N, BLOCK_K, warps, stages: ``TILE_SWEEP_TILES``) and split-K on each shape at M = 1, to
 set ``TILE_DECODE_TILES``, and the same for the factored GEMVs (``FACTORED_TILES``, ``MMA_TILES``). ``factored``
 (M = 1 only: ``int4_tile_linear(decode="triton_factored")``) is the tile layout's GEMV with the scale and zero taken
-out of the sum, ~4.3 SASS instructions a code against the tile GEMV's 7.9 (``tools/int4_gemv_sass.py``); ``mma``
-(M ≤ 16, group ≥ 128: ``decode="triton_mma"``) the same sums on tensor cores, ~2.5 a code. Neither rounds the weight
-to bf16, so their difference from tinygemm includes the weights' bf16 rounding (reported beside the others). The defaults decide ``Int4ServingLinear``'s ``decode`` ("tinygemm" until ``tile`` is
+out of the sum, ~4.3 SASS instructions a code against the tile GEMV's 7.9 (``tools/int4_gemv_sass.py``); it does
+not round the weight to bf16, so its difference from tinygemm includes the weights' bf16 rounding (reported beside
+the others). ``mma`` (M ≤ 16: ``decode="triton_mma"``) forms tinygemm's bf16 weight and multiplies on tensor cores,
+~3.3 a code, its products accumulated across steps without a wait. The defaults decide ``Int4ServingLinear``'s ``decode`` ("tinygemm" until ``tile`` is
 faster at M = 1 and 8). ``gemlite`` (when installed: ``tools/device_prep.sh`` puts its wheel in ``.whl``; its
 default "fast" autotune, ``--gemlite_autotune`` to change it) is the Triton int4 GEMV peer: ``GemLiteLinear`` (A16W4,
 bf16) packed from the same codes, its zeros ``z - 8·scale`` so that it computes tinygemm's ``(q - 8)·scale + z``
@@ -103,11 +104,10 @@ def bench(a) -> list[dict]:
             io = 2 * M * (K + N)
             ours = int4_linear(x, packed, s, z, a.group_size)
             tile = int4_tile_linear(x, qdata, sz, a.group_size, N, "triton")
-            # our factored GEMVs where they run (else their fallback, not timed): CUDA cores at one row, tensor
-            # cores up to 16 rows (groups of 128 and more)
+            # our other GEMVs where they run (else their fallback, not timed): the factored one at one row, the
+            # tensor-core one up to 16 rows
             ours_more = {name: decode for name, decode, ok in (("factored", "triton_factored", M == 1),
-                                                                ("mma", "triton_mma", M <= 16 and a.group_size >= 128))
-                         if ok}
+                                                                ("mma", "triton_mma", M <= 16)) if ok}
             extra = {name: int4_tile_linear(x, qdata, sz, a.group_size, N, decode) for name, decode in ours_more.items()}
             tiny = torch.ops.aten._weight_int4pack_mm(x, qdata, a.group_size, sz)
             ref = F.linear(x, w_bf16)

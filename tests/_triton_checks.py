@@ -911,26 +911,25 @@ def exact_weight_parts(p, s, z, group_size):
     return (unpack_int4(p).double() - 8, *(t.double().repeat_interleave(group_size, 1) for t in (s, z)))
 
 
-def _factored_tol(x, p, s, z, group_size, offset=0):
-    """``(ref, tol)`` for the factored GEMVs (``y = Σ s·Σ (q - 8 + offset)·x + (z - offset·s)·Σ x`` in float32, the
-    weight never rounded; the tensor-core form sums ``128 + q``: ``offset`` 136): ``ref`` the exact product in
-    float64; ``tol`` the float32 sums' error bound over both terms' magnitudes
-    (``2K·2**-24·Σ (|s·(q - 8 + offset)| + |z - offset·s|)·|x|``: the zero's term may cancel the codes') plus the one
-    rounding to bf16 (``2**-8`` of the result)."""
+def _factored_tol(x, p, s, z, group_size):
+    """``(ref, tol)`` for the factored GEMV (``y = Σ s·Σ (q - 8)·x + z·Σ x`` in float32, the weight never
+    rounded): ``ref`` the exact product in float64; ``tol`` the float32 sums' error bound over both terms' magnitudes
+    (``2K·2**-24·Σ (|s·(q - 8)| + |z|)·|x|``: the zero's term may cancel the codes') plus the one rounding to bf16
+    (``2**-8`` of the result)."""
     q8, sd, zd = exact_weight_parts(p, s, z, group_size)
     xd = x.double()
     ref = xd @ (q8 * sd + zd).T
-    terms = xd.abs() @ (((q8 + offset) * sd).abs() + (zd - offset * sd).abs()).T
+    terms = xd.abs() @ ((q8 * sd).abs() + zd.abs()).T
     return ref, 2 * x.shape[1] * 2.0 ** -24 * terms + 2.0 ** -8 * ref.abs() * (1 + 2.0 ** -20) + 1e-30
 
 
 def check_int4_tile(device: str) -> int:
     """The kernels reading tinygemm's tile layout (``int4_tile_dequant_triton``, ``int4_tile_decode_triton``)
     against plain torch: the dequantized weight bit for bit :func:`int4_dequantize`'s; the tile GEMV (M = 1, 3, 16;
-    split K 1, 3 and the default; x rows of a wider tensor) within :func:`_int4_tol`; the factored GEMVs (on CUDA
-    cores, M = 1; on tensor cores, M = 1, 3, 16; the same splits) within :func:`_factored_tol` of the exact product
-    (where the group is under a tensor-core step, what they fall back to). N not a multiple of 8 (the layout's
-    padded rows), K of one and several 128-column blocks, every group size. Returns the number of checks."""
+    split K 1, 3 and the default; x rows of a wider tensor) and the tensor-core GEMV (M = 1, 3, 16, the same
+    splits) within :func:`_int4_tol`; the factored GEMV (M = 1) within :func:`_factored_tol` of the exact product.
+    N not a multiple of 8 (the layout's padded rows), K of one and several 128-column blocks, every group size.
+    Returns the number of checks."""
     from hf_lowbit.kernels.int4 import int4_dequantize, int4_linear_reference, int4_tile_dequantize
     from hf_lowbit.kernels.triton_int4 import int4_tile_decode_triton, int4_tile_dequant_triton
 
@@ -961,25 +960,27 @@ def check_int4_tile(device: str) -> int:
                 n += 1
         for kernel, M in (("factored", 1), ("mma", 1), ("mma", 3), ("mma", 16)):
             x = torch.randn(M, K + 8, device=device).bfloat16()[:, 8:]
-            ref, tol = _factored_tol(x, p, s, z, gs, 136 if kernel == "mma" and gs >= 128 else 0)
+            if kernel == "mma":  # the bf16 weight, as the tile GEMV's (every group size)
+                ref = int4_linear_reference(x, p, s, z, gs)
+                tol = _int4_tol(x, ref_w, ref)
+            else:
+                ref, tol = _factored_tol(x, p, s, z, gs)
             for sk in (None, 1, 3):
                 with PoisonedAllocations() as poison:
                     y = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=sk, kernel=kernel)
                 assert ((M, N), torch.bfloat16) in poison.shapes and torch.isfinite(y).all(), (N, K, M, sk)
-                err = (y.double() - ref).abs()
-                if kernel == "mma" and M > 1 and gs < 128:  # groups under a step: the tile GEMV, whose weight is bf16
-                    err, tol = (y.double() - int4_linear_reference(x, p, s, z, gs).double()).abs(), _int4_tol(
-                        x, ref_w, int4_linear_reference(x, p, s, z, gs))
+                err = (y.double() - ref.double()).abs()
                 assert (err <= tol).all(), f"{(M, N, K, gs)} {kernel} GEMV split_k={sk}: max err {err.max().item():.3e}"
                 n += 1
         # under torch.compile the split-K slices are summed in the graph (for Inductor to fuse into the consumer)
         # instead of by the split-sum kernel: the same bits
-        for kernel, M in (("tile", 3), ("factored", 1), ("mma", 3)):
+        # (the mma GEMV's float32 output unsplit too)
+        for kernel, M, sk in (("tile", 3, 3), ("factored", 1, 3), ("mma", 3, 3), ("mma", 1, 1)):
             x = torch.randn(M, K, device=device).bfloat16()
-            y = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=3, kernel=kernel)
+            y = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=sk, kernel=kernel)
             with unittest.mock.patch("hf_lowbit.kernels.triton_int4._traced", return_value=True):
-                y_graph = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=3, kernel=kernel)
-            assert torch.equal(y, y_graph), f"{(M, N, K, gs)} {kernel}: the graph's split-K sum differs"
+                y_graph = int4_tile_decode_triton(x, qdata, sz, gs, N, split_k=sk, kernel=kernel)
+            assert torch.equal(y, y_graph), f"{(M, N, K, gs)} {kernel} split {sk}: the graph's split-K sum differs"
             n += 1
     return n
 

@@ -68,19 +68,18 @@ def _configs():
                         I._int4_tile_gemv_factored_kernel, fact_sig(split),
                         dict(GROUP=gs, SPLIT_K=split, SOFT=False, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages), warps,
                         stages))
-    # its tensor-core form (M <= 16, groups of at least its BLOCK_K)
+    # the tensor-core GEMV (M <= 16, every group size) at its H200 tiles and the sweep's
     mma_sig = lambda split: dict(  # noqa: E731
-        x_ptr="*bf16", xs_ptr="*fp32", q_ptr="*i32", sz_ptr="*i32", out_ptr="*bf16" if split == 1 else "*fp32",
+        x_ptr="*bf16", q_ptr="*i32", sz_ptr="*i32", out_ptr="*fp32",
         M="i32", N="i32", NP="i32", KP="i32", stride_xm="i32", stride_qn="i32", stride_sg="i32",
         stride_om="i32", stride_split="i32")
-    bn, bk, warps, stages = I.MMA_TILES
-    for gs in (128, 256):
-        for split in (1, 4):
-            for one_row in (False, True):  # M = 1 sums its x in the kernel
-                out.append((f"int4_tile_gemv_mma tiles={I.MMA_TILES} gs={gs} split={split} one_row={one_row}",
-                            I._int4_tile_gemv_mma_kernel, mma_sig(split),
-                            dict(GROUP=gs, SPLIT_K=split, SOFT=False, DOT_IEEE=False, BLOCK_N=bn, BLOCK_K=bk,
-                                 NUM_STAGES=stages, ONE_ROW=one_row), warps, stages))
+    mma_cfgs = [(I.MMA_TILES, gs, split) for gs in (32, 64, 128, 256) for split in (1, 4)]
+    mma_cfgs += [(t, 128, 1) for t in I.MMA_SWEEP_TILES if t != I.MMA_TILES]
+    for (bn, bk, warps, stages), gs, split in mma_cfgs:
+        out.append((f"int4_tile_gemv_mma tiles={(bn, bk, warps, stages)} gs={gs} split={split}",
+                    I._int4_tile_gemv_mma_kernel, mma_sig(split),
+                    dict(GROUP=gs, SPLIT_K=split, SOFT=False, DOT_IEEE=False, BLOCK_N=bn, BLOCK_K=bk,
+                         NUM_STAGES=stages), warps, stages))
     bn, bk, warps = I.TILE_DEQUANT_TILES
     for gs in (32, 128, 256):
         out.append((f"int4_tile_dequant gs={gs}", I._int4_tile_dequant_kernel,

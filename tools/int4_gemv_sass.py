@@ -3,9 +3,9 @@
 [--dump DIR] [--sweep]``.
 
 Per kernel at one row of ``x`` (the tile GEMV's M = 1 branch, ``TILE_DECODE_TILES[1]``, and the factored GEMV,
-``FACTORED_TILES``; its tensor-core form, ``MMA_TILES``, for up to 16 rows and groups of 128, and as ``mma_row1``
-at one row, which sums ``x`` itself), group 128 and 32,
-split K 1 and 4, as a launch on Llama shapes marks it (16-byte aligned
+``FACTORED_TILES``; the tensor-core GEMV, ``MMA_TILES``, for up to 16 rows, with how many wgmma groups the wait in
+its loop leaves in flight: 0 when ptxas serializes them), group 128 and 32, split K 1 and 4, as a launch on Llama
+shapes marks it (16-byte aligned
 pointers, ``N``, ``NP``, ``KP`` and the strides multiples of 16): registers and spills (``ptxas -v``), shared memory,
 and the main loop's SASS instructions (the longest loop), per code a thread handles a step (``BLOCK_N · BLOCK_K /
 threads``), with the loop's opcodes. ``--sweep``: also the benchmark's sweep tiles (``TILE_SWEEP_TILES``), group 128,
@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sass import back_edges, compile_sm90, machine_code, opcode_counts, registers, tool_args  # noqa: E402
+from sass import back_edges, compile_sm90, machine_code, opcode_counts, registers, sass_lines, tool_args  # noqa: E402
 
 # thread-instructions the H200 issues a second: 132 SMs x 4 schedulers x 32 lanes x ~1.98 GHz (one warp-instruction
 # a scheduler a cycle: a bound, reached by no real loop); at 2 codes a byte, codes/s / 2 = bytes/s
@@ -39,9 +39,8 @@ def _configs(sweep: bool):
                     stride_xm="i32", stride_qn="i32", stride_sg="i32", stride_om="i32", stride_split="i32")
     fact_sig = dict(xf_ptr="*fp32", xs_ptr="*fp32", q_ptr="*i32", sz_ptr="*i32", N="i32", NP="i32", KP="i32",
                     MAGIC="i32", stride_qn="i32", stride_sg="i32", stride_split="i32")
-    mma_sig = dict(x_ptr="*bf16", xs_ptr="*fp32", q_ptr="*i32", sz_ptr="*i32", M="i32", N="i32", NP="i32", KP="i32",
-                   stride_xm="i32", stride_qn="i32", stride_sg="i32", stride_om="i32",
-                   stride_split="i32")
+    mma_sig = dict(x_ptr="*bf16", q_ptr="*i32", sz_ptr="*i32", M="i32", N="i32", NP="i32", KP="i32",
+                   stride_xm="i32", stride_qn="i32", stride_sg="i32", stride_om="i32", stride_split="i32")
     cases = [(I.TILE_DECODE_TILES[1], I.FACTORED_TILES, I.MMA_TILES, gs, split) for gs in (128, 32)
              for split in (1, 4)]
     if sweep:
@@ -60,12 +59,11 @@ def _configs(sweep: bool):
                     dict(GROUP=gs, SPLIT_K=split, SOFT=False, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages), warps,
                     stages, bn * bk / (32 * warps)))
         bn, bk, warps, stages = mma_tiles
-        if gs >= bk and bn >= 64:  # its groups (smaller ones fall back) and wgmma's rows
-            for one_row in (False, True):  # up to 16 rows (x's sums from the host); one row (summed in the kernel)
-                out.append((f"{'mma_row1' if one_row else 'mma'} GEMV {mma_tiles} group {gs} split {split}",
-                            I._int4_tile_gemv_mma_kernel, {**mma_sig, "out_ptr": out_t},
-                            dict(GROUP=gs, SPLIT_K=split, SOFT=False, DOT_IEEE=False, BLOCK_N=bn, BLOCK_K=bk,
-                                 NUM_STAGES=stages, ONE_ROW=one_row), warps, stages, bn * bk / (32 * warps)))
+        if bn >= 64:  # wgmma's rows
+            out.append((f"mma GEMV {mma_tiles} group {gs} split {split}", I._int4_tile_gemv_mma_kernel,
+                        {**mma_sig, "out_ptr": "*fp32"},  # float32 slices, split or not
+                        dict(GROUP=gs, SPLIT_K=split, SOFT=False, DOT_IEEE=False, BLOCK_N=bn, BLOCK_K=bk,
+                             NUM_STAGES=stages), warps, stages, bn * bk / (32 * warps)))
     return out
 
 
@@ -82,9 +80,14 @@ def main() -> int:
         first, last = max(back_edges(sass), key=lambda e: e[1] - e[0])
         n = last - first + 1
         ops = opcode_counts(sass, first, last)
+        # the tensor-core loops: how many wgmma groups a wait in the loop leaves in flight (0: each step waits for
+        # its product)
+        waits = [int(m.group(1), 16) for i, ln in sass_lines(sass) if first <= i <= last
+                 for m in [re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", ln)] if m]
         print(f"{name}: {regs} regs, {spill} B spilled, smem {k.metadata.shared} B, loop {n} SASS instr, "
               f"{n / codes:.2f} a code ({codes:g} codes a thread a step); issue bound "
-              f"{H200_ISSUE / (n / codes) / 2 / 1e12:.1f} TB/s of int4 codes")
+              f"{H200_ISSUE / (n / codes) / 2 / 1e12:.1f} TB/s of int4 codes"
+              + (f"; wgmma waits in the loop leave {min(waits)} in flight" if waits else ""))
         print("  " + ", ".join(f"{o} {c}" for o, c in list(ops.items())[:12]), flush=True)
     return 0
 

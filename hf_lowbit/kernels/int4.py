@@ -215,13 +215,13 @@ def int4_tile_linear(x: Tensor, qdata: Tensor, scale_and_zero: Tensor, group_siz
     layout's K, as torchao's linear does), ``"triton"`` our split-K tile GEMV
     (:func:`hf_lowbit.kernels.triton_int4.int4_tile_decode_triton`), ``"triton_factored"`` at one row its factored
     GEMV (the scale and zero out of the sum, the weight not rounded to bf16: within that rounding of the others),
-    ``"triton_mma"`` the factored GEMV on tensor cores (up to 16 rows, groups of 128 columns or more); more rows
-    (prefill): the bf16 weight dequantized from the tile layout by a Triton kernel, then ``F.linear`` (cuBLAS). Other devices: the plain-torch
-    reference (:func:`int4_tile_dequantize`, float32 matmul). Numerics: our kernels form the weight as
-    :func:`int4_dequantize` (``bf16((q - 8)·s + z)``, float32 then one rounding to bf16); tinygemm with one bf16
-    FMA, which rounds once from the exact value: the two weights differ only where the float32 sum lands on a bf16
-    tie (rarely; tests/test_triton_int4.py counts it on CUDA), and the float32 sums run in different orders, so
-    the outputs agree within a bf16 rounding of the result."""
+    ``"triton_mma"`` a GEMV on tensor cores (up to 16 rows); more rows (prefill): the bf16 weight dequantized from
+    the tile layout by a Triton kernel, then ``F.linear`` (cuBLAS). Other devices: the plain-torch reference
+    (:func:`int4_tile_dequantize`, float32 matmul). Numerics: our kernels form the weight as :func:`int4_dequantize`
+    (``bf16((q - 8)·s + z)``, float32 then one rounding to bf16); tinygemm and ``"triton_mma"`` with one bf16 FMA,
+    which rounds once from the exact value: the two weights differ only where the float32 sum lands on a bf16 tie
+    (rarely; tests/test_triton_int4.py counts it on CUDA), and the float32 sums run in different orders, so the
+    outputs agree within a bf16 rounding of the result."""
     _check_tile(x, qdata, scale_and_zero, group_size, out_features, decode)
     N, K = out_features, x.shape[1]
     if x.device.type == "cuda":

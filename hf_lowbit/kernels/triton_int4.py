@@ -57,6 +57,10 @@ _MAX_SPLIT_K = 16
 # call, in the 32-layer profile at 5b8f89c); the mma GEMV on that shape: 22.1 us at 8, 22.4 at 16 (session 24)
 _TILE_MAX_SPLIT_K = 8
 _MIN_K_STEPS = 4  # each split keeps at least this many BLOCK_K steps
+# the mma GEMV splits K until 8 programs an SM: its wgmmas stay in flight across a slice's steps, and more, shorter
+# slices kept more bytes in flight on the H200 (one row, 128 x 128 tiles: 26.7 us at split 8 on 28672 x 4096
+# against 30.4 at 2, _WAVES' choice; 4096 x 14336 14.0 against 17.9 at 4; int4_read_probe --variants, session 26)
+_MMA_WAVES = 8
 
 
 @triton.jit
@@ -184,11 +188,12 @@ def _sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def decode_split_k(N: int, K: int, block_n: int, block_k: int, sms: int, max_split: int = _MAX_SPLIT_K) -> int:
-    """How many slices of K the decode kernel uses: doubled while the programs make fewer than ``_WAVES`` per SM,
+def decode_split_k(N: int, K: int, block_n: int, block_k: int, sms: int, max_split: int = _MAX_SPLIT_K,
+                   waves: int = _WAVES) -> int:
+    """How many slices of K the decode kernel uses: doubled while the programs make fewer than ``waves`` per SM,
     each slice keeps at least ``_MIN_K_STEPS`` steps of ``block_k``, at most ``max_split``."""
     tiles, steps, split = triton.cdiv(N, block_n), K // block_k, 1
-    while (tiles * split < _WAVES * sms and split * 2 <= max_split
+    while (tiles * split < waves * sms and split * 2 <= max_split
            and steps // (split * 2) >= _MIN_K_STEPS):
         split *= 2
     return split
@@ -489,51 +494,57 @@ def _int4_tile_gemv_factored_kernel(
 
 
 @triton.jit
-def _nibble_pair_bf16(words, SH: tl.constexpr, SOFT: tl.constexpr):
-    """``128 + q`` of the nibble at bit ``SH`` of each word's low half (an even column) and high half (its odd
-    neighbour), as two bf16 tensors (exact: integers up to 143). On the GPU one LOP3 for the pair: mask both halves
-    and OR them into bf16 128.0's mantissa (the caller takes the 136 off after the sum); the interpreter computes
-    the same values in float32."""
+def _pair_dequant_bf16(words, szw, SH: tl.constexpr, SOFT: tl.constexpr):
+    """The bf16 weight ``(q - 8)·s + z`` of the nibble at bit ``SH`` of each word's low half (an even column) and
+    high half (its odd neighbour), as two bf16 tensors; ``szw`` the words' scale/zero pairs (broadcast to
+    ``words``' shape). On the GPU three instructions for the pair (Marlin's dequantization, in bf16x2): a LOP3 masks
+    both halves and ORs them into bf16 128.0's mantissa (``128 + q``, exact), an FMA takes 136 off (``q - 8``,
+    exact) and an FMA with the scale and zero pairs rounds once to bf16. The interpreter computes ``(q - 8)·s + z``
+    in float32 (``(q - 8)·s`` exact) and rounds that to bf16: the reference's and the fake quantization's two
+    roundings, which differ from the one only where the float32 sum lands exactly halfway between two bf16 values
+    (when ``|z|`` is over ``2**13`` times ``s`` at least; no such group in a quantization of real weights)."""
     if SH > 0:
         words = (words.to(tl.uint32, bitcast=True) >> SH).to(tl.int32, bitcast=True)
     if SOFT:
-        even = ((words & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388480.0  # 2**23 - 128
-        odd = (((words >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388480.0
-        return even.to(tl.bfloat16), odd.to(tl.bfloat16)
+        s = (szw << 16).to(tl.float32, bitcast=True)
+        z = (szw & -65536).to(tl.float32, bitcast=True)
+        even = ((words & 15) - 8).to(tl.float32) * s + z
+        odd = (((words >> 16) & 15) - 8).to(tl.float32) * s + z
+        return _round_bf16(even, SOFT).to(tl.bfloat16), _round_bf16(odd, SOFT).to(tl.bfloat16)
     else:
+        s2 = (szw & 0xFFFF) * 0x10001  # (s, s) and (z, z) as bf16x2
+        z2 = ((szw >> 16) & 0xFFFF) * 0x10001
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xea; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r", [words], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+            "{ .reg .b32 t, one, off; mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; "
+            "lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 t, t, one, off; "
+            "fma.rn.bf16x2 t, t, $3, $4; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r", [words, s2, z2], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
 
 
 @triton.jit
 def _int4_tile_gemv_mma_kernel(
-    x_ptr, xs_ptr, q_ptr, sz_ptr, out_ptr,
+    x_ptr, q_ptr, sz_ptr, out_ptr,
     M, N, NP, KP,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
     GROUP: tl.constexpr, SPLIT_K: tl.constexpr, SOFT: tl.constexpr, DOT_IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ONE_ROW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """Up to 16 rows of ``x`` times the tile words on tensor cores, the scale and zero factored out of the sum as in
-    :func:`_int4_tile_gemv_factored_kernel`: per step (inside one group: ``GROUP >= BLOCK_K``) the codes' ``128 + q``
-    in bf16 (exact) times ``x`` by ``tl.dot`` (``[BLOCK_N, BLOCK_K] @ [BLOCK_K, 16]``: the weight rows are the MMA's
-    M, so Hopper's wgmma takes them; ``x``'s rows padded to 16 are its N), then ``acc += s·part + (z - 136·s)·Σ x``
-    (``Σ (q - 8)·x = part - 136·Σ x``: the offset costs ~4 of float32's 24 bits, far above bf16's 8). ``x [M,
-    KP]`` bf16 as it is (zero-padded to the layout's K), ``xs [KP/BLOCK_K, 16]`` float32: ``x``'s sums a step, zero
-    past row ``M`` (from the host: a small kernel a call, or a reduction fused into ``x``'s producer; summed here from
-    the 16-row tile the dot reads instead, the loop took 2.98 instructions a code and 165 registers: not done).
-    ``ONE_ROW`` (M = 1, batch-1 decoding): no ``xs``; the row's sum a step is taken here from a second, 1-D load of
-    the step's ``x`` (cached: the dot's tile read it) into a separate accumulator of the zeros' terms,
-    ``accz += (z - 136·s)·Σ x``, added to column 0 at the end: 2.31 instructions a code (fewer than with ``xs``: the
-    zeros' FMA is one a row, not one a row and column) at 167 registers, and nothing on the host but the pad.
-    Products (16 significant bits) exact, sums in float32 on the tensor cores; the weight is not rounded to bf16.
-    Per code half a LOP3 and 3/8 of a shift; the codes, joined and permuted into ``x``'s column order (as
-    :func:`_int4_tile_dequant_kernel` orders them), land in the register layout wgmma reads its A operand from, so
-    the tile never goes through shared memory: 2.45 SASS instructions a code in the loop at ``MMA_TILES`` (against
-    the CUDA-core form's 4.27), 128 registers, 29 KB of shared memory (``tools/int4_gemv_sass.py``; joined in the
-    words' order instead, with ``x`` permuted to match, it was 3.32 through shared memory). On the H200: 1.7-3.6x
-    tinygemm at 8 rows on the MLP and head shapes, 0.35-1.49x at one row with the host's preparation (session 23);
-    at one row with ``ONE_ROW``, 0.80-0.94x on the served layer shapes (session 24; docs/qat.md)."""
+    """Up to 16 rows of ``x`` times the tile words on tensor cores: per step the tile's bf16 weight
+    (:func:`_pair_dequant_bf16`: tinygemm's numerics, 1.5 instructions a code) times ``x`` by ``tl.dot``
+    (``[BLOCK_N, BLOCK_K] @ [BLOCK_K, 16]``: the weight rows are the MMA's M, so Hopper's wgmma takes them; ``x``'s
+    rows, padded to 16, its N), accumulated across steps in the dot's own float32 accumulator. ``x [M, KP]`` bf16
+    as it is (zero-padded to the layout's K); any group of 32 columns or more (a word's 8 columns lie in one group).
+
+    The codes, joined and permuted into ``x``'s column order (as :func:`_int4_tile_dequant_kernel` orders them),
+    land in the register layout wgmma reads its A operand from, so the tile never goes through shared memory.
+    Nothing happens to the accumulator between steps, so Triton leaves the wgmmas in flight across them (a wait for
+    all but the last few, ``WARPGROUP.DEPBAR.LE gsb0, 0x7``): 3.27 SASS instructions a code in the loop at
+    ``MMA_TILES`` and group 128 (3.75 at 32), 135 registers, 29 KB of shared memory (``tools/int4_gemv_sass.py``).
+    The form before it, the scale and zero factored out of the sum (``acc += s·(128 + q)·x + (z - 136·s)·Σ x``, the
+    weight never rounded: 2.31 instructions a code), waited for each step's product before scaling it, and at one
+    row on the H200 took 1.06-1.14x as long on the served layer shapes, each at its best tiles and split-K
+    (``benchmarks/int4_read_probe.py --variants``, session 26). The output is float32 slices (the caller sums and
+    rounds): a bf16 store here makes ptxas serialize the wgmmas (C7515)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     KW: tl.constexpr = BLOCK_K // 8
@@ -545,15 +556,16 @@ def _int4_tile_gemv_mma_kernel(
     row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
     first, last = _split_k_steps(pid_k, KP // BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    accz = tl.zeros((BLOCK_N,), dtype=tl.float32)  # ONE_ROW: the zeros' terms of row 0
     for step in tl.range(first, last, num_stages=NUM_STAGES):
         k0 = step * BLOCK_K
         words = tl.load(q_ptr + (k0 + (j // 16) * 128 + (j % 16))[None, :] + row[:, None], mask=mask_n[:, None],
                         other=0)
-        e0, o0 = _nibble_pair_bf16(words, 0, SOFT)
-        e1, o1 = _nibble_pair_bf16(words, 4, SOFT)
-        e2, o2 = _nibble_pair_bf16(words, 8, SOFT)
-        e3, o3 = _nibble_pair_bf16(words, 12, SOFT)
+        szw = tl.broadcast_to(_tile_scale_zero(sz_ptr, offs_n, mask_n, k0, stride_sg, GROUP, BLOCK_K, KW),
+                              (BLOCK_N, KW))
+        e0, o0 = _pair_dequant_bf16(words, szw, 0, SOFT)
+        e1, o1 = _pair_dequant_bf16(words, szw, 4, SOFT)
+        e2, o2 = _pair_dequant_bf16(words, szw, 8, SOFT)
+        e3, o3 = _pair_dequant_bf16(words, szw, 12, SOFT)
         # [BN, KW, ab, d] (a join stacks on a new last axis: (e0, e2), (e1, e3) -> 2·a1 + a0 = ab), then x's
         # column order: [BN, (ko, c, w), ab, d] -> [BN, ko, w, ab, c, d] (k = 128ko + 32w + 8ab + 2c + d)
         w = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(o0, o2), tl.join(o1, o3)))
@@ -562,24 +574,13 @@ def _int4_tile_gemv_mma_kernel(
         x = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[:, None], mask=mask_m[None, :],
                     other=0.0)
         if DOT_IEEE:  # the interpreter's bf16 dot is wrong (Triton 3.6); the products are exact in float32
-            part = tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+            acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
         else:
-            part = tl.dot(w, x, out_dtype=tl.float32)
-        szw = tl.load(sz_ptr + (k0 // GROUP) * stride_sg + offs_n, mask=mask_n, other=0)
-        s = (szw << 16).to(tl.float32, bitcast=True)
-        z = (szw & -65536).to(tl.float32, bitcast=True) - 136.0 * s  # 136·s exact (12 bits); one rounding at most
-        if ONE_ROW:
-            accz += z * tl.sum(tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32))
-            acc += part * s[:, None]
-        else:
-            xs = tl.load(xs_ptr + step * 16 + offs_m)  # zero past M: no mask
-            acc += part * s[:, None] + z[:, None] * xs[None, :]
-    if ONE_ROW:
-        acc += tl.where(offs_m[None, :] == 0, accz[:, None], 0.0)
-    if SPLIT_K == 1:
-        acc = _round_bf16(acc, SOFT)
+            acc = tl.dot(w, x, acc, out_dtype=tl.float32)
+    # float32 out, split or not: with a bf16 output ptxas serializes the loop's wgmmas (C7515, "non wgmma
+    # instructions defining accumulator registers", Triton 3.6); the caller rounds (fused under torch.compile)
     out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & mask_m[None, :])
+    tl.store(out_ptrs, acc, mask=(offs_n < N)[:, None] & mask_m[None, :])
 
 
 @triton.jit
@@ -651,25 +652,25 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     torchao's, as stored), bf16 ``[M, out_features]``. ``kernel``: ``"tile"`` (:func:`_int4_tile_decode_kernel`,
     :func:`int4_decode_triton`'s numerics), ``"factored"`` (one row: :func:`_int4_tile_gemv_factored_kernel`, the
     scale and zero out of the sum, the weight not rounded to bf16; more rows: ``"tile"``) or ``"mma"``
-    (:func:`_int4_tile_gemv_mma_kernel` on tensor cores, the same factored numerics, for groups of at least its
-    ``BLOCK_K`` columns; smaller groups: ``"factored"``'s choice). ``split_k`` / ``tiles`` (BLOCK_N, BLOCK_K, warps,
-    stages) override the defaults (tests, benchmarks)."""
+    (:func:`_int4_tile_gemv_mma_kernel` on tensor cores: the bf16 weight, as ``"tile"`` and tinygemm, any group).
+    ``split_k`` / ``tiles`` (BLOCK_N, BLOCK_K, warps, stages) override the defaults (tests, benchmarks)."""
     if kernel not in TILE_KERNELS:
         raise ValueError(f"int4_tile_decode_triton: kernel {kernel!r} is not one of {TILE_KERNELS}")
     M = x.shape[0]
     NP, KP = qdata.shape[0] * 8, qdata.shape[1] * 128
-    if kernel == "mma" and group_size < _tile_decode_tiles(M, tiles, "mma")[1]:
-        kernel = "factored"
     if kernel == "factored" and M > 1:
         kernel = "tile"
     bn, bk, warps, stages = _tile_decode_tiles(M, tiles, kernel)
     if split_k is None:
-        split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device), _TILE_MAX_SPLIT_K)
+        split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device), _TILE_MAX_SPLIT_K,
+                                 _MMA_WAVES if kernel == "mma" else _WAVES)
     sz = scale_and_zero.view(torch.int32).squeeze(-1)  # [G, NP]
     # under torch.compile the split-K slices are summed in the graph (below): no bf16 output buffer then
-    graph_sum = split_k > 1 and _traced(x)
+    # the mma GEMV writes float32 slices even unsplit (its kernel says why)
+    partials = split_k > 1 or kernel == "mma"
+    graph_sum = partials and _traced(x)
     out = None if graph_sum else torch.empty((M, out_features), dtype=torch.bfloat16, device=x.device)
-    dest = out if split_k == 1 else torch.empty((split_k, M, out_features), dtype=torch.float32, device=x.device)
+    dest = out if not partials else torch.empty((split_k, M, out_features), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(NP, bn), split_k)
     if kernel == "factored":
         xf, xs = _tile_x_factored(x, KP, bk, group_size >= bk)
@@ -681,15 +682,10 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     elif kernel == "mma":
         xb = torch.nn.functional.pad(x, (0, KP - x.shape[1])) if KP != x.shape[1] else x
         xb = xb if xb.stride(1) == 1 else xb.contiguous()  # rows may be strided (a wider tensor), columns not
-        # x's sums a step, for the zeros' term: [steps, 16], zero past M (one unmasked 64-byte load a step); one row
-        # sums its own in the kernel (nothing else to launch or fuse: batch-1 decoding)
-        xs = xb if M == 1 else torch.nn.functional.pad(
-            xb.float().reshape(M, KP // bk, bk).sum(-1).T, (0, 16 - M)).contiguous()
         wrap_triton(_int4_tile_gemv_mma_kernel)[grid](
-            xb, xs, qdata, sz, dest, M, out_features, NP, KP, xb.stride(0), qdata.stride(0),
-            sz.stride(0), out_features, M * out_features, GROUP=group_size, SPLIT_K=split_k, SOFT=_INTERPRET,
-            DOT_IEEE=_INTERPRET, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, ONE_ROW=M == 1, num_warps=warps,
-            num_stages=stages,
+            xb, qdata, sz, dest, M, out_features, NP, KP, xb.stride(0), qdata.stride(0), sz.stride(0), out_features,
+            M * out_features, GROUP=group_size, SPLIT_K=split_k, SOFT=_INTERPRET, DOT_IEEE=_INTERPRET, BLOCK_N=bn,
+            BLOCK_K=bk, NUM_STAGES=stages, num_warps=warps, num_stages=stages,
         )
     else:
         use_dot = M > 1
@@ -701,7 +697,7 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
             BLOCK_M=16 if use_dot else 1, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=warps,
             num_stages=stages,
         )
-    if split_k > 1:
+    if partials:
         if graph_sum:
             # the slices' sum in the graph, where Inductor fuses it into what reads the output (up to 8 slices it
             # unrolls the sum into that kernel: _TILE_MAX_SPLIT_K): no kernel of its own a call (~0.3 ms of a 3 ms
