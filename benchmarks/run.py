@@ -212,7 +212,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "ours (the first GEMV, our packed layout), tile (the tile GEMV on tinygemm's own layout, "
                 "int4_tile_linear decode='triton'; prefill: tile dequantize + cuBLAS, what Int4ServingLinear "
                 "serves), factored (M = 1: decode='triton_factored', the scale and zero out of the sum) and mma (M <= 16: "
-                "decode='triton_mma', the same on tensor cores), GPU µs (CUDA graph), GB/s of the bytes each must read, the split-K chosen, the largest "
+                "decode='triton_mma', the bf16 weight on tensor cores), GPU µs (CUDA graph), GB/s of the bytes each must read, the split-K chosen, the largest "
                 "difference from tinygemm's output. tile_vs_tinygemm at M = 1 and 8 decides Int4ServingLinear's "
                 "decode default (tinygemm until tile wins). SWEEP=--sweep adds the tile GEMV's tiles x split-K at "
                 "M = 1 (to set TILE_DECODE_TILES; many Triton compiles). With gemlite's wheel in .whl "
@@ -224,6 +224,16 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "(3053b85)", [
         "timeout 580 " + B + "benchmark_int4.py ${SWEEP:-} ${GEMLITE:-} --json $OUT/int4_mm_h200.json "
         "--markdown $OUT/int4_mm_h200.md"]),
+    "int4_read_probe": ("issue 26: what bounds the int4 GEMVs at one row: a kernel that only reads the tile words "
+                        "(the mma GEMV's loads and grid; the same through TMA) beside the mma GEMV, tinygemm and bf16, "
+                        "each call on its own weight copy (benchmarks/int4_read_probe.py)", "35 s (4a4a7a2)", [
+        "timeout 580 " + B + "int4_read_probe.py --json $OUT/int4_read_probe_h200.json "
+        "--markdown $OUT/int4_read_probe_h200.md"]),
+    "int4_variants": ("issue 26: the one-row mma GEMV with parts changed (int4_read_probe.py --variants: as served "
+                      "before session 26, without the scale epilogue, the bf16 weight first (served since), windowed) "
+                      "on the served shapes, 4 tiles x split 1-8, beside tinygemm", "51 s warm (70b92ac)", [
+        "timeout 580 " + B + "int4_read_probe.py --variants --json $OUT/int4_variants_h200.json "
+        "--markdown $OUT/int4_variants_h200.md"]),
     "serve_int4k": ("issue 26: the int4_tinygemm export served with hf_lowbit's int4 kernels beside compiled_lean "
                     "(torchao's tinygemm weight), bf16 in the same call, under the profiler (GPU ms per decoded token, "
                     "prefill GPU ms), decode at batch 1 (issue 26's bar; BATCHES=1,8 adds 8): compiled_int4k "
@@ -236,7 +246,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                      "here 6 pairs at batch 1 only; not yet run at 8 layers); LAYERS=32 MODES=compiled_int4k_stacked: 271 s "
                      "(226593a); LAYERS=32 MODES=compiled_int4k,compiled_int4k_stacked: 470 s (55d8bf8); LAYERS=32 "
                      "MODES=compiled_int4k_stacked,compiled_int4k_mma: ~340 s (51cd30c), 455 s (488e6b9, a slower host); "
-                     "LAYERS=32 MODES=compiled_int4k_mma: ~400 s (5b8f89c)"), [
+                     "LAYERS=32 MODES=compiled_int4k_mma: ~400 s (5b8f89c); LAYERS=32 "
+                     "MODES=compiled_int4k_stacked,compiled_int4k_mma: 404 s (3a63beb), 326 s (5ed2021)"), [
         "timeout 580 " + B + ("benchmark_serve.py --timeout 420 --layers ${LAYERS:-8} --modes "
                               "${MODES:-compiled_lean,compiled_int4k,compiled_int4k_triton} --batches ${BATCHES:-1} "
                               "--profile --checkpoints qat_int4_tinygemm --json $OUT/serve_int4k_${TAG:-all}_h200.json "

@@ -83,6 +83,23 @@ def test_int4_tile_linear_cuda(decode):
             assert (err <= tol).all(), (N, K, gs, M, err.max().item())
 
 
+def test_tile_split_k_stays_under_inductors_unroll():
+    """Under torch.compile the tile GEMVs' split-K slices are summed in the graph; Inductor unrolls that sum into
+    the output's consumer only below its unroll_reductions_threshold (at or above: a reduction kernel a call, 0.21
+    ms a token at split 8 in the session-26 profile), so the cap stays under it; the mma GEMV's split on Llama-8B's
+    served shapes (132 SMs) reaches the cap (7, not a power of two) where 8 programs an SM want more."""
+    import torch._inductor.config as inductor_config
+
+    from hf_lowbit.kernels.triton_int4 import _MMA_WAVES, _TILE_MAX_SPLIT_K, MMA_TILES, decode_split_k
+
+    assert _TILE_MAX_SPLIT_K < inductor_config.unroll_reductions_threshold
+    bn, bk = MMA_TILES[:2]
+    splits = {(n, k): decode_split_k(n, k, bn, bk, 132, _TILE_MAX_SPLIT_K, _MMA_WAVES)
+              for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (4096, 512))}
+    assert splits == {(4096, 4096): 7, (6144, 4096): 7, (28672, 4096): 7, (4096, 14336): 7, (128256, 4096): 2,
+                      (4096, 512): 1}, splits
+
+
 def test_tinygemm_tiles_round_trip_and_layout():
     """The tile layout in plain torch: an 8-row x 128-column block is 128 contiguous words; word [t, 4r + c, w]
     holds row 8t + r, columns 32w + 2c + 8ab (nibble ab) and + 1 (nibble 4 + ab); padded rows are code 0."""

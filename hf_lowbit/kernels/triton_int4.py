@@ -51,15 +51,17 @@ DEQUANT_TILES = (64, 128, 4)  # BLOCK_N, BLOCK_K (capped at the group size), war
 DEQUANT_TILES_INTERPRET = (16, 32, 1)
 _WAVES = 2  # programs wanted per SM, at least, before K is split further
 _MAX_SPLIT_K = 16
-# the tile layout's GEMVs (the serving path) split K at most 8 ways: under torch.compile their slices are summed in
-# the graph, and Inductor unrolls a sum of up to 8 (its unroll_reductions_threshold) into the output's consumer,
-# where 16 compile to a reduction kernel of their own (down_proj's 4096 x 14336 at 16: a standalone sum, ~4.5 us a
-# call, in the 32-layer profile at 5b8f89c); the mma GEMV on that shape: 22.1 us at 8, 22.4 at 16 (session 24)
-_TILE_MAX_SPLIT_K = 8
+# the tile layout's GEMVs (the serving path) split K at most 7 ways: under torch.compile their slices are summed in
+# the graph, and Inductor unrolls a sum of fewer than its unroll_reductions_threshold (8; `<` in
+# torch/_inductor/ir.py) slices into the output's consumer; 8 or more compile to a persistent reduction kernel of
+# their own (the 32-layer profile at 5ed2021, split 8: triton_per_fused_sum kernels, 0.21 of 2.88 GPU ms a token;
+# at 5b8f89c, split 16 on down_proj: ~4.5 us a call). tests/test_triton_int4.py checks the threshold still holds
+_TILE_MAX_SPLIT_K = 7
 _MIN_K_STEPS = 4  # each split keeps at least this many BLOCK_K steps
-# the mma GEMV splits K until 8 programs an SM: its wgmmas stay in flight across a slice's steps, and more, shorter
-# slices kept more bytes in flight on the H200 (one row, 128 x 128 tiles: 26.7 us at split 8 on 28672 x 4096
-# against 30.4 at 2, _WAVES' choice; 4096 x 14336 14.0 against 17.9 at 4; int4_read_probe --variants, session 26)
+# the mma GEMV splits K until 8 programs an SM (up to _TILE_MAX_SPLIT_K): its wgmmas stay in flight across a
+# slice's steps, and more, shorter slices kept more bytes in flight on the H200 (one row, 128 x 128 tiles: 26.7 us
+# at split 8 on 28672 x 4096 against 30.4 at 2, _WAVES' choice; 4096 x 14336 14.0 against 17.9 at 4;
+# int4_read_probe --variants, session 26; split 7 not yet timed)
 _MMA_WAVES = 8
 
 
@@ -191,11 +193,14 @@ def _sms(device: torch.device) -> int:
 def decode_split_k(N: int, K: int, block_n: int, block_k: int, sms: int, max_split: int = _MAX_SPLIT_K,
                    waves: int = _WAVES) -> int:
     """How many slices of K the decode kernel uses: doubled while the programs make fewer than ``waves`` per SM,
-    each slice keeps at least ``_MIN_K_STEPS`` steps of ``block_k``, at most ``max_split``."""
+    each slice keeps at least ``_MIN_K_STEPS`` steps of ``block_k``, at most ``max_split`` (taken when the doubling
+    stops under the waves short of it: 7 where 8 is over the cap)."""
     tiles, steps, split = triton.cdiv(N, block_n), K // block_k, 1
     while (tiles * split < waves * sms and split * 2 <= max_split
            and steps // (split * 2) >= _MIN_K_STEPS):
         split *= 2
+    if tiles * split < waves * sms and split < max_split < split * 2 and steps // max_split >= _MIN_K_STEPS:
+        split = max_split
     return split
 
 
@@ -699,9 +704,8 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
         )
     if partials:
         if graph_sum:
-            # the slices' sum in the graph, where Inductor fuses it into what reads the output (up to 8 slices it
-            # unrolls the sum into that kernel: _TILE_MAX_SPLIT_K): no kernel of its own a call (~0.3 ms of a 3 ms
-            # token, 32 layers)
+            # the slices' sum in the graph, where Inductor fuses it into what reads the output (up to 7 slices it
+            # unrolls the sum into that kernel: _TILE_MAX_SPLIT_K): no kernel of its own a call
             return dest.sum(0).to(torch.bfloat16)
         block = 256 if _INTERPRET else 1024
         wrap_triton(_split_sum_kernel)[(triton.cdiv(M * out_features, block),)](
