@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from hf_lowbit.kernels.triton_int4 import _pair_dequant_bf16  # noqa: E402
+from hf_lowbit.kernels.triton_int4 import _pair_dequant_bf16, _split_k_steps  # noqa: E402
 
 SHAPES = ((28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096))
 # (BLOCK_N, BLOCK_K, warps, stages)
@@ -60,10 +60,7 @@ def _read_ptr_kernel(q_ptr, out_ptr, NP, KP, stride_qn, SPLIT_K: tl.constexpr, B
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < NP
     row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
-    steps = KP // BLOCK_K
-    per = tl.cdiv(steps, SPLIT_K)
-    first = pid_k * per
-    last = tl.minimum(first + per, steps)
+    first, last = _split_k_steps(pid_k, KP // BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N, KW), dtype=tl.int32)
     for step in tl.range(first, last, num_stages=NUM_STAGES):
         k0 = step * BLOCK_K
@@ -80,10 +77,7 @@ def _read_tma_kernel(desc, out_ptr, NP, KP, SPLIT_K: tl.constexpr, BLOCK_N: tl.c
     columns is 128 contiguous words: a ``[BLOCK_N/8, BLOCK_K]`` box is the mma kernel's tile)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    steps = KP // BLOCK_K
-    per = tl.cdiv(steps, SPLIT_K)
-    first = pid_k * per
-    last = tl.minimum(first + per, steps)
+    first, last = _split_k_steps(pid_k, KP // BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N // 8, BLOCK_K), dtype=tl.int32)
     for step in tl.range(first, last, num_stages=NUM_STAGES):
         acc = acc ^ desc.load([pid_n * (BLOCK_N // 8), step * BLOCK_K])
@@ -125,10 +119,7 @@ def _mma_variant_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, NP, KP, stride_qn, str
     offs_m = tl.arange(0, 16)
     mask_n = offs_n < NP
     row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
-    steps = KP // BLOCK_K
-    per = tl.cdiv(steps, SPLIT_K)
-    first = pid_k * per
-    last = tl.minimum(first + per, steps)
+    first, last = _split_k_steps(pid_k, KP // BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     accz = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for step in tl.range(first, last, num_stages=NUM_STAGES):
@@ -184,10 +175,7 @@ def _mma_window_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, NP, KP, stride_qn, stri
     offs_m = tl.arange(0, 16)
     mask_n = offs_n < NP
     row = (offs_n // 8) * stride_qn + (offs_n % 8) * 16
-    steps = KP // BLOCK_K
-    per = tl.cdiv(steps, SPLIT_K)
-    first = pid_k * per
-    last = tl.minimum(first + per, steps)
+    first, last = _split_k_steps(pid_k, KP // BLOCK_K, SPLIT_K)
     res = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for w0 in range(first, last, 16):
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
@@ -200,8 +188,8 @@ def _mma_window_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, NP, KP, stride_qn, stri
             e2, o2 = _nibble_pair_bf16(words, 8, SOFT)
             e3, o3 = _nibble_pair_bf16(words, 12, SOFT)
             w = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(o0, o2), tl.join(o1, o3)))
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K // 128, 4, 4, 4, 2))
-            w = tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K))
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K // 128, 4, 4, 4, 2))
+        w = tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K))
             x = tl.load(x_ptr + (k0 + tl.arange(0, BLOCK_K))[:, None] + offs_m[None, :] * 0,
                         mask=offs_m[None, :] == step - w0, other=0.0)
             if SOFT:
