@@ -188,8 +188,8 @@ def _mma_window_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, NP, KP, stride_qn, stri
             e2, o2 = _nibble_pair_bf16(words, 8, SOFT)
             e3, o3 = _nibble_pair_bf16(words, 12, SOFT)
             w = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(o0, o2), tl.join(o1, o3)))
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K // 128, 4, 4, 4, 2))
-        w = tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K))
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K // 128, 4, 4, 4, 2))
+            w = tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K))
             x = tl.load(x_ptr + (k0 + tl.arange(0, BLOCK_K))[:, None] + offs_m[None, :] * 0,
                         mask=offs_m[None, :] == step - w0, other=0.0)
             if SOFT:
