@@ -292,7 +292,7 @@ VARIANT_SPLITS = (1, 2, 4, 8)
 MODES = (0, 2, 3, 4)  # 1 (x's sum dropped) left out for device time
 
 
-def variants(shapes, tiles=VARIANT_TILES, splits=VARIANT_SPLITS) -> list[dict]:
+def variants(shapes, tiles=VARIANT_TILES, splits=VARIANT_SPLITS, modes=MODES) -> list[dict]:
     """:func:`_mma_variant_kernel`'s MODEs on each shape, tiles and split-K (group 128, one row, each call on its own
     weight copy, as :func:`bench`), beside tinygemm; the right MODEs' (summed, float32) outputs' largest difference
     from tinygemm's, over its largest |y| (session 26: 2.0e-3 to 3.0e-3, the bf16 rounding of tinygemm's output)."""
@@ -317,7 +317,7 @@ def variants(shapes, tiles=VARIANT_TILES, splits=VARIANT_SPLITS) -> list[dict]:
         tiny = torch.ops.aten._weight_int4pack_mm(x, qs[0], gs, szs[0]).float()
         sz32 = [sz.view(torch.int32).squeeze(-1) for sz in szs]  # [G, N]: the scale in the low half, the zero high
         ref_scale = tiny.abs().max().item()
-        for (bn, bk, warps, stages), split, mode in itertools.product(tiles, splits, MODES):
+        for (bn, bk, warps, stages), split, mode in itertools.product(tiles, splits, modes):
             if (KP // bk) // split < 2 or bk > gs:
                 continue
             out = torch.zeros(split, 1, N, dtype=torch.float32, device="cuda")
@@ -383,12 +383,20 @@ def main(argv=None) -> None:
                    help="comma-separated NxK (default: the served Llama-8B layer shapes, stacked)")
     p.add_argument("--variants", action="store_true",
                    help="time _mma_variant_kernel's MODEs (what the mma GEMV's parts cost) instead of the read probe")
+    p.add_argument("--modes", default=",".join(map(str, MODES)), help="--variants: the MODEs (4: the windowed kernel)")
+    p.add_argument("--splits", default=",".join(map(str, VARIANT_SPLITS)), help="--variants: the split-K factors")
+    p.add_argument("--tiles", default=None,
+                   help="--variants: BLOCK_N/BLOCK_K/warps/stages tiles, comma-separated (default: VARIANT_TILES)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("int4_read_probe: needs a CUDA GPU; nothing measured or written")
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    rows = variants(shapes) if a.variants else bench(shapes, READ_TILES, SPLITS)
+    tiles = (tuple(tuple(int(v) for v in t.split("/")) for t in a.tiles.split(",")) if a.tiles
+             else VARIANT_TILES)
+    rows = (variants(shapes, tiles, tuple(int(v) for v in a.splits.split(",")),
+                     tuple(int(v) for v in a.modes.split(","))) if a.variants
+            else bench(shapes, READ_TILES, SPLITS))
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": os.environ.get("HF_LOWBIT_COMMIT", "unknown")}
     meta["header"] = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}: "
