@@ -1,7 +1,9 @@
 """The mma GEMV (``decode="triton_mma"``) beside the factored one (one row at a time, CUDA cores) and tinygemm on a real
 torchao tinygemm export (``tests/test_triton_int4._tinygemm_model``): per layer, group size, M and split-K, the largest
 |difference| and where. Needs CUDA and torchao. On the device: ``PYTHONPATH=<wheels>:. python3 tools/int4_mma_diag.py``
-(issue 26; its output for 51cd30c: docs/results/diag/int4_mma_vs_factored_h200_51cd30c.txt)."""
+(issue 26; its output for 51cd30c: docs/results/diag/int4_mma_vs_factored_h200_51cd30c.txt, when the mma GEMV
+summed the factored form on tensor cores; since session 26 it forms tinygemm's bf16 weight instead, so it should sit
+by tinygemm, not by the factored GEMV: not yet run)."""
 import os
 import sys
 
