@@ -507,7 +507,7 @@ def _pair_dequant_bf16(words, szw, SH: tl.constexpr, SOFT: tl.constexpr):
     exact) and an FMA with the scale and zero pairs rounds once to bf16. The interpreter computes ``(q - 8)·s + z``
     in float32 (``(q - 8)·s`` exact) and rounds that to bf16: the reference's and the fake quantization's two
     roundings, which differ from the one only where the float32 sum lands exactly halfway between two bf16 values
-    (when ``|z|`` is over ``2**13`` times ``s`` at least; no such group in a quantization of real weights)."""
+    (possible only where the float32 sum is inexact: ``|z|`` and ``|(q - 8)·s|`` over ~``2**13`` apart)."""
     if SH > 0:
         words = (words.to(tl.uint32, bitcast=True) >> SH).to(tl.int32, bitcast=True)
     if SOFT:
