@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.driver import (FULL_RECIPES, HEAD_VARIANTS, LORA_RECIPES, MASK_VARIANTS, OURS,  # noqa: E402
+from benchmarks.driver import (FGA_VARIANTS, FULL_RECIPES, HEAD_VARIANTS, LORA_RECIPES, MASK_VARIANTS, OURS,  # noqa: E402
                                OURS_LORA, RECIPES, add_int_flags, build_model, check_recipe_active, check_recipes, compile_layers,
                                error_cell, load_blocks, meta, plot_results,
                                recipe_args, run_worker, save_json, timed_steps, torchao_version,
@@ -129,7 +129,11 @@ def trainer_worker(a) -> dict:
         if trainer.lowbit_skip_causal_mask == (a.recipe in MASK_VARIANTS):
             raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_skip_causal_mask resolved to "
                                f"{trainer.lowbit_skip_causal_mask} (the bench's Llama should qualify unless asked not to)")
+        if a.recipe in FGA_VARIANTS and trainer.lowbit_fused_grad_accum != FGA_VARIANTS[a.recipe][1]:
+            raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_fused_grad_accum resolved to "
+                               f"{trainer.lowbit_fused_grad_accum}")
         chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
+                  "fused_grad_accum": trainer.lowbit_fused_grad_accum,
                   "cuda_graphs": trainer.lowbit_cuda_graphs, "non_blocking": trainer.accelerator.non_blocking,
                   "skip_causal_mask": trainer.lowbit_skip_causal_mask}
     else:
@@ -172,6 +176,14 @@ def worker(a) -> dict:
         compile_layers(model, a.layers, mode=mode)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, fused=cuda)
+    before = None
+    if FGA_VARIANTS.get(a.recipe, (None, False))[1]:  # the hand loop's part of lowbit_fused_grad_accum
+        from hf_lowbit import enable_fused_grad_accumulation
+
+        fused = enable_fused_grad_accumulation(model)
+        if not fused.layers:
+            raise RuntimeError(f"recipe {a.recipe!r} is not active: no linear's weight gradient is fused")
+        before = fused.prepare
     gen = torch.Generator(device=a.device).manual_seed(0)
     if a.data:  # real text: consecutive batches, all of them on the device, cycled when the run outlasts them
         blocks = load_blocks(a)
@@ -187,7 +199,8 @@ def worker(a) -> dict:
 
     def step(i):  # the last micro-batch's loss
         micro = [batches[(i * a.grad_accum + j) % len(batches)] for j in range(a.grad_accum)]
-        return train_step(model, micro, opt, autocast=a.autocast, set_to_none=not keep_grads)[-1] * a.grad_accum
+        return train_step(model, micro, opt, autocast=a.autocast, set_to_none=not keep_grads,
+                          before=before)[-1] * a.grad_accum
 
     graphs_warm = []
     run = timed_steps(step, a.warmup, a.steps, cuda, warm=lambda loss: loss.item(),

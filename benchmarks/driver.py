@@ -107,6 +107,11 @@ CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
 SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
                    for suffix, field in (("dual", "dual_grad_quant"), ("xcodes", "save_x_codes"),
                                          ("head", "include_lm_head"))}
+# INT8 / FP8 with the weight gradient accumulated by its matmul (lowbit_fused_grad_accum, issue 25) against autograd's
+# separate add: *_fga on (the layers path's hand loop calls FusedGradAccumulation.prepare before each micro-batch),
+# *_nofga off (LowBitTrainer turns it on by default with accumulation)
+FGA_VARIANTS = {f"{fmt}_{suffix}": (fmt, on) for fmt in ("int8", "fp8") for suffix, on in (("fga", True),
+                                                                                         ("nofga", False))}
 # the trainer path only: the layers path keeps the LM head bf16 and compiles only the decoder layers (apply_recipe)
 HEAD_VARIANTS = tuple(r for r, (_, field) in SWITCH_VARIANTS.items() if field == "include_lm_head")
 # bf16 / INT8 / FP8 with Inductor's partitioner free to recompute, in the backward, activations that a matmul or a
@@ -136,10 +141,11 @@ PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS, **SHARED_VARIANTS
 # eagerly: hf_lowbit.integrations.causal_mask), to tell that gain from the low-bit compute's in the same run
 MASK_VARIANTS = {"bf16_lbt_mask": "bf16_lbt", "int8_mask": "int8", "fp8_mask": "fp8",
                  "fp8_tensorwise_mask": "fp8_tensorwise"}
-OURS = ("int8", "fp8", "fp8_tensorwise", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, "bf16_lbt", "int8_recompute",
+OURS = ("int8", "fp8", "fp8_tensorwise", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, *FGA_VARIANTS, "bf16_lbt",
+        "int8_recompute",
         "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *QUANT_VARIANTS, *CAST_VARIANTS,
         *MASK_VARIANTS)  # full fine-tunes, LowBitTrainer
-FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS)
+FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS) + tuple(FGA_VARIANTS)
                 + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS)
                 + tuple(SHARED_VARIANTS) + tuple(QUANT_VARIANTS) + tuple(CAST_VARIANTS)
                 + tuple(MASK_VARIANTS))  # compared with bf16
@@ -225,7 +231,7 @@ def _bnb_nf4_lora(model, r: int):
 
 def mixed_precision_args(recipe: str) -> dict:
     """The ``LowBitTrainingArguments`` fields of our INT8/FP8 recipe ``recipe`` (``int8``, ``fp8``, INT8_VARIANTS,
-    CACHE_VARIANTS, SWITCH_VARIANTS, PROCESS_VARIANTS)."""
+    CACHE_VARIANTS, SWITCH_VARIANTS, FGA_VARIANTS, PROCESS_VARIANTS)."""
     recipe = PROCESS_VARIANTS.get(recipe, recipe)
     if recipe in INT8_VARIANTS:
         return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
@@ -234,6 +240,9 @@ def mixed_precision_args(recipe: str) -> dict:
     if recipe in SWITCH_VARIANTS:
         fmt, field = SWITCH_VARIANTS[recipe]
         return {f"{fmt}_mixed_precision": True, f"lowbit_{field}": True}
+    if recipe in FGA_VARIANTS:
+        fmt, on = FGA_VARIANTS[recipe]
+        return {f"{fmt}_mixed_precision": True, "lowbit_fused_grad_accum": on}
     return {f"{recipe}_mixed_precision": True}
 
 
@@ -534,13 +543,16 @@ def recipe_args(recipe: str) -> dict:
 
 # -------------------------------------------------------------------------------------- a training step, timed
 def train_step(model, micro_batches, opt, *, fwd=None, autocast: bool = False, clip: float | None = None,
-               sched=None, set_to_none: bool = True) -> list:
+               sched=None, set_to_none: bool = True, before: Callable[[], None] | None = None) -> list:
     """One optimizer step over ``micro_batches`` (token ids, their own labels; or ``(ids, labels)`` pairs, labels
     -100 where no loss is taken; gradient accumulation), the forward through ``fwd`` (a compiled model) if given: the
     micro-batches' losses divided by their count, detached and not read (a timed loop reads them after). ``clip``: the
-    gradient norm; ``sched``: stepped after the optimizer."""
+    gradient norm; ``sched``: stepped after the optimizer; ``before``: called before each micro-batch (e.g.
+    ``FusedGradAccumulation.prepare``)."""
     losses = []
     for mb in micro_batches:
+        if before is not None:
+            before()
         ids, labels = mb if isinstance(mb, tuple) else (mb, mb)
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = (model if fwd is None else fwd)(input_ids=ids, labels=labels).loss / len(micro_batches)

@@ -77,6 +77,11 @@ class LowBitArgumentsMixin:
         "reuse it for every gradient-accumulation micro-batch, instead of twice per micro-batch. Recomputed "
         "whenever the weight changes. Default (unset): on when gradient_accumulation_steps > 1 and the model "
         "is not sharded (FSDP, DeepSpeed).")})
+    lowbit_fused_grad_accum: bool | None = field(default=None, metadata={"help": (
+        "With gradient accumulation: each low-bit linear's weight gradient is added into its .grad by the matmul "
+        "itself (one read and write of .grad per micro-batch) instead of by a separate add kernel (three). Default "
+        "(unset): on when gradient_accumulation_steps > 1, the weight-gradient matmul is low-bit and one process "
+        "trains (not DDP, FSDP or DeepSpeed, whose hooks take each gradient from autograd).")})
     lowbit_stochastic_rounding: bool = field(default=False, metadata={"help": (
         "INT8 mixed precision: round the backward's operands stochastically (the output gradient in both "
         "gradient matmuls, the input in the weight gradient) instead of to nearest, so their rounding is "
@@ -153,10 +158,15 @@ class LowBitArgumentsMixin:
         if self.lowbit_stochastic_rounding and not self.int8_mixed_precision:
             raise ValueError(f"{cls}.lowbit_stochastic_rounding=True needs int8_mixed_precision=True "
                              "(it is implemented for INT8 operands only)")
-        for name in ("lowbit_weight_cache", "lowbit_cuda_graphs", "lowbit_dual_grad_quant", "lowbit_save_x_codes"):
+        for name in ("lowbit_weight_cache", "lowbit_cuda_graphs", "lowbit_dual_grad_quant", "lowbit_save_x_codes",
+                     "lowbit_fused_grad_accum"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{cls}.{name} must be True, False or None (automatic), got {value!r}")
+        if self.lowbit_fused_grad_accum and not (self.lowbit_recipes and self.lowbit_grad_weight):
+            raise ValueError(f"{cls}.lowbit_fused_grad_accum=True adds the low-bit weight-gradient matmul's product into "
+                             ".grad: it needs int8_mixed_precision or fp8_mixed_precision (or "
+                             "fp8_tensorwise_mixed_precision) with lowbit_grad_weight=True")
         if self.lowbit_weight_cache and not self.lowbit_recipes:
             raise ValueError(f"{cls}.lowbit_weight_cache=True caches the INT8/FP8 form of trainable "
                              "weights: it needs int8_mixed_precision or fp8_mixed_precision "

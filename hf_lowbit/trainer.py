@@ -24,7 +24,7 @@ from .integrations.distributed import (check_deepspeed, prepare_integer_params_f
                                        unsharded_copy)
 from .integrations.liger import apply_liger
 from .integrations.throughput import ThroughputMeter, peak_tflops
-from .mixed_precision import MixedPrecisionLinear
+from .mixed_precision import FusedGradAccumulation, MixedPrecisionLinear
 from .prepare import apply_recipes, log_reports
 from .qat import QAT_SCHEMES, FakeQuantScheduleCallback, QATConfig, cuda_capability_problem, merge_lora, save_quantized
 from .warnings import LowBitWarning, check_training_setup
@@ -89,6 +89,16 @@ class LowBitTrainerMixin:
         self.lowbit_weight_cache = bool(args.lowbit_recipes) and not sharded and (
             cache if cache is not None else args.gradient_accumulation_steps > 1)
         self._lowbit_cached_layers: list[MixedPrecisionLinear] | None = None  # found on the first step
+        fused = args.lowbit_fused_grad_accum
+        # several processes or devices: DDP / FSDP / DeepSpeed hooks and DataParallel's replicas take each gradient
+        # from autograd
+        distributed = sharded or args.world_size > 1 or args.parallel_mode.value != "not_parallel"
+        if fused and distributed:
+            raise ValueError(f"{args_name}.lowbit_fused_grad_accum=True: not with DDP, FSDP, DeepSpeed or "
+                             "DataParallel, whose hooks take each gradient from autograd; leave it unset (off there)")
+        self.lowbit_fused_grad_accum = bool(args.lowbit_recipes) and args.lowbit_grad_weight and not distributed and (
+            fused if fused is not None else args.gradient_accumulation_steps > 1)
+        self._lowbit_fused: FusedGradAccumulation | None = None  # made on the first training step
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
             # before accelerate shards the model in train(): quantized bases shardable on torch < 2.13 too
             prepare_integer_params_for_fsdp2(self.accelerator.state.fsdp_plugin, self.model, self.args.device)
@@ -311,7 +321,9 @@ class LowBitTrainerMixin:
         """Keep the cached low-bit weights current (a host-side version check per layer; a weight changed
         by anything, not only the optimizer, is requantized here, outside the compiled graph). With CUDA
         graphs and gradient accumulation, allocate ``.grad`` outside the graphs so the backward adds into
-        it instead of handing the graph's output buffer to ``.grad`` (which the next replay overwrites)."""
+        it instead of handing the graph's output buffer to ``.grad`` (which the next replay overwrites); with
+        ``lowbit_fused_grad_accum`` the low-bit weights' ``.grad`` are their matmuls' accumulators
+        (:class:`~hf_lowbit.mixed_precision.FusedGradAccumulation`)."""
         if self.lowbit_weight_cache:
             if self._lowbit_cached_layers is None:  # lazily: the model is on its training device by now
                 self._lowbit_cached_layers = [m for m in self.model.modules() if isinstance(m, MixedPrecisionLinear)]
@@ -319,6 +331,10 @@ class LowBitTrainerMixin:
                     m.set_weight_cache(True)
             for m in self._lowbit_cached_layers:  # per micro-batch: no walk over the whole model
                 m.refresh_weight_cache()
+        if training and self.lowbit_fused_grad_accum:
+            if self._lowbit_fused is None:  # lazily: the model is on its training device by now
+                self._lowbit_fused = FusedGradAccumulation(self.model)
+            self._lowbit_fused.prepare()
         if training and self.lowbit_cuda_graphs and self.args.gradient_accumulation_steps > 1:
             for p in model.parameters():
                 if p.requires_grad and p.grad is None:

@@ -986,6 +986,60 @@ def check_int4_tile(device: str) -> int:
 
 
 # what each mode checks on the CPU and prints (test_triton_int8.run_interpreted and test_stochastic_rounding.py)
+def scaled_mm_accumulate_cases(device: str) -> list[tuple]:
+    """:func:`check_scaled_mm_accumulate`'s cases: ``(M, N, K, a transposed, fmt)``; FP8 on CUDA only (the
+    interpreter has no e4m3 dot)."""
+    shapes = [(33, 17, 70), (5, 40, 129), (4096, 1536, 2048)] if device == "cuda" else CPU_SHAPES
+    fmts = ("int8", "fp8") if device == "cuda" else ("int8",)
+    return [(M, N, K, a_t, fmt) for fmt in fmts for M, N, K in shapes for a_t in (False, True)]
+
+
+def check_scaled_mm_accumulate(device: str, cases=None) -> int:
+    """``scaled_mm_accumulate_triton`` (the weight gradient added into its accumulator in place) against
+    :func:`hf_lowbit.kernels.accumulate.scaled_mm_accumulate_reference`: INT8 bit for bit (the same float32 steps
+    after an exact int32 product; in the interpreter, whose bf16 cast truncates, against the truncated sum), FP8 to
+    float32 rounding (its products are summed in another order); bf16 and
+    float32 accumulators, one transposed (a strided view, as ``.grad`` never is but the op allows). Two checks a case."""
+    from hf_lowbit.kernels.accumulate import scaled_mm_accumulate_reference
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE
+    from hf_lowbit.kernels.triton_int8 import scaled_mm_accumulate_triton
+
+    all_cases = scaled_mm_accumulate_cases(device)
+    cases = set(range(len(all_cases)) if cases is None else cases)
+    n = 0
+    for i, (M, N, K, a_t, fmt) in enumerate(all_cases):
+        if i not in cases:
+            continue
+        gen = torch.Generator(device=device).manual_seed(i)
+        if fmt == "int8":
+            a = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=device, generator=gen)
+            b = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device, generator=gen)
+        else:
+            a = (torch.randn(M, K, device=device, generator=gen) * 64).to(FP8_DTYPE)
+            b = (torch.randn(N, K, device=device, generator=gen) * 64).to(FP8_DTYPE)
+        if a_t:
+            a = a.T.contiguous().T
+        sa = torch.rand(M, device=device, generator=gen) / 1000 + 1e-4
+        sb = torch.rand(N, device=device, generator=gen) / 1000 + 1e-4
+        for dtype, acc_t in ((torch.bfloat16, False), (torch.float32, True)):
+            acc = torch.randn(M, N, device=device, generator=gen).to(dtype)
+            if acc_t:
+                acc = acc.T.contiguous().T
+            ref = scaled_mm_accumulate_reference(acc, a, b, sa, sb)
+            if device == "cpu" and dtype == torch.bfloat16:  # the interpreter's float32 -> bf16 cast truncates (the
+                # GPU's rounds to nearest even): the same float32 sum, truncated
+                exact = scaled_mm_accumulate_reference(acc.float(), a, b, sa, sb)
+                ref = (exact.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+            scaled_mm_accumulate_triton(acc, a, b, sa, sb)
+            if fmt == "int8":
+                assert torch.equal(acc, ref), f"{(M, N, K)} a_t={a_t} {dtype}: differs from the reference"
+            else:
+                torch.testing.assert_close(acc.float(), ref.float(), rtol=1e-5 if dtype == torch.float32 else 8e-3,
+                                           atol=1e-4, msg=f"fp8 {(M, N, K)} a_t={a_t} {dtype}")
+            n += 1
+    return n
+
+
 MODES = {
     "default": lambda: ("checked", check_int8_scaled_mm("cpu"), "matmuls,", check_int8_scaled_mm_addend("cpu"),
                         "with an addend and", check_quantize_t("cpu"), "quantizations"),
@@ -1007,6 +1061,7 @@ MODES = {
     "stochastic_saturates": lambda: ("checked", check_quantize_t_stochastic_saturates("cpu"),
                                      "saturating stochastic quantizations"),
     "fp8_gemv": lambda: _fp8_gemv_mode(),
+    "accumulate": lambda: ("checked", check_scaled_mm_accumulate("cpu"), "accumulating matmuls"),
 }
 
 

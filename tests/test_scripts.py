@@ -13,15 +13,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_benchmark_train_smoke_on_cpu(tmp_path):
     out = tmp_path / "train.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu", "--no_compile",
-           "--recipes", "bf16,int8,fp8,int8_cache,int8_dual,int8_xcodes", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+           "--recipes", "bf16,int8,fp8,int8_cache,int8_dual,int8_xcodes,int8_fga", "--hidden", "64", "--intermediate", "128", "--heads", "4",
            "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--batch", "2", "--seq", "32", "--warmup", "1",
            "--steps", "2", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["recipe"] for r in rows] == ["bf16", "int8", "fp8", "int8_cache", "int8_dual", "int8_xcodes"]
+    assert [r["recipe"] for r in rows] == ["bf16", "int8", "fp8", "int8_cache", "int8_dual", "int8_xcodes", "int8_fga"]
     # the weight cache, the dual quantization of dY and X's codes kept from the forward change where the codes are
-    # computed, not which: the same losses as INT8 without them
+    # computed, not which; the fused accumulation of one micro-batch rounds the same product once, as autograd does:
+    # the same losses as INT8 without them
     assert all(r["losses"] == rows[1]["losses"] for r in rows[3:])
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     # same init and data: the low-bit recipes start from bf16's loss
@@ -52,6 +53,7 @@ def test_benchmark_regimes_trainer_path_smoke_on_cpu(tmp_path):
                for r in records)
     assert records[0]["vs_bf16"] == 1.0 and records[1]["chosen"]["weight_cache"] is False
     assert records[2]["chosen"]["weight_cache"] is True
+    assert records[2]["chosen"]["fused_grad_accum"] is True and records[1]["chosen"]["fused_grad_accum"] is False
     assert records[2]["chosen"]["cuda_graphs"] is False  # a CPU run: no CUDA graphs
     assert records[2]["chosen"]["non_blocking"] is False  # nor pinned, non-blocking batch copies
     assert records[1]["first_loss"] == records[0]["first_loss"]  # the same model, data and loop but for the sync

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from . import analysis_cache
+from .accumulate import scaled_mm_accumulate_
 from .formats import FORMATS, Format, get_format
 from .quantize_dual import quantize_dual
 from .quantize_t import quantize_t, quantize_t_shared, shares_codes
@@ -65,6 +66,15 @@ def scaled_matmul_quantized(fmt: str, x: Tensor, x_dim: int, qw: Tensor, sw: Ten
     if fmt != "int8":
         raise ValueError(f"scaled_matmul_quantized: a low-rank addend is implemented for INT8, not {fmt!r}")
     return FORMATS[fmt].scaled_mm(qx, qw, sx, sw, out_dtype, *add)
+
+
+def scaled_matmul_accumulate(fmt: str, acc: Tensor, x: Tensor, x_dim: int, qw: Tensor, sw: Tensor,
+                             stochastic: bool = False) -> None:
+    """:func:`scaled_matmul_quantized` added into ``acc`` in place (the sum in float32, rounded once):
+    ``hf_lowbit::scaled_mm_accumulate_``, a weight gradient accumulated across micro-batches in the matmul's
+    epilogue instead of by a separate add."""
+    qx, sx = quantize_operand(fmt, x, x_dim, stochastic)
+    scaled_mm_accumulate_(acc, qx, qw, sx, sw)
 
 
 def quantize_weight_t(fmt: str, w: Tensor, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -165,5 +175,5 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
 
 
 __all__ = ["FORMATS", "Format", "get_format", "scaled_matmul", "scaled_matmul_quantized", "quantize_operand",
-           "quantize_weight", "quantize_weight_t", "scaled_matmul_input_grad", "scaled_matmul_grads", "quantize_t",
-           "quantize_t_shared", "quantize_dual"]
+           "quantize_weight", "quantize_weight_t", "scaled_matmul_accumulate", "scaled_mm_accumulate_",
+           "scaled_matmul_input_grad", "scaled_matmul_grads", "quantize_t", "quantize_t_shared", "quantize_dual"]

@@ -33,17 +33,12 @@ def _configs():
                           num_warps=w, num_stages=s) for bm, bn, bk, w, s in shapes]
 
 
-@triton.autotune(configs=_configs(), key=["M", "N", "K", "A_K_CONTIG", "B_K_CONTIG", "HAS_ADD", "R"])
 @triton.jit
-def _int8_scaled_mm_kernel(
-    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr, c_ptr, d_ptr,
-    M, N, K, R,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_on, stride_cm, stride_cr, stride_dn, stride_dr,
-    A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_R: tl.constexpr,
-    ADD_IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    # Grouped ordering of output tiles for L2 reuse.
+def _tile_product(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+                  A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile of ``a @ b.T`` (``ACC_DTYPE``: int32 for INT8 codes, float32 for FP8) and its
+    row and column offsets; output tiles in grouped order for L2 reuse."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -65,15 +60,31 @@ def _int8_scaled_mm_kernel(
     mask_m = offs_m[:, None] < M
     mask_n = offs_n[None, :] < N
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0)
         b = tl.load(b_ptrs, mask=mask_n & (offs_k[:, None] < k_left), other=0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        acc = tl.dot(a, b, acc, out_dtype=ACC_DTYPE)
         a_ptrs += BLOCK_K * sak
         b_ptrs += BLOCK_K * sbk
+    return acc, offs_m, offs_n
 
+
+@triton.autotune(configs=_configs(), key=["M", "N", "K", "A_K_CONTIG", "B_K_CONTIG", "HAS_ADD", "R"])
+@triton.jit
+def _int8_scaled_mm_kernel(
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr, c_ptr, d_ptr,
+    M, N, K, R,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_on, stride_cm, stride_cr, stride_dn, stride_dr,
+    A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_R: tl.constexpr,
+    ADD_IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    acc, offs_m, offs_n = _tile_product(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+                                        A_K_CONTIG, B_K_CONTIG, tl.int32, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    mask_m = offs_m[:, None] < M
+    mask_n = offs_n[None, :] < N
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
     out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
@@ -90,6 +101,30 @@ def _int8_scaled_mm_kernel(
             out += tl.dot(c, d, out_dtype=tl.float32)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
+
+
+@triton.autotune(configs=_configs(), key=["M", "N", "K", "A_K_CONTIG", "B_K_CONTIG", "ACC_INT"],
+                 restore_value=["acc_ptr"])
+@triton.jit
+def _scaled_mm_accumulate_kernel(
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, acc_ptr,
+    M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr, ACC_INT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``acc += (a @ b.T) * a_scale[:, None] * b_scale[None, :]`` in place, the sum in float32 rounded to ``acc``'s
+    dtype once: a weight gradient accumulated in the epilogue. INT8 codes (``ACC_INT``: int32 products) or FP8 e4m3
+    codes (float32 products)."""
+    acc_t, offs_m, offs_n = _tile_product(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+                                          A_K_CONTIG, B_K_CONTIG, tl.int32 if ACC_INT else tl.float32,
+                                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+    out = acc_t.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
+    c_ptrs = acc_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    out += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, out.to(acc_ptr.dtype.element_ty), mask=mask)
 
 
 def int8_scaled_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
@@ -117,3 +152,22 @@ def int8_scaled_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tenso
         BLOCK_R=max(16, triton.next_power_of_2(R)), ADD_IEEE=has_add and (c.dtype == torch.float32 or _INTERPRET),
     )
     return out
+
+
+def scaled_mm_accumulate_triton(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
+                                b_scale: torch.Tensor) -> None:
+    """Launch the accumulating kernel: the scaled product of ``a [M, K]`` and ``b [N, K]`` (both int8 or both
+    float8_e4m3fn, any strides) added into ``acc [M, N]`` (a floating dtype, any strides) in place."""
+    M, K = a.shape
+    N = b.shape[0]
+    a_scale = a_scale.reshape(-1).float().contiguous()
+    b_scale = b_scale.reshape(-1).float().contiguous()
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    wrap_triton(_scaled_mm_accumulate_kernel)[grid](
+        a, b, a_scale, b_scale, acc, M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), acc.stride(0), acc.stride(1),
+        A_K_CONTIG=a.stride(1) == 1, B_K_CONTIG=b.stride(1) == 1, ACC_INT=a.dtype == torch.int8,
+    )

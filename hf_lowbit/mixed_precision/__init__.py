@@ -14,6 +14,8 @@ precision").
 * saves: what ``nn.Linear`` saves. The layer shares the original ``weight`` / ``bias`` and its cached codes
   are non-persistent buffers, so ``state_dict`` keys and tensors are unchanged and checkpoints load into
   stock transformers.
+* gradient accumulation (``lowbit_fused_grad_accum``): :mod:`.grad_accum`, each weight's ``.grad`` added into by its
+  weight-gradient matmul (:class:`FusedGradAccumulation`).
 * FSDP2 (``lowbit_fsdp_lowbit_all_gather``): :mod:`.fsdp_all_gather`, the weight that FSDP2 all-gathers as
   codes + row scales and the layer computes with.
 
@@ -21,9 +23,10 @@ Imports: :mod:`hf_lowbit.kernels` and the core (``swap``, ``compute``, ``warning
 """
 
 from .fsdp_all_gather import GatheredLowBitWeight, LowBitAllGatherWeight
+from .grad_accum import FusedGradAccumulation, enable_fused_grad_accumulation
 from .linear import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear, convert_to_mixed_precision,
                      mixed_precision_linear, refresh_weight_caches, set_weight_cache)
 
 __all__ = ["MixedPrecisionConfig", "MixedPrecisionLinear", "LowBitLinear", "mixed_precision_linear",
            "convert_to_mixed_precision", "set_weight_cache", "refresh_weight_caches", "LowBitAllGatherWeight",
-           "GatheredLowBitWeight"]
+           "GatheredLowBitWeight", "FusedGradAccumulation", "enable_fused_grad_accumulation"]

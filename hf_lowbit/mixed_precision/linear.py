@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..compute import compute_dtype as _compute_dtype  # the name the Function body below uses
-from ..kernels import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t,
-                  scaled_matmul_grads, scaled_matmul_input_grad, scaled_matmul_quantized)
+from ..kernels import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t, scaled_matmul_accumulate,
+                       scaled_matmul_grads, scaled_matmul_input_grad, scaled_matmul_quantized)
 from .fsdp_all_gather import GatheredLowBitWeight, gathered_operands
 from ..swap import LinearFilter, SwapReport, including_output_embeddings, swap_linears
 
@@ -92,12 +92,14 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
     (:func:`hf_lowbit.kernels.scaled_matmul_input_grad`): one absmax pass over the weight per step instead of
     two, and without the cache the backward only re-encodes the weight transposed with the saved scales. ``dual``:
     both gradients' quantizations of ``dY`` from one op (:func:`hf_lowbit.kernels.scaled_matmul_grads`).
-    ``x_codes``: ``X``'s column codes made here and saved for the weight gradient instead of ``X``."""
+    ``x_codes``: ``X``'s column codes made here and saved for the weight gradient instead of ``X``. ``grad_acc``
+    (or None): the weight's gradient accumulator (its ``.grad``, :class:`FusedGradAccumulation`): the weight
+    gradient is added into it by the matmul's epilogue and none is returned to autograd."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, fmt: str, output: bool,
                 grad_input: bool, grad_weight: bool, cached: tuple[Tensor, ...] | None, sr: bool,
-                dual: bool, x_codes: bool) -> Tensor:
+                dual: bool, x_codes: bool, grad_acc: Tensor | None = None) -> Tensor:
         dtype = _compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         qw = w_scale = qw_t = None
@@ -123,15 +125,17 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
         if keep_x and x_codes and grad_weight and not sr:
             qx_t, sx = quantize_operand(fmt, x2, 0, shared=True)
             keep_x = False
+        fused = grad_acc is not None and grad_weight and ctx.needs_input_grad[1]
         ctx.save_for_backward(x if keep_x else None, weight,
-                              *((w_scale, qw_t, gathered) if grad_input else (None, None, None)), qx_t, sx)
+                              *((w_scale, qw_t, gathered) if grad_input else (None, None, None)), qx_t, sx,
+                              grad_acc if fused else None)
         ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype, x.shape, x.dtype, sr,
                      dual)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, weight, w_scale, qw_t, gathered, qx_t, sx = ctx.saved_tensors
+        x, weight, w_scale, qw_t, gathered, qx_t, sx, grad_acc = ctx.saved_tensors
         fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype, sr, dual = ctx.flags
         g2 = grad_out.reshape(-1, weight.shape[0])
         x2 = None if x is None else x.reshape(-1, x.shape[-1])
@@ -143,8 +147,9 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
                     qw_t = gathered.T.contiguous()
                 elif qw_t is None:  # not cached: the forward's codes again, from its scales (no absmax pass)
                     qw_t, w_scale = quantize_weight_t(fmt, weight, w_scale)
-                # dY quantized for dX and dW in one op (never with stochastic rounding: the config refuses it)
-                if dual and grad_weight and ctx.needs_input_grad[1]:
+                # dY quantized for dX and dW in one op (never with stochastic rounding: the config refuses it);
+                # not where dW is accumulated in place (the split path's matmul does that)
+                if dual and grad_weight and ctx.needs_input_grad[1] and grad_acc is None:
                     dx, dw = scaled_matmul_grads(fmt, g2, qw_t, w_scale, xq, x_dtype, weight.dtype)
                 else:
                     dx = scaled_matmul_input_grad(fmt, g2, qw_t, w_scale, x_dtype, stochastic=sr)
@@ -152,7 +157,10 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
                 dx = (g2.to(dtype) @ weight.to(dtype)).to(x_dtype)
             dx = dx.reshape(x_shape)
         if ctx.needs_input_grad[1] and dw is None:
-            if grad_weight and qx_t is not None:  # X's codes from the forward (the bits scaled_matmul would make)
+            if grad_acc is not None:  # added into .grad by the matmul (FusedGradAccumulation): none returned
+                qx, sx = (qx_t, sx) if qx_t is not None else quantize_operand(fmt, x2, 0, sr, shared=True)
+                scaled_matmul_accumulate(fmt, grad_acc, g2, 0, qx, sx, sr)
+            elif grad_weight and qx_t is not None:  # X's codes from the forward (the bits scaled_matmul would make)
                 dw = scaled_matmul_quantized(fmt, g2, 0, qx_t, sx, weight.dtype)
             elif grad_weight:  # dW[N, K] = dYᵀ[N, M] · X[M, K]: reduce over tokens; X's codes shared by siblings
                 qx, sx = quantize_operand(fmt, x2, 0, sr, shared=True)
@@ -161,21 +169,23 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
                 dw = (g2.to(dtype).T @ x2.to(dtype)).to(weight.dtype)
         if bias_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def mixed_precision_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                            config: MixedPrecisionConfig = MixedPrecisionConfig(),
-                           cached_weight: tuple[Tensor, ...] | None = None) -> Tensor:
+                           cached_weight: tuple[Tensor, ...] | None = None, grad_acc: Tensor | None = None) -> Tensor:
     """``F.linear`` with the matmuls selected by ``config`` in its low-bit format.
 
     ``cached_weight``: ``weight`` already quantized by :func:`hf_lowbit.kernels.quantize_weight` (the caller
-    keeps it current; :class:`MixedPrecisionLinear` does)."""
+    keeps it current; :class:`MixedPrecisionLinear` does). ``grad_acc``: a tensor shaped like ``weight`` that the
+    low-bit weight gradient is added into in place instead of being returned to autograd (``weight.grad`` then
+    gets nothing from this call: :class:`FusedGradAccumulation` makes ``grad_acc`` the weight's ``.grad``)."""
     if not (config.output or config.grad_input or config.grad_weight):
         return F.linear(x, weight, bias)
     return _MixedPrecisionLinearFn.apply(x, weight, bias, config.format, config.output, config.grad_input,
                                          config.grad_weight, cached_weight, config.stochastic_rounding,
-                                         config.dual_grad_quant, config.save_x_codes)
+                                         config.dual_grad_quant, config.save_x_codes, grad_acc)
 
 
 # Layers whose weight cache is on: refreshed after every optimizer step (see _refresh_after_step).
@@ -217,6 +227,7 @@ class MixedPrecisionLinear(nn.Linear):
         self._cache_key = None
         for name in _CACHE_BUFFERS:
             self.register_buffer(name, None, persistent=False)
+        self.grad_acc: Tensor | None = None  # set by FusedGradAccumulation: the weight's .grad, added into in place
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: MixedPrecisionConfig) -> "MixedPrecisionLinear":
@@ -292,7 +303,7 @@ class MixedPrecisionLinear(nn.Linear):
             if not torch.compiler.is_compiling():
                 self.refresh_weight_cache()
             cached = tuple(getattr(self, name) for name in _CACHE_BUFFERS)
-        return mixed_precision_linear(x, self.weight, self.bias, self.lowbit_config, cached)
+        return mixed_precision_linear(x, self.weight, self.bias, self.lowbit_config, cached, self.grad_acc)
 
     def extra_repr(self) -> str:
         c = self.lowbit_config
@@ -301,7 +312,8 @@ class MixedPrecisionLinear(nn.Linear):
         cache = "".join(f", {name}" for name, flag in (("weight_cache", self.weight_cache),
                                                        ("stochastic_rounding", c.stochastic_rounding),
                                                        ("dual_grad_quant", c.dual_grad_quant),
-                                                       ("save_x_codes", c.save_x_codes)) if flag)
+                                                       ("save_x_codes", c.save_x_codes),
+                                                       ("fused_grad_accum", self.grad_acc is not None)) if flag)
         return f"{super().extra_repr()}, {c.format}={'+'.join(on) or 'off'}{cache}"
 
 
