@@ -236,6 +236,7 @@ def test_compiled_backward_adds_into_the_accumulator_in_place_cuda(fmt):
     copies = [line for c in backward for line in c.splitlines() if ".copy_(" in line]
     assert not copies, f"the accumulator is copied instead of written in place: {copies[:4]}"
     assert layer.weight.grad is layer.grad_acc
-    torch.testing.assert_close(layer.grad_acc.float(), eager[0].grad_acc.float(), rtol=1e-2, atol=1e-2)
+    # Inductor's fused quantization and the eager ops may round a code apart: as two runs of the recipe
+    assert snr_db(eager[0].grad_acc, layer.grad_acc) > 30
     handle.close()
     eager_handle.close()

@@ -35,10 +35,10 @@ def _configs():
 
 @triton.jit
 def _tile_product(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                  A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                  A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr, INT_CODES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's output tile of ``a @ b.T`` (``ACC_DTYPE``: int32 for INT8 codes, float32 for FP8) and its
-    row and column offsets; output tiles in grouped order for L2 reuse."""
+    """This program's output tile of ``a @ b.T`` (``INT_CODES``: int8 codes, int32 sums; else FP8 e4m3 codes,
+    float32 sums) and its row and column offsets; output tiles in grouped order for L2 reuse."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -60,14 +60,24 @@ def _tile_product(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride
     mask_m = offs_m[:, None] < M
     mask_n = offs_n[None, :] < N
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k0 * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0)
-        b = tl.load(b_ptrs, mask=mask_n & (offs_k[:, None] < k_left), other=0)
-        acc = tl.dot(a, b, acc, out_dtype=ACC_DTYPE)
-        a_ptrs += BLOCK_K * sak
-        b_ptrs += BLOCK_K * sbk
+    if INT_CODES:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k0 * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0)
+            b = tl.load(b_ptrs, mask=mask_n & (offs_k[:, None] < k_left), other=0)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+            a_ptrs += BLOCK_K * sak
+            b_ptrs += BLOCK_K * sbk
+    else:  # e4m3 takes no integer fill value
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k0 * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n & (offs_k[:, None] < k_left), other=0.0)
+            acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+            a_ptrs += BLOCK_K * sak
+            b_ptrs += BLOCK_K * sbk
     return acc, offs_m, offs_n
 
 
@@ -82,7 +92,7 @@ def _int8_scaled_mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     acc, offs_m, offs_n = _tile_product(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                                        A_K_CONTIG, B_K_CONTIG, tl.int32, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                                        A_K_CONTIG, B_K_CONTIG, True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     mask_m = offs_m[:, None] < M
     mask_n = offs_n[None, :] < N
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
@@ -116,8 +126,7 @@ def _scaled_mm_accumulate_kernel(
     dtype once: a weight gradient accumulated in the epilogue. INT8 codes (``ACC_INT``: int32 products) or FP8 e4m3
     codes (float32 products)."""
     acc_t, offs_m, offs_n = _tile_product(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                                          A_K_CONTIG, B_K_CONTIG, tl.int32 if ACC_INT else tl.float32,
-                                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                                          A_K_CONTIG, B_K_CONTIG, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
