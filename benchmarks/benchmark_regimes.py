@@ -106,10 +106,8 @@ CAST = "bf16,int8,fp8,fp8_softcast"
 TENSORWISE = "bf16,fp8,fp8_tensorwise,torchao_float8,torchao_float8_tensorwise"
 # each format with the LM head in bf16 (the default) and in the format (lowbit_include_lm_head): the Trainer path only
 HEAD = "bf16,int8,int8_head,fp8,fp8_head"
-# each format's weight gradient accumulated by autograd's add and by its matmul (lowbit_fused_grad_accum): the layers
-# path's hand loop off by default (*_fga on), LowBitTrainer on by default with accumulation (*_nofga off)
-FGA_LAYERS = "bf16,int8,int8_fga,fp8,fp8_fga"
-FGA_TRAINER = "bf16,int8,int8_nofga,fp8,fp8_nofga"
+# each format's weight gradient accumulated by autograd's add (the default) and by its matmul (lowbit_fused_grad_accum)
+FGA = "bf16,int8,int8_fga,fp8,fp8_fga"
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -165,8 +163,8 @@ BLOCKS = {
     "trainer_b8_head": ("trainer", 8, 1, "default", HEAD, []),
     "trainer_b1_ga8_head": ("trainer", 1, 8, "default", HEAD, []),
     # issue 25: the weight gradient accumulated in its matmul's epilogue against autograd's add (accumulation 8)
-    "layers_b1_ga8_fga": ("layers", 1, 8, "default", FGA_LAYERS, ["--profile"]),
-    "trainer_b1_ga8_fga": ("trainer", 1, 8, "default", FGA_TRAINER, []),
+    "layers_b1_ga8_fga": ("layers", 1, 8, "default", FGA, ["--profile"]),
+    "trainer_b1_ga8_fga": ("trainer", 1, 8, "default", FGA, []),
     # lowbit_skip_causal_mask (the default since session 17) against the mask transformers materializes under
     # torch.compile (*_mask), bf16 through LowBitTrainer beside: the attention's share apart from the low-bit compute's
     "trainer_b1_ga8_mask": ("trainer", 1, 8, "default", "bf16,bf16_lbt,bf16_lbt_mask,int8,int8_mask", []),

@@ -107,11 +107,10 @@ CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
 SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
                    for suffix, field in (("dual", "dual_grad_quant"), ("xcodes", "save_x_codes"),
                                          ("head", "include_lm_head"))}
-# INT8 / FP8 with the weight gradient accumulated by its matmul (lowbit_fused_grad_accum, issue 25) against autograd's
-# separate add: *_fga on (the layers path's hand loop calls FusedGradAccumulation.prepare before each micro-batch),
-# *_nofga off (LowBitTrainer turns it on by default with accumulation)
-FGA_VARIANTS = {f"{fmt}_{suffix}": (fmt, on) for fmt in ("int8", "fp8") for suffix, on in (("fga", True),
-                                                                                         ("nofga", False))}
+# INT8 / FP8 with the weight gradient accumulated by its matmul (lowbit_fused_grad_accum, issue 25; off by default)
+# against autograd's separate add: the layers path's hand loop calls FusedGradAccumulation.prepare before each
+# micro-batch, LowBitTrainer does it itself
+FGA_VARIANTS = {f"{fmt}_fga": (fmt, True) for fmt in ("int8", "fp8")}
 # the trainer path only: the layers path keeps the LM head bf16 and compiles only the decoder layers (apply_recipe)
 HEAD_VARIANTS = tuple(r for r, (_, field) in SWITCH_VARIANTS.items() if field == "include_lm_head")
 # bf16 / INT8 / FP8 with Inductor's partitioner free to recompute, in the backward, activations that a matmul or a

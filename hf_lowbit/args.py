@@ -79,9 +79,9 @@ class LowBitArgumentsMixin:
         "is not sharded (FSDP, DeepSpeed).")})
     lowbit_fused_grad_accum: bool | None = field(default=None, metadata={"help": (
         "With gradient accumulation: each low-bit linear's weight gradient is added into its .grad by the matmul "
-        "itself (one read and write of .grad per micro-batch) instead of by a separate add kernel (three). Default "
-        "(unset): on when gradient_accumulation_steps > 1, the weight-gradient matmul is low-bit and one process "
-        "trains (not DDP, FSDP or DeepSpeed, whose hooks take each gradient from autograd).")})
+        "itself (one read and write of .grad per micro-batch) instead of by a separate add kernel (three). One "
+        "process only (not DDP, FSDP, DeepSpeed or DataParallel). Default (unset): off; on the H200 it did not yet "
+        "beat autograd's add (docs/benchmarks.md, 'Fused gradient accumulation').")})
     lowbit_stochastic_rounding: bool = field(default=False, metadata={"help": (
         "INT8 mixed precision: round the backward's operands stochastically (the output gradient in both "
         "gradient matmuls, the input in the weight gradient) instead of to nearest, so their rounding is "

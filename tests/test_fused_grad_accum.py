@@ -172,7 +172,7 @@ _args = partial(lowbit_args, max_steps=3, per_device_train_batch_size=2, gradien
                 learning_rate=1e-3, logging_steps=1, save_strategy="no", seed=0)
 
 
-def test_trainer_turns_it_on_with_accumulation_and_trains_as_without(tmp_path, monkeypatch):
+def test_trainer_with_it_on_trains_as_without(tmp_path, monkeypatch):
     from hf_lowbit.kernels import scaled_matmul_accumulate
     from hf_lowbit.mixed_precision import linear
 
@@ -185,24 +185,21 @@ def test_trainer_turns_it_on_with_accumulation_and_trains_as_without(tmp_path, m
     monkeypatch.setattr(linear, "scaled_matmul_accumulate", counted)
     ds = arithmetic_blocks(24)
     runs = {}
-    for fused in (False, None):  # off, and the default (on with accumulation)
+    for fused in (None, True):  # the default (off), and on
         trainer = LowBitTrainer(tiny_model(), _args(tmp_path / str(fused), int8_mixed_precision=True,
                                                     lowbit_fused_grad_accum=fused), train_dataset=ds)
         trainer.train()
-        assert trainer.lowbit_fused_grad_accum is (fused is None)
+        assert trainer.lowbit_fused_grad_accum is bool(fused)
         runs[fused] = (trainer.state.log_history[-2]["loss"], [p.detach().float() for p in trainer.model.parameters()])
     swapped = [m for m in trainer.model.modules() if isinstance(m, MixedPrecisionLinear)]
     assert len(swapped) == 10 and trainer._lowbit_fused.layers == swapped  # 2 layers x 5 (k, v: too small)
     assert len(calls) == 3 * 3 * 10  # steps x micro-batches x linears: every weight gradient went through it
-    (loss_off, params_off), (loss_on, params_on) = runs[False], runs[None]
+    (loss_off, params_off), (loss_on, params_on) = runs[None], runs[True]
     assert abs(loss_on - loss_off) < 0.02 * abs(loss_off)
     assert min(snr_db(a, b) for a, b in zip(params_off, params_on)) > 30
 
 
-def test_trainer_leaves_it_off_without_accumulation_and_refuses_it_distributed(tmp_path):
-    trainer = LowBitTrainer(tiny_model(), _args(tmp_path, int8_mixed_precision=True, gradient_accumulation_steps=1),
-                            train_dataset=arithmetic_blocks(8))
-    assert trainer.lowbit_fused_grad_accum is False
+def test_trainer_refuses_it_without_a_low_bit_weight_gradient(tmp_path):
     with pytest.raises(ValueError, match="lowbit_fused_grad_accum=True adds the low-bit weight-gradient matmul"):
         _args(tmp_path, lowbit_fused_grad_accum=True)
     with pytest.raises(ValueError, match="lowbit_fused_grad_accum=True adds"):
