@@ -78,7 +78,9 @@ def _tile_product(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_am, stride_ak, s
             k_left = K - k0 * BLOCK_K
             a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=mask_n & (offs_k[:, None] < k_left), other=0.0)
-            acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+            # products added into the float32 sum every BLOCK_K (sm_90's FP8 MMA keeps fewer bits; Triton's default
+            # there never promotes), as cuBLAS does without fast accumulation
+            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
             a_ptrs += BLOCK_K * sak
             b_ptrs += BLOCK_K * sbk
     return acc
@@ -129,17 +131,18 @@ def _scaled_mm_accumulate_kernel(
     """``acc += (a @ b.T) * a_scale[:, None] * b_scale[None, :]`` in place, the sum in float32 rounded to ``acc``'s
     dtype once: a weight gradient accumulated in the epilogue. INT8 codes (``ACC_INT``: int32 products) or FP8 e4m3
     codes (float32 products)."""
-    # the accumulator's tile is loaded before the product's loop, so its latency hides behind the loop (loaded after
-    # it, on the H200 the kernel took 66.7 ms of a step where the plain one took 50.3: 8 Llama-8B layers, 1x2048, GA 8)
+    # The accumulator's tile is read after the product's loop, not overlapped with it: on the H200 (8 Llama-8B layers,
+    # 1x2048, accumulation 8) the INT8 kernel took 66.7 ms a step where the plain one took 50.3 (+16.4 against the
+    # 19.8 ms of autograd's add it replaces); read before the loop (its registers held through it) 75.7 ms.
+    # docs/benchmarks.md, "Fused gradient accumulation"
     offs_m, offs_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    c_ptrs = acc_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    prev = tl.load(c_ptrs, mask=mask, other=0.0)
     acc_t = _tile_product(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
                           A_K_CONTIG, B_K_CONTIG, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-    out = acc_t.to(tl.float32) * a_scale[:, None] * b_scale[None, :] + prev.to(tl.float32)
+    c_ptrs = acc_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    out = acc_t.to(tl.float32) * a_scale[:, None] * b_scale[None, :] + tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(c_ptrs, out.to(acc_ptr.dtype.element_ty), mask=mask)
 
 
