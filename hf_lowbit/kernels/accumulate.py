@@ -5,8 +5,8 @@ With gradient accumulation autograd writes each micro-batch's weight gradient to
 add, per weight element and micro-batch (on the H200, 8 Llama-8B-shaped layers at 1x2048 tokens with accumulation 8:
 ~20 ms of a ~300-400 ms step in every recipe, bf16 included; docs/benchmarks.md). Here the matmul's epilogue reads the
 accumulator and writes the sum, 4 bytes an element in all, and rounds once (the product and the running sum added in
-float32). :func:`hf_lowbit.mixed_precision.set_fused_grad_accumulation` says where it is used and how ``.grad`` stays
-the accumulator.
+float32). :class:`hf_lowbit.mixed_precision.FusedGradAccumulation` says where it is used and how ``.grad`` stays the
+accumulator.
 
 CUDA runs :func:`hf_lowbit.kernels.triton_int8.scaled_mm_accumulate_triton` (INT8 or FP8 codes); other devices the
 plain-torch reference below, which is the arithmetic the kernel is tested against.
@@ -50,9 +50,9 @@ def scaled_mm_accumulate_(acc: Tensor, a: Tensor, b: Tensor, a_scale: Tensor, b_
     """``acc += (a @ b.T) * a_scale[:, None] * b_scale[None, :]``, in place, the sum in float32 rounded once.
 
     ``a [M, K]``, ``b [N, K]``: int8 or float8_e4m3fn codes, any strides; scales float32, one per row; ``acc [M, N]``
-    floating (the gradient's dtype), any strides. A ``triton_op`` that mutates ``acc``: under ``torch.compile`` its kernel
-    writes straight into the accumulator, a graph input (AOTAutograd keeps mutations of forward inputs made in the
-    backward in the graph; Inductor writes in place instead of copying)."""
+    floating (the gradient's dtype), any strides. A ``triton_op`` that mutates ``acc``: under ``torch.compile`` its
+    kernel writes straight into the accumulator, a graph input (AOTAutograd keeps mutations of forward inputs made in
+    the backward in the graph; Inductor writes in place instead of copying)."""
     _check(acc, a, b, a_scale, b_scale)
     if a.device.type == "cuda":
         from .triton_int8 import scaled_mm_accumulate_triton

@@ -3,9 +3,13 @@
 A tiled tensor-core matmul with int32 accumulation and the row/column scales applied in the
 epilogue, so the int32 product never goes to memory. The optional low-rank addend ``c @ d.T`` (``c [M, R]``,
 ``d [N, R]``, R small: a LoRA branch's ``x·Aᵀ`` and ``B·scaling``) is one more ``tl.dot`` in the same epilogue,
-in float32, so a LoRA layer's output is written once instead of three times (base output, LoRA output, sum). Operands may be transposed views (any
-strides). Autotuned per (M, N, K, layout); under ``TRITON_INTERPRET=1`` one small tile is used so the
-kernel can be checked on a CPU.
+in float32, so a LoRA layer's output is written once instead of three times (base output, LoRA output, sum). Operands
+may be transposed views (any strides). Autotuned per (M, N, K, layout); under ``TRITON_INTERPRET=1`` one small tile is
+used so the kernel can be checked on a CPU.
+
+``_scaled_mm_accumulate_kernel`` shares its tile order and main loop (``_tile_offsets``, ``_tile_product``) and adds
+the scaled product into an existing tensor instead (``hf_lowbit::scaled_mm_accumulate_``: a weight gradient
+accumulated across micro-batches), for INT8 or FP8 e4m3 codes.
 """
 
 from __future__ import annotations
@@ -142,7 +146,8 @@ def _scaled_mm_accumulate_kernel(
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
     c_ptrs = acc_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    out = acc_t.to(tl.float32) * a_scale[:, None] * b_scale[None, :] + tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+    prev = tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+    out = acc_t.to(tl.float32) * a_scale[:, None] * b_scale[None, :] + prev
     tl.store(c_ptrs, out.to(acc_ptr.dtype.element_ty), mask=mask)
 
 

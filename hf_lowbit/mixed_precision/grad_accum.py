@@ -12,9 +12,9 @@ The contract, which :meth:`FusedGradAccumulation.prepare` keeps: before each mic
 weight's ``.grad`` is its accumulator; a ``.grad`` of None (``zero_grad()``'s default) starts a new accumulation from
 zeros (so a layer that gets no gradient in a step holds zeros, as after ``zero_grad(set_to_none=False)``), one set
 by anything else is copied in. ``LowBitTrainer`` calls it per micro-batch (with ``lowbit_fused_grad_accum=True``:
-off by default, as on the H200 it has not yet beaten autograd's add; docs/benchmarks.md); a custom loop must too (an optimizer step
-over a covered weight whose ``.grad`` is not its accumulator raises, naming this). Not under DDP / FSDP / DeepSpeed,
-whose hooks need autograd to hand them each gradient.
+off by default, as on the H200 it has not yet beaten autograd's add; docs/benchmarks.md); a custom loop must too (an
+optimizer step over a covered weight whose ``.grad`` is not its accumulator raises, naming this). Not under DDP /
+FSDP / DeepSpeed / DataParallel, whose hooks or replicas take each gradient from autograd.
 """
 
 from __future__ import annotations
