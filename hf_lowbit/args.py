@@ -78,10 +78,8 @@ class LowBitArgumentsMixin:
         "whenever the weight changes. Default (unset): on when gradient_accumulation_steps > 1 and the model "
         "is not sharded (FSDP, DeepSpeed).")})
     lowbit_fused_grad_accum: bool | None = field(default=None, metadata={"help": (
-        "With gradient accumulation: each low-bit linear's weight gradient is added into its .grad by the matmul "
-        "itself (one read and write of .grad per micro-batch) instead of by a separate add kernel (three). One "
-        "process only (not DDP, FSDP, DeepSpeed or DataParallel). Default (unset): off; on the H200 it did not yet "
-        "beat autograd's add (docs/benchmarks.md, 'Fused gradient accumulation').")})
+        "Gradient accumulation: add low-bit weight gradients into .grad in their matmul, not by a separate add; one "
+        "process only. Unset: off (not yet faster on the H200; docs/usage.md).")})
     lowbit_stochastic_rounding: bool = field(default=False, metadata={"help": (
         "INT8 mixed precision: round the backward's operands stochastically (the output gradient in both "
         "gradient matmuls, the input in the weight gradient) instead of to nearest, so their rounding is "

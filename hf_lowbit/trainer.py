@@ -165,8 +165,13 @@ class LowBitTrainerMixin:
         self.check_setup()
         self._seek_data(resume_from_checkpoint)
         self.lowbit_throughput.reset()
-        with self._nan_inf_filter_on_device():
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            with self._nan_inf_filter_on_device():
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:  # the weights' gradients back to autograd: the accumulators become ordinary .grad, freed by zero_grad
+            if self._lowbit_fused is not None:
+                self._lowbit_fused.close()
+                self._lowbit_fused = None
 
     # ------------------------------------------------------------------ no host sync per micro-batch
     @contextlib.contextmanager
@@ -332,7 +337,7 @@ class LowBitTrainerMixin:
             for m in self._lowbit_cached_layers:  # per micro-batch: no walk over the whole model
                 m.refresh_weight_cache()
         if training and self.lowbit_fused_grad_accum:
-            if self._lowbit_fused is None:  # lazily: the model is on its training device by now
+            if self._lowbit_fused is None:  # lazily: the model is on its training device by now (closed after train())
                 self._lowbit_fused = FusedGradAccumulation(self.model)
             self._lowbit_fused.prepare()
         if training and self.lowbit_cuda_graphs and self.args.gradient_accumulation_steps > 1:

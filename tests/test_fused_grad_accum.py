@@ -134,21 +134,70 @@ def test_prepare_starts_from_zeros_copies_in_and_reallocates():
     assert layer.grad_acc.dtype == torch.float32 and layer.weight.grad is layer.grad_acc
 
 
-def test_an_optimizer_step_without_prepare_raises():
+def test_a_backward_or_an_optimizer_step_without_prepare_raises():
     _, fused, handle = _pair("int8")
     opt = torch.optim.SGD(fused.parameters(), lr=0.1)
     handle.prepare()
     fused(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()
     opt.step()  # attached: fine
     opt.zero_grad()  # set_to_none: the next backward's gradient would go nowhere
-    fused(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()
     with pytest.raises(RuntimeError, match=r"call FusedGradAccumulation.prepare\(\) before every micro-batch"):
-        opt.step()
+        fused(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()  # eagerly, the backward itself refuses
+    with pytest.raises(RuntimeError, match=r"call FusedGradAccumulation.prepare\(\) before every micro-batch.*close"):
+        opt.step()  # (compiled, only this check can tell)
     handle.close()  # closed: autograd's own accumulation again, and no check
     fused[0].weight.grad = None
     fused(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()
-    assert fused[0].weight.grad is not None
+    assert fused[0].weight.grad is not None and fused[0].grad_acc is None
     opt.step()
+
+
+def test_a_dropped_handle_is_still_checked_and_a_second_handle_refused():
+    _, fused, handle = _pair("int8")
+    with pytest.raises(ValueError, match=r"1 linears \(first '0'\) are covered by another handle already"):
+        enable_fused_grad_accumulation(fused)
+    opt = torch.optim.SGD(fused.parameters(), lr=0.1)
+    del handle  # the layer keeps its accumulator: the step check must not go with the handle
+    with pytest.raises(RuntimeError, match="is not the accumulator"):
+        opt.step()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_layer_called_twice_in_one_forward_adds_both_products(compiled):
+    plain, fused, handle = _pair("int8", dtype=torch.float32)
+    run = torch.compile(fused) if compiled else fused
+    handle.prepare()
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    (run(x) + run(2 * x)).sum().backward()  # shared weights (a looped block): two weight-gradient products
+    (plain(x) + plain(2 * x)).sum().backward()
+    torch.testing.assert_close(fused[0].weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [dict(save_x_codes=True), dict(dual_grad_quant=True),
+                                    dict(stochastic_rounding=True)], ids=["x_codes", "dual", "sr"])
+def test_backward_variants_accumulate_too(config):
+    """X's codes kept from the forward, dY's dual quantization (not used where dW is accumulated: the split path),
+    stochastic rounding: each accumulates its weight gradient (SR draws other random numbers than the plain layer)."""
+    plain, fused, handle = _pair("int8", **config)
+    handle.prepare()
+    for i in range(3):
+        x = torch.randn(16, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i))
+        fused(x).float().square().sum().backward()
+        plain(x).float().square().sum().backward()
+    assert fused[0].weight.grad is fused[0].grad_acc
+    assert snr_db(plain.weight.grad, fused[0].weight.grad) > (30 if config.get("stochastic_rounding") else 40)
+
+
+def test_gradient_checkpointing_accumulates_once():
+    from torch.utils.checkpoint import checkpoint
+
+    plain, fused, handle = _pair("int8", dtype=torch.float32)
+    handle.prepare()
+    for i in range(2):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        checkpoint(fused, x, use_reentrant=False).sum().backward()  # the forward runs twice, the backward once
+        plain(x).sum().backward()
+    torch.testing.assert_close(fused[0].weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_covers_trainable_low_bit_weight_gradients_of_untied_weights_only():
@@ -192,7 +241,9 @@ def test_trainer_with_it_on_trains_as_without(tmp_path, monkeypatch):
         assert trainer.lowbit_fused_grad_accum is bool(fused)
         runs[fused] = (trainer.state.log_history[-2]["loss"], [p.detach().float() for p in trainer.model.parameters()])
     swapped = [m for m in trainer.model.modules() if isinstance(m, MixedPrecisionLinear)]
-    assert len(swapped) == 10 and trainer._lowbit_fused.layers == swapped  # 2 layers x 5 (k, v: too small)
+    assert len(swapped) == 10  # 2 layers x 5 (k, v: too small)
+    # train() closed its handle: the layers give their gradients to autograd again, no accumulator held
+    assert trainer._lowbit_fused is None and all(m.grad_acc is None for m in swapped)
     assert len(calls) == 3 * 3 * 10  # steps x micro-batches x linears: every weight gradient went through it
     (loss_off, params_off), (loss_on, params_on) = runs[None], runs[True]
     assert abs(loss_on - loss_off) < 0.02 * abs(loss_off)
@@ -218,6 +269,8 @@ def test_compiled_backward_adds_into_the_accumulator_in_place_cuda(fmt):
     eager = torch.nn.Sequential(MixedPrecisionLinear.from_linear(plain, plain.lowbit_config))  # the same Parameters
     eager_handle = enable_fused_grad_accumulation(eager)
     layer = fused[0]
+    handed = []  # weight gradients autograd computes: none, the compiled backward adds them itself
+    layer.weight.register_hook(handed.append)
     run = torch.compile(fused)
     xs = [torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(i))
           for i in range(3)]
@@ -232,7 +285,7 @@ def test_compiled_backward_adds_into_the_accumulator_in_place_cuda(fmt):
     assert backward, "the compiled backward does not launch the accumulating kernel"
     copies = [line for c in backward for line in c.splitlines() if ".copy_(" in line]
     assert not copies, f"the accumulator is copied instead of written in place: {copies[:4]}"
-    assert layer.weight.grad is layer.grad_acc
+    assert layer.weight.grad is layer.grad_acc and handed and all(g is None for g in handed)
     # Inductor's fused quantization and the eager ops may round a code apart: as two runs of the recipe
     assert snr_db(eager[0].grad_acc, layer.grad_acc) > 30
     handle.close()

@@ -33,7 +33,8 @@ def _check(acc: Tensor, a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) 
         raise RuntimeError(f"{op}: acc must be a floating [M={a.shape[0]}, N={b.shape[0]}] tensor, got "
                            f"{tuple(acc.shape)} {acc.dtype}")
     if a_scale.numel() != a.shape[0] or b_scale.numel() != b.shape[0]:
-        raise RuntimeError(f"{op}: a_scale needs one value per row of a, b_scale one per row of b")
+        raise RuntimeError(f"{op}: a_scale needs one value per row of a ({a.shape[0]}), b_scale one per row of b "
+                           f"({b.shape[0]}); got {a_scale.numel()} and {b_scale.numel()}")
 
 
 def scaled_mm_accumulate_reference(acc: Tensor, a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> Tensor:

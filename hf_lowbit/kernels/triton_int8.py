@@ -123,17 +123,17 @@ def _int8_scaled_mm_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
 
 
-@triton.autotune(configs=_configs(), key=["M", "N", "K", "A_K_CONTIG", "B_K_CONTIG", "ACC_INT"],
+@triton.autotune(configs=_configs(), key=["M", "N", "K", "A_K_CONTIG", "B_K_CONTIG", "INT_CODES"],
                  restore_value=["acc_ptr"])
 @triton.jit
 def _scaled_mm_accumulate_kernel(
     a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, acc_ptr,
     M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-    A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr, ACC_INT: tl.constexpr,
+    A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr, INT_CODES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """``acc += (a @ b.T) * a_scale[:, None] * b_scale[None, :]`` in place, the sum in float32 rounded to ``acc``'s
-    dtype once: a weight gradient accumulated in the epilogue. INT8 codes (``ACC_INT``: int32 products) or FP8 e4m3
+    dtype once: a weight gradient accumulated in the epilogue. INT8 codes (``INT_CODES``: int32 products) or FP8 e4m3
     codes (float32 products)."""
     # The accumulator's tile is read after the product's loop, not overlapped with it: on the H200 (8 Llama-8B layers,
     # 1x2048, accumulation 8) the INT8 kernel took 66.7 ms a step where the plain one took 50.3 (+16.4 against the
@@ -141,7 +141,7 @@ def _scaled_mm_accumulate_kernel(
     # docs/benchmarks.md, "Fused gradient accumulation"
     offs_m, offs_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc_t = _tile_product(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                          A_K_CONTIG, B_K_CONTIG, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K)
+                          A_K_CONTIG, B_K_CONTIG, INT_CODES, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
@@ -193,5 +193,5 @@ def scaled_mm_accumulate_triton(acc: torch.Tensor, a: torch.Tensor, b: torch.Ten
     wrap_triton(_scaled_mm_accumulate_kernel)[grid](
         a, b, a_scale, b_scale, acc, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), acc.stride(0), acc.stride(1),
-        A_K_CONTIG=a.stride(1) == 1, B_K_CONTIG=b.stride(1) == 1, ACC_INT=a.dtype == torch.int8,
+        A_K_CONTIG=a.stride(1) == 1, B_K_CONTIG=b.stride(1) == 1, INT_CODES=a.dtype == torch.int8,
     )

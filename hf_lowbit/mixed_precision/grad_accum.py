@@ -15,6 +15,15 @@ by anything else is copied in. ``LowBitTrainer`` calls it per micro-batch (with 
 off by default, as on the H200 it has not yet beaten autograd's add; docs/benchmarks.md); a custom loop must too (an
 optimizer step over a covered weight whose ``.grad`` is not its accumulator raises, naming this). Not under DDP /
 FSDP / DeepSpeed / DataParallel, whose hooks or replicas take each gradient from autograd.
+
+What differs from autograd's accumulation, by design: a covered weight gets zeros, not None, in a step where no
+gradient reaches it (AdamW's momentum and weight decay then still move it, as after ``zero_grad(set_to_none=False)``:
+mind mixture-of-experts layers whose experts may see no tokens); every backward through a covered layer adds into
+its ``.grad``, also ``torch.autograd.grad(loss, inputs)`` and ``backward(inputs=[x])``, which leave ``.grad`` alone
+otherwise; hooks registered on the weight with ``register_hook`` are called with None (post-accumulate-grad hooks
+still run), and ``torch.autograd.grad(loss, weight)`` finds the weight unused. ``lowbit_dual_grad_quant`` is not
+used where a weight gradient is accumulated so. Eagerly, a backward whose weight's ``.grad`` is not its accumulator
+raises; compiled, only the optimizer-step check below can tell.
 """
 
 from __future__ import annotations
@@ -26,25 +35,25 @@ from torch import Tensor, nn
 
 from .linear import MixedPrecisionLinear
 
-_ACTIVE: "weakref.WeakSet[FusedGradAccumulation]" = weakref.WeakSet()
+# Every covered layer, whichever handle covered it and whether that handle is still referenced (a layer keeps its
+# accumulator until close(), so a dropped handle must not drop the check).
+_COVERED: "weakref.WeakSet[MixedPrecisionLinear]" = weakref.WeakSet()
 _STEP_HOOK = None
 
 
 def _check_before_step(optimizer, args, kwargs) -> None:
     """Global optimizer step pre-hook: refuse a step whose covered weights' ``.grad`` is not the accumulator their
-    matmuls wrote into (their gradient would be silently lost, or stale)."""
-    if not _ACTIVE:
+    matmuls wrote into (their gradient would be lost, or stale)."""
+    if not _COVERED:
         return
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for fused in list(_ACTIVE):
-        for layer in fused.layers:
-            w = layer.weight
-            if id(w) in params and layer.grad_acc is not None and w.grad is not layer.grad_acc:
-                raise RuntimeError(
-                    "fused gradient accumulation: the .grad of a low-bit linear's weight "
-                    f"{tuple(w.shape)} is not the accumulator its weight-gradient matmul adds into (zero_grad() set "
-                    "it to None, or something replaced it): call FusedGradAccumulation.prepare() before every "
-                    "micro-batch's backward (LowBitTrainer does), or turn it off (lowbit_fused_grad_accum=False)")
+    for layer in list(_COVERED):
+        w = layer.weight
+        if id(w) in params and w.requires_grad and layer.grad_acc is not None and w.grad is not layer.grad_acc:
+            raise RuntimeError(
+                f"fused gradient accumulation: the .grad of a low-bit linear's weight {tuple(w.shape)} is not the "
+                "accumulator its matmul adds into (zero_grad() set it to None, or something replaced it): call "
+                "FusedGradAccumulation.prepare() before every micro-batch (LowBitTrainer does), or close() the handle")
 
 
 class FusedGradAccumulation:
@@ -52,7 +61,9 @@ class FusedGradAccumulation:
 
     Covered: :class:`MixedPrecisionLinear` layers whose weight trains, whose weight-gradient matmul is low-bit, and
     whose weight Parameter appears once in the model (a tied weight also gets gradients through autograd, which
-    would have to land in the same tensor in order). ``layers`` lists them; :meth:`close` gives the others back."""
+    would have to land in the same tensor in order). A layer called more than once in a forward is fine (each call
+    adds its product). ``layers`` lists them; :meth:`close` gives them back to autograd. Make one handle per model
+    and keep it: a second one over the same layers is refused."""
 
     def __init__(self, model: nn.Module):
         global _STEP_HOOK
@@ -62,9 +73,13 @@ class FusedGradAccumulation:
         self.layers = [m for m in model.modules() if isinstance(m, MixedPrecisionLinear)
                        and m.weight.requires_grad and m.lowbit_config.grad_weight and uses.get(id(m.weight)) == 1
                        and m.weight.device.type != "meta"]
+        taken = [name for name, m in model.named_modules() if m in self.layers and m.grad_acc is not None]
+        if taken:
+            raise ValueError(f"FusedGradAccumulation: {len(taken)} linears (first {taken[0]!r}) are covered by "
+                             "another handle already; close() it first, or keep using it")
         for layer in self.layers:
             layer.grad_acc = self._accumulator(layer.weight)
-        _ACTIVE.add(self)
+            _COVERED.add(layer)
         if _STEP_HOOK is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -80,10 +95,13 @@ class FusedGradAccumulation:
     def prepare(self) -> None:
         """Make every covered weight's ``.grad`` its accumulator, before a micro-batch's forward and backward: a
         ``.grad`` of None starts from zeros (one ``_foreach_zero_`` launch for all of them), another tensor is copied
-        in; an accumulator whose weight changed dtype, device or shape is reallocated."""
+        in; an accumulator whose weight changed dtype, device or shape is reallocated; a weight frozen since
+        (``requires_grad_(False)``) is left alone."""
         fresh = []
         for layer in self.layers:
             w, acc = layer.weight, layer.grad_acc
+            if not w.requires_grad:
+                continue
             if acc is None or acc.shape != w.shape or acc.dtype != w.dtype or acc.device != w.device:
                 acc = layer.grad_acc = self._accumulator(w)
             if w.grad is acc:
@@ -98,14 +116,15 @@ class FusedGradAccumulation:
 
     def close(self) -> None:
         """Stop: the layers return their weight gradients to autograd again; each ``.grad`` keeps its current value
-        (the accumulator becomes an ordinary ``.grad``)."""
+        (the accumulator becomes an ordinary ``.grad``, which the next ``zero_grad()`` frees)."""
         for layer in self.layers:
             layer.grad_acc = None
+            _COVERED.discard(layer)
         self.layers = []
-        _ACTIVE.discard(self)
 
 
 def enable_fused_grad_accumulation(model: nn.Module) -> FusedGradAccumulation:
-    """Cover ``model``'s low-bit linears (see :class:`FusedGradAccumulation`) and return the handle whose
-    :meth:`~FusedGradAccumulation.prepare` a training loop calls before each micro-batch."""
+    """Cover ``model``'s low-bit linears (see :class:`FusedGradAccumulation`) and return the handle: call this once,
+    then the handle's :meth:`~FusedGradAccumulation.prepare` before each micro-batch, and its
+    :meth:`~FusedGradAccumulation.close` when training ends."""
     return FusedGradAccumulation(model)

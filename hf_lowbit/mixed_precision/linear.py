@@ -126,9 +126,14 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
             qx_t, sx = quantize_operand(fmt, x2, 0, shared=True)
             keep_x = False
         fused = grad_acc is not None and grad_weight and ctx.needs_input_grad[1]
+        # the accumulator: saved in a compiled graph (an input the backward mutates); eagerly a plain reference, as
+        # saving it would make a second call of this layer in the same forward fail autograd's version check (the
+        # first backward to run bumps it), with the weight, whose .grad the backward checks is the accumulator
+        compiling = torch.compiler.is_compiling()
+        ctx.eager_acc = (weight, grad_acc) if fused and not compiling else None
         ctx.save_for_backward(x if keep_x else None, weight,
                               *((w_scale, qw_t, gathered) if grad_input else (None, None, None)), qx_t, sx,
-                              grad_acc if fused else None)
+                              grad_acc if fused and compiling else None)
         ctx.flags = (fmt, grad_input, grad_weight, None if bias is None else bias.dtype, dtype, x.shape, x.dtype, sr,
                      dual)
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -136,6 +141,13 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight, w_scale, qw_t, gathered, qx_t, sx, grad_acc = ctx.saved_tensors
+        if ctx.eager_acc is not None:
+            param, grad_acc = ctx.eager_acc
+            if param.grad is not grad_acc:
+                raise RuntimeError(
+                    f"fused gradient accumulation: the .grad of a low-bit linear's weight {tuple(param.shape)} is not "
+                    "the accumulator its matmul adds into (zero_grad() set it to None, or something replaced it): call "
+                    "FusedGradAccumulation.prepare() before every micro-batch's backward (LowBitTrainer does)")
         fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype, sr, dual = ctx.flags
         g2 = grad_out.reshape(-1, weight.shape[0])
         x2 = None if x is None else x.reshape(-1, x.shape[-1])
