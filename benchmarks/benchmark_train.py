@@ -129,7 +129,7 @@ def trainer_worker(a) -> dict:
         if trainer.lowbit_skip_causal_mask == (a.recipe in MASK_VARIANTS):
             raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_skip_causal_mask resolved to "
                                f"{trainer.lowbit_skip_causal_mask} (the bench's Llama should qualify unless asked not to)")
-        if a.recipe in FGA_VARIANTS and trainer.lowbit_fused_grad_accum != FGA_VARIANTS[a.recipe][1]:
+        if trainer.lowbit_fused_grad_accum != (a.recipe in FGA_VARIANTS):
             raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_fused_grad_accum resolved to "
                                f"{trainer.lowbit_fused_grad_accum}")
         chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
@@ -177,7 +177,7 @@ def worker(a) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, fused=cuda)
     before = None
-    if FGA_VARIANTS.get(a.recipe, (None, False))[1]:  # the hand loop's part of lowbit_fused_grad_accum
+    if a.recipe in FGA_VARIANTS:  # the hand loop's part of lowbit_fused_grad_accum
         from hf_lowbit import enable_fused_grad_accumulation
 
         fused = enable_fused_grad_accumulation(model)

@@ -110,7 +110,7 @@ SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
 # INT8 / FP8 with the weight gradient accumulated by its matmul (lowbit_fused_grad_accum, issue 25; off by default)
 # against autograd's separate add: the layers path's hand loop calls FusedGradAccumulation.prepare before each
 # micro-batch, LowBitTrainer does it itself
-FGA_VARIANTS = {f"{fmt}_fga": (fmt, True) for fmt in ("int8", "fp8")}
+FGA_VARIANTS = {f"{fmt}_fga": fmt for fmt in ("int8", "fp8")}
 # the trainer path only: the layers path keeps the LM head bf16 and compiles only the decoder layers (apply_recipe)
 HEAD_VARIANTS = tuple(r for r, (_, field) in SWITCH_VARIANTS.items() if field == "include_lm_head")
 # bf16 / INT8 / FP8 with Inductor's partitioner free to recompute, in the backward, activations that a matmul or a
@@ -240,8 +240,7 @@ def mixed_precision_args(recipe: str) -> dict:
         fmt, field = SWITCH_VARIANTS[recipe]
         return {f"{fmt}_mixed_precision": True, f"lowbit_{field}": True}
     if recipe in FGA_VARIANTS:
-        fmt, on = FGA_VARIANTS[recipe]
-        return {f"{fmt}_mixed_precision": True, "lowbit_fused_grad_accum": on}
+        return {f"{FGA_VARIANTS[recipe]}_mixed_precision": True, "lowbit_fused_grad_accum": True}
     return {f"{recipe}_mixed_precision": True}
 
 

@@ -96,8 +96,9 @@ class LowBitTrainerMixin:
         if fused and distributed:
             raise ValueError(f"{args_name}.lowbit_fused_grad_accum=True: not with DDP, FSDP, DeepSpeed or "
                              "DataParallel, whose hooks take each gradient from autograd; leave it unset (off there)")
-        # unset: off until the Trainer path measures it faster (docs/benchmarks.md, "Fused gradient accumulation")
-        self.lowbit_fused_grad_accum = bool(fused) and bool(args.lowbit_recipes) and args.lowbit_grad_weight
+        # unset: off until the Trainer path measures it faster (docs/benchmarks.md, "Fused gradient accumulation"); the
+        # arguments refuse True without a low-bit weight gradient
+        self.lowbit_fused_grad_accum = bool(fused)
         self._lowbit_fused: FusedGradAccumulation | None = None  # made on the first training step
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
             # before accelerate shards the model in train(): quantized bases shardable on torch < 2.13 too
