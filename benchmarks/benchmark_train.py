@@ -167,6 +167,8 @@ def worker(a) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
+    from hf_lowbit.integrations.causal_mask import plain_causal_model
+
     if a.path == "trainer":
         return trainer_worker(a)
     cuda = a.device == "cuda"
@@ -197,10 +199,14 @@ def worker(a) -> dict:
         for p in params:
             p.grad = torch.zeros_like(p)
 
+    # the batches are plain causal (ids only): the forward as LowBitTrainer runs it, for every recipe (bf16 too);
+    # eagerly outside the compiled layers no host sync a micro-batch in transformers' packed-sequence check
+    plain = plain_causal_model(model) is None
+
     def step(i):  # the last micro-batch's loss
         micro = [batches[(i * a.grad_accum + j) % len(batches)] for j in range(a.grad_accum)]
         return train_step(model, micro, opt, autocast=a.autocast, set_to_none=not keep_grads,
-                          before=before)[-1] * a.grad_accum
+                          before=before, plain=plain)[-1] * a.grad_accum
 
     graphs_warm = []
     run = timed_steps(step, a.warmup, a.steps, cuda, warm=lambda loss: loss.item(),

@@ -541,18 +541,23 @@ def recipe_args(recipe: str) -> dict:
 
 # -------------------------------------------------------------------------------------- a training step, timed
 def train_step(model, micro_batches, opt, *, fwd=None, autocast: bool = False, clip: float | None = None,
-               sched=None, set_to_none: bool = True, before: Callable[[], None] | None = None) -> list:
+               sched=None, set_to_none: bool = True, before: Callable[[], None] | None = None,
+               plain: bool = False) -> list:
     """One optimizer step over ``micro_batches`` (token ids, their own labels; or ``(ids, labels)`` pairs, labels
     -100 where no loss is taken; gradient accumulation), the forward through ``fwd`` (a compiled model) if given: the
     micro-batches' losses divided by their count, detached and not read (a timed loop reads them after). ``clip``: the
     gradient norm; ``sched``: stepped after the optimizer; ``before``: called before each micro-batch (e.g.
-    ``FusedGradAccumulation.prepare``)."""
+    ``FusedGradAccumulation.prepare``); ``plain``: the forwards within ``hf_lowbit``'s ``plain_causal``, as
+    ``LowBitTrainer`` runs a batch with no padding or packing (for a model ``plain_causal_model`` accepts: eagerly
+    no host sync a forward in transformers' packed-sequence check)."""
+    from hf_lowbit.integrations.causal_mask import plain_causal
+
     losses = []
     for mb in micro_batches:
         if before is not None:
             before()
         ids, labels = mb if isinstance(mb, tuple) else (mb, mb)
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast), plain_causal(plain):
             loss = (model if fwd is None else fwd)(input_ids=ids, labels=labels).loss / len(micro_batches)
         loss.backward()
         losses.append(loss.detach())

@@ -90,6 +90,34 @@ def test_compiled_forward_gets_no_mask_and_the_same_loss(use_cache, all_ones_mas
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
+def test_the_eager_forward_reads_nothing_back_within_the_context(monkeypatch):
+    """Eagerly with no cache transformers checks the model's own position ids for packing with a bool() of a tensor
+    (on a GPU a host sync a forward); within the context the check answers "not packed" without reading it, and
+    the forward computes the same loss. A caller's packing check outside the context is transformers' own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import masking_utils
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model("llama", use_cache=False)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for skip in (False, True):
+        Reads.count = 0
+        with cm.plain_causal(skip), torch.no_grad(), Reads():
+            losses.append(model(input_ids=ids, labels=ids).loss)
+        assert (Reads.count == 0) == skip, (skip, Reads.count)
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    assert masking_utils.find_packed_sequence_indices is cm._find_packed_sequence_indices
+    assert masking_utils.find_packed_sequence_indices(packed).tolist() == [[0, 0, 0, 1, 1, 1]]
+
+
 def test_full_attention_mask_collator():
     def collate(features):
         ids = torch.tensor([f["ids"] for f in features])

@@ -16,9 +16,14 @@ it), and no ``position_ids`` (so no packing), and the model is a decoder-only te
 causal attention in every layer (:func:`plain_causal_model`). Within :func:`plain_causal` the ``"sdpa"`` mask
 function then returns ``None`` for the mask of a fresh forward (query length = key length, offsets 0, no local
 window, and no padding mask or, for a marked batch, one the collator saw all ones): the mask that transformers
-itself skips eagerly. Everything else goes to transformers' ``sdpa_mask`` unchanged, and
-outside the context the function is transformers' own. The attention computed is the same (a causal mask of
-all-True rows below the diagonal); only the kernel's path differs, so results can differ in the last bits.
+itself skips eagerly. Everything else goes to transformers' ``sdpa_mask`` unchanged, and outside the context the
+function is transformers' own. The attention computed is the same (a causal mask of all-True rows below the
+diagonal); only the kernel's path differs, so results can differ in the last bits.
+
+Eagerly, with no cache (``use_cache=False``), transformers also checks the position ids the model made for packed
+sequences with a ``bool()`` of a device tensor: one host sync a forward, after which the GPU idles until the host has
+launched the next kernels. Within the context that check answers "not packed" without reading the device (the batch
+has no ``position_ids``, so the model's own are one sequence a row): the same answer, no sync.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ PLAIN_CAUSAL_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _active = False
 _mask_all_ones = False
 _installed = None  # transformers' sdpa mask function, once ours replaced it
+_installed_packed = None  # transformers' packed-sequence check, once ours replaced it
 
 
 def plain_causal_model(model) -> str | None:
@@ -88,13 +94,17 @@ def _skippable(kwargs) -> bool:
 
 
 def install() -> None:
-    """Put :func:`_sdpa_mask` in front of transformers' ``"sdpa"`` mask function (once; idempotent)."""
-    global _installed
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    """Put :func:`_sdpa_mask` in front of transformers' ``"sdpa"`` mask function and
+    :func:`_find_packed_sequence_indices` in front of its packed-sequence check (once; idempotent)."""
+    global _installed, _installed_packed
+    from transformers import masking_utils
 
     if _installed is None:
-        _installed = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
-        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = _sdpa_mask
+        _installed = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
+        masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = _sdpa_mask
+    if _installed_packed is None and hasattr(masking_utils, "find_packed_sequence_indices"):
+        _installed_packed = masking_utils.find_packed_sequence_indices  # called through the module's globals
+        masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices
 
 
 def _sdpa_mask(*args, **kwargs):
@@ -103,11 +113,18 @@ def _sdpa_mask(*args, **kwargs):
     return _installed(*args, **kwargs)
 
 
+def _find_packed_sequence_indices(position_ids):
+    if _active:  # the caller vouches for no packing: what transformers' check finds eagerly, without its host sync
+        return None
+    return _installed_packed(position_ids)
+
+
 @contextlib.contextmanager
 def plain_causal(enabled: bool = True, mask_all_ones: bool = False):
-    """While active (and ``enabled``), the ``"sdpa"`` mask function returns ``None`` for a plain causal mask:
-    the caller vouches that the forward's batch has no padding and no packing (:func:`batch_is_plain_causal`)
-    and that the model is one :func:`plain_causal_model` accepts. ``mask_all_ones``: the batch carries an
+    """While active (and ``enabled``), the ``"sdpa"`` mask function returns ``None`` for a plain causal mask, and
+    transformers' packed-sequence check ``None`` without reading the device: the caller vouches that the forward's
+    batch has no padding and no packing (:func:`batch_is_plain_causal`) and that the model is one
+    :func:`plain_causal_model` accepts. ``mask_all_ones``: the batch carries an
     ``attention_mask`` the caller knows is all ones (a :class:`FullMaskBatch`), which the function then ignores."""
     global _active, _mask_all_ones
     if not enabled:

@@ -24,7 +24,7 @@ from torch.library import wrap_triton
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _configs():
+def _configs(extra=()):
     if _INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2},
                               num_warps=1, num_stages=1)]
@@ -32,9 +32,14 @@ def _configs():
     # are for Hopper's deeper pipelines at 2048-token operands
     shapes = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
               (128, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
-              (128, 256, 128, 8, 4), (256, 128, 128, 8, 4)]
+              (128, 256, 128, 8, 4), (256, 128, 128, 8, 4), *extra]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
                           num_warps=w, num_stages=s) for bm, bn, bk, w, s in shapes]
+
+
+# the accumulating kernel's epilogue reads a tile of .grad after the product's loop: tiles small enough in registers
+# and shared memory for two programs an SM, so one program's read can overlap the other's products
+_ACCUMULATE_EXTRA = ((128, 128, 128, 4, 3), (128, 128, 128, 4, 2))
 
 
 @triton.jit
@@ -123,7 +128,7 @@ def _int8_scaled_mm_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
 
 
-@triton.autotune(configs=_configs(), key=["M", "N", "K", "A_K_CONTIG", "B_K_CONTIG", "INT_CODES"],
+@triton.autotune(configs=_configs(_ACCUMULATE_EXTRA), key=["M", "N", "K", "A_K_CONTIG", "B_K_CONTIG", "INT_CODES"],
                  restore_value=["acc_ptr"])
 @triton.jit
 def _scaled_mm_accumulate_kernel(
