@@ -59,6 +59,10 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   (``lowbit_skip_causal_mask=False``: the mask transformers materializes when compiled, every block computed), bf16
   through ``LowBitTrainer`` (``bf16_lbt``, ``bf16_lbt_mask``) beside the stock ``Trainer``: how much of a Trainer row is
   the attention's and how much the low-bit compute's;
+* ``layers_b1_ga8_fga`` (profiled), ``trainer_b1_ga8_fga``: int8 and fp8 beside ``int8_fga`` / ``fp8_fga``
+  (``lowbit_fused_grad_accum``: the weight gradient added into ``.grad`` in its matmul's epilogue);
+  ``layers_b1_ga8_sync``: the layers path at accumulation 8 with ``--mask_sync`` (transformers' packed-sequence check
+  reading the device each micro-batch, as the hand loop did before 0858dfe), to set beside the blocks after it;
 * ``trainer_b1_ga8_liger``, ``trainer_b1_ga8_liger_fp8``, ``trainer_b8_liger``: the Trainer path with each
   recipe run without and then with ``use_liger_kernel=True`` (``liger`` in the records; ``vs_bf16`` is to bf16
   without Liger, ``vs_no_liger`` to the same recipe without it): what Liger's kernels (norms, SwiGLU, RoPE,
@@ -165,6 +169,8 @@ BLOCKS = {
     # issue 25: the weight gradient accumulated in its matmul's epilogue against autograd's add (accumulation 8)
     "layers_b1_ga8_fga": ("layers", 1, 8, "default", FGA, ["--profile"]),
     "trainer_b1_ga8_fga": ("trainer", 1, 8, "default", FGA, []),
+    # the hand loop with transformers' packed-sequence check reading the device each micro-batch (before 0858dfe)
+    "layers_b1_ga8_sync": ("layers", 1, 8, "default", "bf16,int8,fp8", ["--mask_sync"]),
     # lowbit_skip_causal_mask (the default since session 17) against the mask transformers materializes under
     # torch.compile (*_mask), bf16 through LowBitTrainer beside: the attention's share apart from the low-bit compute's
     "trainer_b1_ga8_mask": ("trainer", 1, 8, "default", "bf16,bf16_lbt,bf16_lbt_mask,int8,int8_mask", []),

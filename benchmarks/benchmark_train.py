@@ -201,7 +201,7 @@ def worker(a) -> dict:
 
     # the batches are plain causal (ids only): the forward as LowBitTrainer runs it, for every recipe (bf16 too);
     # eagerly outside the compiled layers no host sync a micro-batch in transformers' packed-sequence check
-    plain = plain_causal_model(model) is None
+    plain = plain_causal_model(model) is None and not a.mask_sync
 
     def step(i):  # the last micro-batch's loss
         micro = [batches[(i * a.grad_accum + j) % len(batches)] for j in range(a.grad_accum)]
@@ -242,6 +242,9 @@ def main():
     p.add_argument("--no_cuda_graphs", action="store_true",
                    help="trainer path: LowBitTrainer(lowbit_cuda_graphs=False), to compare with its automatic choice")
     p.add_argument("--grad_checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
+    p.add_argument("--mask_sync", action="store_true",
+                   help="layers path: forwards outside hf_lowbit's plain_causal, so transformers' packed-sequence "
+                        "check reads the device each micro-batch (the hand loop before 0858dfe)")
     p.add_argument("--autocast", action="store_true",
                    help="forward under bf16 autocast, as Trainer(bf16=True) runs it (PEFT's float32 adapters compute in bf16)")
     p.add_argument("--path", choices=("layers", "trainer"), default="layers",
