@@ -201,7 +201,7 @@ def worker(a) -> dict:
 
     # the batches are plain causal (ids only): the forward as LowBitTrainer runs it, for every recipe (bf16 too);
     # eagerly outside the compiled layers no host sync a micro-batch in transformers' packed-sequence check
-    plain = plain_causal_model(model) is None and not a.mask_sync
+    plain = plain_causal_model(model) is None and not getattr(a, "mask_sync", False)
 
     def step(i):  # the last micro-batch's loss
         micro = [batches[(i * a.grad_accum + j) % len(batches)] for j in range(a.grad_accum)]
@@ -216,7 +216,7 @@ def worker(a) -> dict:
     if a.profile and cuda:
         from benchmarks.driver import kernel_profile
 
-        profile = kernel_profile(lambda: step(0))
+        profile = kernel_profile(lambda: step(0), host=getattr(a, "host_profile", False))
     return {"recipe": a.recipe, "path": "layers", "tokens_per_s": a.batch * a.seq * a.grad_accum * a.steps / elapsed,
             "step_ms": 1000 * elapsed / a.steps, "warmup_s": run["warmup_s"],
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
@@ -242,6 +242,8 @@ def main():
     p.add_argument("--no_cuda_graphs", action="store_true",
                    help="trainer path: LowBitTrainer(lowbit_cuda_graphs=False), to compare with its automatic choice")
     p.add_argument("--grad_checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
+    p.add_argument("--host_profile", action="store_true",
+                   help="layers path, with --profile: record the CPU side too (host syncs, the host's top ops)")
     p.add_argument("--mask_sync", action="store_true",
                    help="layers path: forwards outside hf_lowbit's plain_causal, so transformers' packed-sequence "
                         "check reads the device each micro-batch (the hand loop before 0858dfe)")

@@ -686,12 +686,13 @@ _CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")  # the CUDA run
 _HOST_READS = ("aten::_local_scalar_dense",)  # .item(), bool(tensor): on CUDA one cudaStreamSynchronize each
 
 
-def kernel_profile(fn: Callable[[], object], steps: int = 2, top: int = 25) -> dict:
-    """Profile ``steps`` calls of ``fn`` on CUDA: device ms per step by category and the top kernels."""
+def kernel_profile(fn: Callable[[], object], steps: int = 2, top: int = 25, host: bool = False) -> dict:
+    """Profile ``steps`` calls of ``fn`` on CUDA: device ms per step by category and the top kernels; ``host``: the
+    CPU side too (host syncs and the host's own top ops, :func:`profile_summary`)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA] + [ProfilerActivity.CPU] * host) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
@@ -725,9 +726,15 @@ def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda") -> di
         cat = next((c for c, pats in _CATEGORIES if any(p in low for p in pats)), "other")
         categories[cat] = categories.get(cat, 0.0) + ms
     kernels.sort(key=lambda k: -k[1])
-    return {"device_ms_per_step": sum(categories.values()), "host_syncs_per_step": syncs,
-            "categories_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"name": n[:160], "ms": ms, "calls": c} for n, ms, c in kernels[:top]]}
+    out = {"device_ms_per_step": sum(categories.values()), "host_syncs_per_step": syncs,
+           "categories_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+           "top_kernels": [{"name": n[:160], "ms": ms, "calls": c} for n, ms, c in kernels[:top]]}
+    if cpu_ops and device != "cpu":  # where the host's time went: its own ops' self time (runtime calls included)
+        host = sorted(((e.key, e.self_cpu_time_total / 1000 / steps, e.count / steps) for e in events
+                       if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0), key=lambda k: -k[1])
+        out["host_ms_per_step"] = sum(ms for _, ms, _ in host)
+        out["top_host_ops"] = [{"name": n[:120], "ms": ms, "calls": c} for n, ms, c in host[:top]]
+    return out
 
 
 # -------------------------------------------------------------------------------------------------------- records
