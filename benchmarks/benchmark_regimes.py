@@ -256,8 +256,10 @@ def table(records: list[dict]) -> list[str]:
     lines = ["| block | path | tokens/micro-batch | grad accum | compile mode | recipe | tok/s | vs bf16 | MFU | peak GiB | "
              "mem vs bf16 | first / last loss | graphs / breaks |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        head = (f"| {r['block']} | {r.get('path', '')} | {r.get('micro_batch_tokens', '')} | {r.get('grad_accum', '')} | "
-                f"{r.get('compile_mode', '')} | {r['recipe'] if 'recipe' in r else ''} |")
+        at = f" @{r['commit'][:7]}" if r.get("commit") else ""  # a block measured in more than one run
+        at += f" ({r['run']})" if r.get("run") else ""
+        head = (f"| {r['block']}{at} | {r.get('path', '')} | {r.get('micro_batch_tokens', '')} | "
+                f"{r.get('grad_accum', '')} | {r.get('compile_mode', '')} | {r['recipe'] if 'recipe' in r else ''} |")
         if "error" in r:
             lines.append(head + f" {error_cell(r['error'], 90)} |||||||")
             continue
@@ -277,8 +279,10 @@ def plot(records: list[dict], meta: dict, dst: str) -> None:
     blocks = list(dict.fromkeys(r["block"] for r in ok))
     recipes = list(dict.fromkeys(r["recipe"] for r in ok))
     commits = ", ".join(sorted({r.get("commit") or meta.get("commit") or "?" for r in records}))
-    bar_plot(dst, blocks, recipes, lambda b, rec: next((r["vs_bf16"] for r in ok if r["block"] == b and r["recipe"] == rec),
-                                                       None), "tokens/s vs bf16 (same block)",
+    # a block measured in more than one run: its latest record of each recipe (records are appended run by run)
+    bar_plot(dst, blocks, recipes, lambda b, rec: next((r["vs_bf16"] for r in reversed(ok)
+                                                        if r["block"] == b and r["recipe"] == rec), None),
+             "tokens/s vs bf16 (same block; its latest run)",
              f"{meta.get('gpu', '')}: 8 Llama-8B-shaped layers, commits {commits}", width=max(7, 1.1 * len(blocks)),
              fmt="%.2f", rotation=30, fontsize=8)
 

@@ -21,15 +21,17 @@ def headline_rows() -> list[dict]:
 
 
 def find(path: str, selector: str, recipe: str | None = None) -> tuple[dict, dict]:
-    """(the file's JSON, the record): ``block/recipe`` (``block/recipe@commit``) in a regimes file, ``recipe`` or
-    ``recipe@gpus`` in a rows file; ``recipe`` replaces the selector's (a peer in the same block, run or GPU count)."""
+    """(the file's JSON, the record): ``block/recipe`` (``block/recipe@commit``, ``block/recipe@commit:run``) in a
+    regimes file, ``recipe`` or ``recipe@gpus`` in a rows file; ``recipe`` replaces the selector's (a peer in the same
+    block, run or GPU count)."""
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         data = json.load(f)
-    if "records" in data:  # block/recipe, @commit where the file holds the block of more than one run
-        block, _, name = selector.partition("/")
+    if "records" in data:  # block/recipe, @commit where the file holds the block of more than one run, :run where
+        block, _, name = selector.partition("/")  # more than one run measured the same commit
         name, _, commit = name.partition("@")
+        commit, _, run = commit.partition(":")
         match = [r for r in data["records"] if r.get("block") == block and r.get("recipe") == (recipe or name)
-                 and (not commit or r.get("commit") == commit)]
+                 and (not commit or r.get("commit") == commit) and (not run or r.get("run") == run)]
     else:
         name, _, gpus = selector.partition("@")
         match = [r for r in data["rows"] if r.get("recipe") == (recipe or name) and (not gpus or r["gpus"] == int(gpus))]
