@@ -97,7 +97,7 @@ class LowBitArgumentsMixin:
         "fine-tuning, LoRA and QLoRA) with torch_compile=True, no torch_compile_mode given, on a CUDA device, without FSDP or "
         "DeepSpeed.")})
     lowbit_skip_causal_mask: bool = field(default=True, metadata={"help": (
-        "Under torch_compile, leave a plain causal mask to SDPA's is_causal (docs/usage.md).")})
+        "Leave a plain causal mask to SDPA (is_causal) and skip a host sync (docs/usage.md).")})
     qat_scheme: str | None = field(default=None, metadata={"help": (
         "Quantization-aware training: fake-quantize the linears during training, then convert with "
         f"LowBitTrainer.save_quantized. One of {', '.join(QAT_SCHEMES)}: 8da4w / int4_weight_only export for "
