@@ -225,7 +225,8 @@ def worker(a) -> dict:
             "graph_breaks": sum(counters["graph_break"].values()), "profile": profile,
             "timed_recompiles": counters["stats"]["unique_graphs"] - graphs_warm[0],
             "step_ms_median": step_times[len(step_times) // 2] if step_times else None,
-            "step_ms_range": [step_times[0], step_times[-1]] if step_times else None}
+            "step_ms_range": [step_times[0], step_times[-1]] if step_times else None,
+            "step_ms_all": step_times, "gc_timed": run["gc"]}
 
 
 def main():

@@ -16,6 +16,7 @@ adds only what it varies (benchmarks/README.md lists them).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -573,8 +574,10 @@ def train_step(model, micro_batches, opt, *, fwd=None, autocast: bool = False, c
 def timed_steps(step: Callable[[int], object], warmup: int, steps: int, cuda: bool, warm: Callable = lambda r: r,
                 before_timing: Callable[[], None] = lambda: None) -> dict:
     """``step(i)`` for ``warmup`` steps (compile, autotune; each result through ``warm``), the peak memory reset, then
-    ``steps`` timed ones (CUDA events between them on a GPU): their results, ``warmup_s``, ``elapsed`` seconds and
-    the sorted per-step milliseconds ``step_ms`` (CUDA only)."""
+    ``steps`` timed ones (CUDA events between them on a GPU): their results, ``warmup_s``, ``elapsed`` seconds,
+    the sorted per-step milliseconds ``step_ms`` (CUDA only) and ``gc``: Python's garbage collections during the timed
+    steps, per generation ``[count, total ms, longest ms]`` (a full collection over a large heap can stall the host
+    for a step's time)."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
     warm_results = [warm(step(i)) for i in range(warmup)]
@@ -584,18 +587,34 @@ def timed_steps(step: Callable[[int], object], warmup: int, steps: int, cuda: bo
     sync()
     before_timing()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
-    t0 = time.perf_counter()
-    results = []
-    for i in range(steps):  # the batches after the warm-up's
+    collections: dict[int, list] = {}
+    started = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            ms = 1000 * (time.perf_counter() - started.pop())
+            c = collections.setdefault(info["generation"], [0, 0.0, 0.0])
+            c[0], c[1], c[2] = c[0] + 1, c[1] + ms, max(c[2], ms)
+
+    gc.callbacks.append(on_gc)
+    try:
+        t0 = time.perf_counter()
+        results = []
+        for i in range(steps):  # the batches after the warm-up's
+            if cuda:
+                events[i].record()
+            results.append(step(warmup + i))
         if cuda:
-            events[i].record()
-        results.append(step(warmup + i))
-    if cuda:
-        events[-1].record()
-    sync()
-    elapsed = time.perf_counter() - t0
+            events[-1].record()
+        sync()
+        elapsed = time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(on_gc)
     step_ms = sorted(events[i].elapsed_time(events[i + 1]) for i in range(steps)) if cuda else []
-    return {"warm": warm_results, "timed": results, "warmup_s": warmup_s, "elapsed": elapsed, "step_ms": step_ms}
+    return {"warm": warm_results, "timed": results, "warmup_s": warmup_s, "elapsed": elapsed, "step_ms": step_ms,
+            "gc": {str(g): collections[g] for g in sorted(collections)}}
 
 
 def median_ms(fn: Callable[[], object], device: str = "cuda", reps: int = 20, warmup: int = 3) -> float:
