@@ -96,9 +96,13 @@ class LowBitTrainerMixin:
         if fused and distributed:
             raise ValueError(f"{args_name}.lowbit_fused_grad_accum=True: not with DDP, FSDP, DeepSpeed or "
                              "DataParallel, whose hooks take each gradient from autograd; leave it unset (off there)")
-        # unset: off until the Trainer path measures it faster (docs/benchmarks.md, "Fused gradient accumulation"); the
-        # arguments refuse True without a low-bit weight gradient
+        # unset: off (docs/benchmarks.md, "Fused gradient accumulation"); the arguments refuse True without a low-bit
+        # weight gradient
         self.lowbit_fused_grad_accum = bool(fused)
+        if fused and args.gradient_accumulation_steps == 1:
+            warnings.warn(f"{args_name}.lowbit_fused_grad_accum=True with gradient_accumulation_steps=1: nothing "
+                          "accumulates, and each step zeroes .grad for its matmuls to add into (more memory traffic "
+                          "than without); leave it unset", LowBitWarning, stacklevel=2)
         self._lowbit_fused: FusedGradAccumulation | None = None  # made on the first training step
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
             # before accelerate shards the model in train(): quantized bases shardable on torch < 2.13 too
@@ -340,6 +344,10 @@ class LowBitTrainerMixin:
         if training and self.lowbit_fused_grad_accum:
             if self._lowbit_fused is None:  # lazily: the model is on its training device by now (closed after train())
                 self._lowbit_fused = FusedGradAccumulation(self.model)
+                if not self._lowbit_fused.layers:
+                    warnings.warn("lowbit_fused_grad_accum=True: no layer here has a trainable low-bit weight "
+                                  "gradient (LoRA trains its adapters in bf16 over frozen bases), so nothing is fused",
+                                  LowBitWarning, stacklevel=2)
             self._lowbit_fused.prepare()
         if training and self.lowbit_cuda_graphs and self.args.gradient_accumulation_steps > 1:
             for p in model.parameters():

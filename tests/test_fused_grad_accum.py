@@ -250,6 +250,23 @@ def test_trainer_with_it_on_trains_as_without(tmp_path, monkeypatch):
     assert min(snr_db(a, b) for a, b in zip(params_off, params_on)) > 30
 
 
+def test_trainer_warns_where_it_fuses_nothing(tmp_path):
+    from peft import LoraConfig
+
+    from hf_lowbit.warnings import LowBitWarning
+
+    ds = arithmetic_blocks(8)
+    with pytest.warns(LowBitWarning, match="gradient_accumulation_steps=1: nothing accumulates"):
+        LowBitTrainer(tiny_model(), _args(tmp_path / "ga1", int8_mixed_precision=True, lowbit_fused_grad_accum=True,
+                                          gradient_accumulation_steps=1), train_dataset=ds)
+    # LoRA over an INT8 base: the adapters train in bf16, the base's weight has no gradient
+    trainer = LowBitTrainer(tiny_model(), _args(tmp_path / "lora", int8_mixed_precision=True, lora_base_quant="int8",
+                                                lowbit_fused_grad_accum=True, max_steps=1), train_dataset=ds,
+                            peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    with pytest.warns(LowBitWarning, match="no layer here has a trainable low-bit weight gradient"):
+        trainer.train()
+
+
 def test_trainer_refuses_it_without_a_low_bit_weight_gradient(tmp_path):
     with pytest.raises(ValueError, match="lowbit_fused_grad_accum=True adds the low-bit weight-gradient matmul"):
         _args(tmp_path, lowbit_fused_grad_accum=True)
