@@ -243,7 +243,7 @@ def block_records(name: str, data: dict) -> list[dict]:
                        first_loss=r["first_loss"], last_loss=r["last_loss"], graphs=r["compiled_graphs"],
                        graph_breaks=r["graph_breaks"], chosen=r.get("chosen"), profile=r.get("profile"),
                        timed_recompiles=r.get("timed_recompiles"), step_ms_median=r.get("step_ms_median"))
-            for key in ("step_ms_all", "gc_timed"):  # every timed step (an outlier shows), the host's collections
+            for key in ("step_ms_seq", "gc_timed", "gc_ms_seq"):  # each timed step in order, the host's collections
                 if r.get(key) is not None:
                     rec[key] = r[key]
             if r["recipe"].startswith("lora_"):  # LoRA rows: the reference is LoRA on a bf16 base
@@ -259,8 +259,8 @@ def table(records: list[dict]) -> list[str]:
     lines = ["| block | path | tokens/micro-batch | grad accum | compile mode | recipe | tok/s | vs bf16 | MFU | peak GiB | "
              "mem vs bf16 | first / last loss | graphs / breaks |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        at = f" @{r['commit'][:7]}" if r.get("commit") else ""  # a block measured in more than one run
-        at += f" ({r['run']})" if r.get("run") else ""
+        at = f" @{r['commit'][:7]}" if r.get("commit") else ""  # the commit measured, and the run where one commit
+        at += f" ({r['run']})" if r.get("run") else ""  # was measured more than once
         head = (f"| {r['block']}{at} | {r.get('path', '')} | {r.get('micro_batch_tokens', '')} | "
                 f"{r.get('grad_accum', '')} | {r.get('compile_mode', '')} | {r['recipe'] if 'recipe' in r else ''} |")
         if "error" in r:
@@ -282,10 +282,22 @@ def plot(records: list[dict], meta: dict, dst: str) -> None:
     blocks = list(dict.fromkeys(r["block"] for r in ok))
     recipes = list(dict.fromkeys(r["recipe"] for r in ok))
     commits = ", ".join(sorted({r.get("commit") or meta.get("commit") or "?" for r in records}))
-    # a block measured in more than one run: its latest record of each recipe (records are appended run by run)
-    bar_plot(dst, blocks, recipes, lambda b, rec: next((r["vs_bf16"] for r in reversed(ok)
-                                                        if r["block"] == b and r["recipe"] == rec), None),
-             "tokens/s vs bf16 (same block; its latest run)",
+    # a block measured in more than one run: its latest (records are appended run by run), by the median step where
+    # recorded (one stalled step of ten does not move it; the table's ratios are by the mean)
+    latest = {r["block"]: (r.get("commit"), r.get("run")) for r in records}
+
+    def ratio(block, recipe):
+        run = [r for r in records if r["block"] == block and (r.get("commit"), r.get("run")) == latest[block]
+               and "error" not in r]
+        mine = next((r for r in run if r["recipe"] == recipe and r.get("vs_bf16")), None)
+        ref = next((r for r in run if r["recipe"] in ("bf16", "lora_bf16")), None)
+        if mine is None:
+            return None
+        if ref is not None and mine.get("step_ms_median") and ref.get("step_ms_median"):
+            return ref["step_ms_median"] / mine["step_ms_median"]
+        return mine["vs_bf16"]
+
+    bar_plot(dst, blocks, recipes, ratio, "tokens/s vs bf16 (same run; each block's latest, by median step)",
              f"{meta.get('gpu', '')}: 8 Llama-8B-shaped layers, commits {commits}", width=max(7, 1.1 * len(blocks)),
              fmt="%.2f", rotation=30, fontsize=8)
 

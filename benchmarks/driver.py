@@ -575,9 +575,11 @@ def timed_steps(step: Callable[[int], object], warmup: int, steps: int, cuda: bo
                 before_timing: Callable[[], None] = lambda: None) -> dict:
     """``step(i)`` for ``warmup`` steps (compile, autotune; each result through ``warm``), the peak memory reset, then
     ``steps`` timed ones (CUDA events between them on a GPU): their results, ``warmup_s``, ``elapsed`` seconds,
-    the sorted per-step milliseconds ``step_ms`` (CUDA only) and ``gc``: Python's garbage collections during the timed
-    steps, per generation ``[count, total ms, longest ms]`` (a full collection over a large heap can stall the host
-    for a step's time)."""
+    the sorted per-step milliseconds ``step_ms`` (CUDA only; ``step_ms_seq`` in the steps' order), ``gc``: Python's
+    garbage collections during the timed steps, per generation ``[count, total ms, longest ms]`` (a full collection
+    over a large heap can stall the host for a step's time), and ``gc_ms_seq``: their milliseconds in each step's
+    host time (a collection belongs to the step whose host work it interrupted, which on a GPU the device may show in
+    a later step)."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
     warm_results = [warm(step(i)) for i in range(warmup)]
@@ -588,6 +590,7 @@ def timed_steps(step: Callable[[int], object], warmup: int, steps: int, cuda: bo
     before_timing()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
     collections: dict[int, list] = {}
+    gc_ms_seq = [0.0] * steps
     started = []
 
     def on_gc(phase, info):
@@ -597,11 +600,12 @@ def timed_steps(step: Callable[[int], object], warmup: int, steps: int, cuda: bo
             ms = 1000 * (time.perf_counter() - started.pop())
             c = collections.setdefault(info["generation"], [0, 0.0, 0.0])
             c[0], c[1], c[2] = c[0] + 1, c[1] + ms, max(c[2], ms)
+            gc_ms_seq[min(len(results), steps - 1)] += ms
 
+    results = []
     gc.callbacks.append(on_gc)
     try:
         t0 = time.perf_counter()
-        results = []
         for i in range(steps):  # the batches after the warm-up's
             if cuda:
                 events[i].record()
@@ -612,9 +616,10 @@ def timed_steps(step: Callable[[int], object], warmup: int, steps: int, cuda: bo
         elapsed = time.perf_counter() - t0
     finally:
         gc.callbacks.remove(on_gc)
-    step_ms = sorted(events[i].elapsed_time(events[i + 1]) for i in range(steps)) if cuda else []
-    return {"warm": warm_results, "timed": results, "warmup_s": warmup_s, "elapsed": elapsed, "step_ms": step_ms,
-            "gc": {str(g): collections[g] for g in sorted(collections)}}
+    step_ms_seq = [events[i].elapsed_time(events[i + 1]) for i in range(steps)] if cuda else []
+    return {"warm": warm_results, "timed": results, "warmup_s": warmup_s, "elapsed": elapsed,
+            "step_ms": sorted(step_ms_seq), "step_ms_seq": step_ms_seq,
+            "gc": {str(g): collections[g] for g in sorted(collections)}, "gc_ms_seq": gc_ms_seq}
 
 
 def median_ms(fn: Callable[[], object], device: str = "cuda", reps: int = 20, warmup: int = 3) -> float:
@@ -748,10 +753,12 @@ def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda") -> di
     out = {"device_ms_per_step": sum(categories.values()), "host_syncs_per_step": syncs,
            "categories_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
            "top_kernels": [{"name": n[:160], "ms": ms, "calls": c} for n, ms, c in kernels[:top]]}
-    if cpu_ops and device != "cpu":  # where the host's time went: its own ops' self time (runtime calls included)
+    if cpu_ops and device != "cpu":  # where the host's time went: its own ops' self time (runtime calls included),
+        # apart from its waits for the device (the synchronizing calls: the profiled function's own final one too)
         host = sorted(((e.key, e.self_cpu_time_total / 1000 / steps, e.count / steps) for e in events
                        if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0), key=lambda k: -k[1])
-        out["host_ms_per_step"] = sum(ms for _, ms, _ in host)
+        out["host_ms_per_step"] = sum(ms for name, ms, _ in host if name not in _CUDA_SYNCS)
+        out["host_wait_ms_per_step"] = sum(ms for name, ms, _ in host if name in _CUDA_SYNCS)
         out["top_host_ops"] = [{"name": n[:120], "ms": ms, "calls": c} for n, ms, c in host[:top]]
     return out
 
