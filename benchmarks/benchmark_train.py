@@ -201,7 +201,7 @@ def worker(a) -> dict:
 
     # the batches are plain causal (ids only): the forward as LowBitTrainer runs it, for every recipe (bf16 too);
     # eagerly outside the compiled layers no host sync a micro-batch in transformers' packed-sequence check
-    plain = plain_causal_model(model) is None and not getattr(a, "mask_sync", False)
+    plain = plain_causal_model(model) is None and not a.mask_sync
 
     def step(i):  # the last micro-batch's loss
         micro = [batches[(i * a.grad_accum + j) % len(batches)] for j in range(a.grad_accum)]
@@ -216,7 +216,7 @@ def worker(a) -> dict:
     if a.profile and cuda:
         from benchmarks.driver import kernel_profile
 
-        profile = kernel_profile(lambda: step(0), host=getattr(a, "host_profile", False))
+        profile = kernel_profile(lambda: step(0), host=a.host_profile)
     return {"recipe": a.recipe, "path": "layers", "tokens_per_s": a.batch * a.seq * a.grad_accum * a.steps / elapsed,
             "step_ms": 1000 * elapsed / a.steps, "warmup_s": run["warmup_s"],
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),

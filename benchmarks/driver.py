@@ -589,18 +589,18 @@ def timed_steps(step: Callable[[int], object], warmup: int, steps: int, cuda: bo
     sync()
     before_timing()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
-    collections: dict[int, list] = {}
+    by_generation: dict[int, list] = {}
     gc_ms_seq = [0.0] * steps
-    started = []
+    started = [0.0]  # collections do not nest
 
     def on_gc(phase, info):
         if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            ms = 1000 * (time.perf_counter() - started.pop())
-            c = collections.setdefault(info["generation"], [0, 0.0, 0.0])
-            c[0], c[1], c[2] = c[0] + 1, c[1] + ms, max(c[2], ms)
-            gc_ms_seq[min(len(results), steps - 1)] += ms
+            started[0] = time.perf_counter()
+            return
+        ms = 1000 * (time.perf_counter() - started[0])
+        c = by_generation.setdefault(info["generation"], [0, 0.0, 0.0])
+        c[0], c[1], c[2] = c[0] + 1, c[1] + ms, max(c[2], ms)
+        gc_ms_seq[min(len(results), steps - 1)] += ms
 
     results = []
     gc.callbacks.append(on_gc)
@@ -619,7 +619,7 @@ def timed_steps(step: Callable[[int], object], warmup: int, steps: int, cuda: bo
     step_ms_seq = [events[i].elapsed_time(events[i + 1]) for i in range(steps)] if cuda else []
     return {"warm": warm_results, "timed": results, "warmup_s": warmup_s, "elapsed": elapsed,
             "step_ms": sorted(step_ms_seq), "step_ms_seq": step_ms_seq,
-            "gc": {str(g): collections[g] for g in sorted(collections)}, "gc_ms_seq": gc_ms_seq}
+            "gc": {str(g): by_generation[g] for g in sorted(by_generation)}, "gc_ms_seq": gc_ms_seq}
 
 
 def median_ms(fn: Callable[[], object], device: str = "cuda", reps: int = 20, warmup: int = 3) -> float:

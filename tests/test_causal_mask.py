@@ -90,7 +90,7 @@ def test_compiled_forward_gets_no_mask_and_the_same_loss(use_cache, all_ones_mas
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
-def test_the_eager_forward_reads_nothing_back_within_the_context(monkeypatch):
+def test_the_eager_forward_reads_nothing_back_within_the_context():
     """Eagerly with no cache transformers checks the model's own position ids for packing with a bool() of a tensor
     (on a GPU a host sync a forward); within the context the check answers "not packed" without reading it, and
     the forward computes the same loss. A caller's packing check outside the context is transformers' own."""

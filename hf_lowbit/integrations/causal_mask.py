@@ -125,8 +125,9 @@ def plain_causal(enabled: bool = True, mask_all_ones: bool = False):
     transformers' packed-sequence check ``None`` without reading the device: the caller vouches that the forward's
     batch has no padding and no packing (:func:`batch_is_plain_causal`) and that the model is one
     :func:`plain_causal_model` accepts. That holds for every mask built while the context is on, whatever the
-    attention implementation: a second forward inside it (a custom loss's) must not carry packed ``position_ids``. ``mask_all_ones``: the batch carries an
-    ``attention_mask`` the caller knows is all ones (a :class:`FullMaskBatch`), which the function then ignores."""
+    attention implementation: a second forward inside it (a custom loss's) must not carry packed ``position_ids``.
+    ``mask_all_ones``: the batch carries an ``attention_mask`` the caller knows is all ones (a
+    :class:`FullMaskBatch`), which the function then ignores."""
     global _active, _mask_all_ones
     if not enabled:
         yield
