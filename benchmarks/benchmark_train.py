@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.driver import (FGA_VARIANTS, FULL_RECIPES, HEAD_VARIANTS, LORA_RECIPES, MASK_VARIANTS, OURS,  # noqa: E402
                                OURS_LORA, RECIPES, add_int_flags, build_model, check_recipe_active, check_recipes, compile_layers,
                                error_cell, load_blocks, meta, plot_results,
-                               recipe_args, run_worker, save_json, timed_steps, torchao_version,
+                               cudagraph_skips, recipe_args, run_worker, save_json, timed_steps, torchao_version,
                                profile_summary, train_step, write_results)
 
 # the flags trainer_worker reads beyond the model's, with main()'s defaults
@@ -64,6 +64,7 @@ def trainer_worker(a) -> dict:
             setattr(a, name, default)
     model = build_model(a, a.device)
     cuda = a.device == "cuda"
+    skips = cudagraph_skips()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch._dynamo.config.cache_size_limit = max(64, 2 * a.layers)
     gen = torch.Generator().manual_seed(0)
@@ -159,7 +160,7 @@ def trainer_worker(a) -> dict:
             "compiled_graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values()), "chosen": chosen,
             "profile": profile_summary(profile["prof"], profiled, device="cuda" if cuda else "cpu") if profiled else None,
-            "timed_recompiles": graphs[total] - graphs[a.warmup]}
+            "timed_recompiles": graphs[total] - graphs[a.warmup], "cudagraph_skips": skips}
 
 
 def worker(a) -> dict:
@@ -172,6 +173,7 @@ def worker(a) -> dict:
     if a.path == "trainer":
         return trainer_worker(a)
     cuda = a.device == "cuda"
+    skips = cudagraph_skips()
     model = build_model(a, a.device, weight_cache=a.grad_accum > 1)  # as LowBitTrainer does by default
     mode = None if a.compile_mode == "default" else a.compile_mode
     if not a.no_compile:
@@ -226,7 +228,8 @@ def worker(a) -> dict:
             "timed_recompiles": counters["stats"]["unique_graphs"] - graphs_warm[0],
             "step_ms_median": step_times[len(step_times) // 2] if step_times else None,
             "step_ms_range": [step_times[0], step_times[-1]] if step_times else None,
-            "step_ms_seq": run["step_ms_seq"], "gc_timed": run["gc"], "gc_ms_seq": run["gc_ms_seq"]}
+            "step_ms_seq": run["step_ms_seq"], "gc_timed": run["gc"], "gc_ms_seq": run["gc_ms_seq"],
+            "cudagraph_skips": skips}
 
 
 def main():

@@ -571,6 +571,24 @@ def train_step(model, micro_batches, opt, *, fwd=None, autocast: bool = False, c
     return losses
 
 
+def cudagraph_skips() -> list[str]:
+    """A list that fills with Inductor's reasons for running a compiled graph without CUDA graphs (under
+    ``mode="reduce-overhead"``: e.g. a graph that mutates an input), as Inductor logs them: the counter alone
+    (``counters["inductor"]["cudagraph_skips"]``) does not say which graph or why."""
+    import logging
+
+    from torch._inductor import cudagraph_utils
+
+    reasons: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            reasons.append(record.getMessage()[:400])
+
+    cudagraph_utils.cudagraphs_log.addHandler(_Collect(logging.WARNING))
+    return reasons
+
+
 def timed_steps(step: Callable[[int], object], warmup: int, steps: int, cuda: bool, warm: Callable = lambda r: r,
                 before_timing: Callable[[], None] = lambda: None) -> dict:
     """``step(i)`` for ``warmup`` steps (compile, autotune; each result through ``warm``), the peak memory reset, then

@@ -58,6 +58,18 @@ def test_benchmark_regimes_trainer_path_smoke_on_cpu(tmp_path):
     assert records[2]["chosen"]["non_blocking"] is False  # nor pinned, non-blocking batch copies
     assert records[1]["first_loss"] == records[0]["first_loss"]  # the same model, data and loop but for the sync
     assert abs(records[2]["first_loss"] - records[0]["first_loss"]) < 0.05
+    assert all(r["cudagraph_skips"] == [] for r in records)  # nothing compiled for CUDA graphs on the CPU
+
+
+def test_cudagraph_skips_collects_inductor_reasons():
+    """The records' ``cudagraph_skips``: each reason Inductor logs for running a graph without CUDA graphs."""
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    from benchmarks.driver import cudagraph_skips
+
+    reasons = cudagraph_skips()
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances)")
+    assert reasons == ["skipping cudagraphs due to mutated inputs (1 instances)"]
 
 
 def _train_main_refuses(argv: list[str], message: str) -> None:
