@@ -37,11 +37,11 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.driver import (FGA_VARIANTS, FULL_RECIPES, HEAD_VARIANTS, LORA_RECIPES, MASK_VARIANTS, OURS,  # noqa: E402
-                               OURS_LORA, RECIPES, add_int_flags, build_model, check_recipe_active, check_recipes, compile_layers,
-                               error_cell, load_blocks, meta, plot_results,
-                               cudagraph_skips, recipe_args, run_worker, save_json, timed_steps, torchao_version,
-                               profile_summary, train_step, write_results)
+from benchmarks.driver import (FGA_VARIANTS, FULL_RECIPES, HEAD_VARIANTS, LORA_RECIPES, MASK_VARIANTS,  # noqa: E402
+                               OURS, OURS_LORA, RECIPES, add_int_flags, build_model, check_recipe_active,
+                               check_recipes, compile_layers, cudagraph_skips, error_cell, load_blocks, meta,
+                               plot_results, profile_summary, recipe_args, run_worker, save_json, timed_steps,
+                               torchao_version, train_step, write_results)
 
 # the flags trainer_worker reads beyond the model's, with main()'s defaults
 TRAINER_DEFAULTS = dict(lr=1e-5, liger="off", data=None, compile_mode="default", no_cuda_graphs=False, profile=False)
