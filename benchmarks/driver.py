@@ -721,7 +721,17 @@ _CATEGORIES = (
     ("bf16 matmul (cuBLAS)", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
     ("optimizer", ("multi_tensor", "adam")),
     ("cross entropy / softmax", ("softmax", "nll", "cross_entropy")),
+    # ATen's own elementwise kernels: with accumulation mostly autograd's .grad += (a read and write of every
+    # gradient a micro-batch), and casts / copies
+    ("aten elementwise (.grad adds, casts, copies)", ("elementwise_kernel",)),
+    ("memset", ("memset",)),
 )
+
+
+def kernel_category(name: str) -> str:
+    """The profile category of a kernel name: the first of ``_CATEGORIES`` with a pattern in it, else "other"."""
+    low = name.lower()
+    return next((c for c, pats in _CATEGORIES if any(p in low for p in pats)), "other")
 
 
 _CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")  # the CUDA runtime's synchronizing calls
@@ -764,8 +774,7 @@ def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda") -> di
     syncs = {e.key: e.count / steps for e in events if e.key in wanted} if cpu_ops else None
     categories: dict[str, float] = {}
     for name, ms, _ in kernels:
-        low = name.lower()
-        cat = next((c for c, pats in _CATEGORIES if any(p in low for p in pats)), "other")
+        cat = kernel_category(name)
         categories[cat] = categories.get(cat, 0.0) + ms
     kernels.sort(key=lambda k: -k[1])
     out = {"device_ms_per_step": sum(categories.values()), "host_syncs_per_step": syncs,

@@ -61,6 +61,23 @@ def test_benchmark_regimes_trainer_path_smoke_on_cpu(tmp_path):
     assert all(r["cudagraph_skips"] == [] for r in records)  # nothing compiled for CUDA graphs on the CPU
 
 
+def test_kernel_categories_of_the_h200_profiles():
+    """Kernel names from the H200 profiles land in their categories (first match wins: the optimizer's and the
+    FP8 matmul's names before the generic ones); autograd's .grad adds apart from "other"."""
+    from benchmarks.driver import kernel_category
+
+    assert kernel_category("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT") == "fp8 matmul (cuBLAS)"
+    assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "bf16 matmul (cuBLAS)"
+    assert kernel_category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous "
+                           "namespace)::FusedOptimizerTensorListMetadata<4>>") == "optimizer"
+    assert kernel_category("triton_red_fused__to_copy_abs_amax_clamp_div_mul_round_silu_view_8") == \
+        "Inductor fused: norms, activations, quantize"
+    add = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>"
+    assert kernel_category(add) == "aten elementwise (.grad adds, casts, copies)"
+    assert kernel_category("Memset (Device)") == "memset"
+    assert kernel_category("some_unknown_kernel") == "other"
+
+
 def test_cudagraph_skips_collects_inductor_reasons():
     """The records' ``cudagraph_skips``: each reason Inductor logs for running a graph without CUDA graphs."""
     from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
