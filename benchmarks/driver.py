@@ -710,6 +710,8 @@ def graph_ms(fn: Callable[[], object], reps: int = 10, inner: int = 10) -> float
 # Inductor's generated kernels all start with "triton_", cuBLAS FP8 GEMMs carry "qq" in nvjet names).
 _CATEGORIES = (
     ("int8 matmul (ours, Triton)", ("_int8_scaled_mm_kernel",)),
+    # lowbit_fused_grad_accum's weight-gradient product added into .grad (INT8 and FP8 alike)
+    ("low-bit matmul into .grad (ours, Triton)", ("_scaled_mm_accumulate_kernel",)),
     ("quantize_t (ours, Triton)", ("_col_amax_kernel", "_quantize_t_kernel", "_col_amax_atomic_kernel",
                                    "_quantize_t_amax_kernel", "_quantize_t_fused_kernel",
                                    "_quantize_rows_kernel")),

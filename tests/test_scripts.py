@@ -74,6 +74,7 @@ def test_kernel_categories_of_the_h200_profiles():
         "Inductor fused: norms, activations, quantize"
     add = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>"
     assert kernel_category(add) == "aten elementwise (.grad adds, casts, copies)"
+    assert kernel_category("_scaled_mm_accumulate_kernel") == "low-bit matmul into .grad (ours, Triton)"
     assert kernel_category("Memset (Device)") == "memset"
     assert kernel_category("some_unknown_kernel") == "other"
 
