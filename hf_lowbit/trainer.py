@@ -90,9 +90,10 @@ class LowBitTrainerMixin:
             cache if cache is not None else args.gradient_accumulation_steps > 1)
         self._lowbit_cached_layers: list[MixedPrecisionLinear] | None = None  # found on the first step
         fused = args.lowbit_fused_grad_accum
-        # several processes or devices: DDP / FSDP / DeepSpeed hooks and DataParallel's replicas take each gradient
-        # from autograd
-        distributed = sharded or args.world_size > 1 or args.parallel_mode.value != "not_parallel"
+        # several processes or devices: DDP / FSDP / DeepSpeed hooks and DataParallel's replicas (several GPUs in one
+        # process, "not_distributed") take each gradient from autograd. One process launched by torchrun counts as
+        # "distributed" but accelerate wraps no DDP around it (only with more than one process): nothing to refuse
+        distributed = sharded or args.world_size > 1 or args.parallel_mode.value == "not_distributed"
         if fused and distributed:
             raise ValueError(f"{args_name}.lowbit_fused_grad_accum=True: not with DDP, FSDP, DeepSpeed or "
                              "DataParallel, whose hooks take each gradient from autograd; leave it unset (off there)")

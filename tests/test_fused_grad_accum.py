@@ -274,6 +274,27 @@ def test_trainer_refuses_it_without_a_low_bit_weight_gradient(tmp_path):
         _args(tmp_path, int8_mixed_precision=True, lowbit_grad_weight=False, lowbit_fused_grad_accum=True)
 
 
+@pytest.mark.parametrize("mode, world_size, refused", [("distributed", 1, False), ("distributed", 2, True),
+                                                       ("not_distributed", 1, True), ("not_parallel", 1, False)])
+def test_trainer_refuses_it_where_another_wrapper_takes_the_gradients(tmp_path, monkeypatch, mode, world_size,
+                                                                     refused):
+    """Refused under DDP (more than one process) and DataParallel (several GPUs in one process), whose hooks and
+    replicas take each gradient from autograd; not for one process launched by torchrun ("distributed", world size
+    1), around which accelerate wraps no DDP."""
+    from transformers.training_args import ParallelMode
+
+    args = _args(tmp_path, int8_mixed_precision=True, lowbit_fused_grad_accum=True)
+    monkeypatch.setattr(type(args), "parallel_mode", property(lambda self: ParallelMode(mode)))
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: world_size))
+    build = partial(LowBitTrainer, tiny_model(), args, train_dataset=arithmetic_blocks(8))
+    if refused:
+        with pytest.raises(ValueError, match="lowbit_fused_grad_accum=True: not with DDP, FSDP, DeepSpeed or "
+                                             "DataParallel"):
+            build()
+    else:
+        assert build().lowbit_fused_grad_accum is True
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_compiled_backward_adds_into_the_accumulator_in_place_cuda(fmt):
