@@ -402,10 +402,12 @@ def measure(a, emit) -> dict:
                     phase["imports_hf_lowbit"] = True
                     if kw:
                         phase["kernel_kwargs"] = kw
+                    from hf_lowbit.qat.siblings import SiblingGroup
+
                     report = getattr(importlib.import_module(module), fn)(model, **kw)
                     phase[key] = {
-                        "swapped": len(report.swapped),
-                        "stacked": sum(", stacked with" in e.reason for e in report.swapped),
+                        "swapped": len(report.swapped),  # the siblings served stacked, counted in the model itself
+                        "stacked": sum(len(g.names) for g in model.modules() if isinstance(g, SiblingGroup)),
                         "not_stacked": sorted({e.reason for e in report.swapped if "not stacked" in e.reason}),
                         "skipped": dict(collections.Counter(e.reason for e in report.skipped))}
                 if mode in ("compiled_lean", *KERNEL_MODES):

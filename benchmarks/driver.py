@@ -753,9 +753,11 @@ def kernel_profile(fn: Callable[[], object], steps: int = 2, top: int = 25, host
     return profile_summary(prof, steps, top)
 
 
-def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda") -> dict:
+def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda", own_syncs: int = 1) -> dict:
     """A finished ``torch.profiler.profile`` of ``steps`` steps: device ms per step by kernel category and the top
-    kernels. ``device="cpu"``: the CPU ops' self time instead (a CPU smoke run; every op lands in "other")."""
+    kernels. ``device="cpu"``: the CPU ops' self time instead (a CPU smoke run; every op lands in "other").
+    ``own_syncs``: the ``cudaDeviceSynchronize`` calls the profiling code itself made inside the profile (its final
+    wait for the kernels), left out of ``host_syncs_per_step``."""
     from torch.autograd import DeviceType
 
     # a record_function range (the optimizer's "Optimizer.step#AdamW.step") shows on the GPU timeline as a user
@@ -774,6 +776,8 @@ def profile_summary(prof, steps: int, top: int = 25, device: str = "cuda") -> di
     runtime = any(e.key.startswith("cuda") for e in events)
     wanted = _CUDA_SYNCS if runtime else _HOST_READS
     syncs = {e.key: e.count / steps for e in events if e.key in wanted} if cpu_ops else None
+    if syncs and runtime and "cudaDeviceSynchronize" in syncs:  # the profiler's caller's own final wait: not a step's
+        syncs["cudaDeviceSynchronize"] = max(0.0, syncs["cudaDeviceSynchronize"] - own_syncs / steps)
     categories: dict[str, float] = {}
     for name, ms, _ in kernels:
         cat = kernel_category(name)

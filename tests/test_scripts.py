@@ -79,6 +79,30 @@ def test_kernel_categories_of_the_h200_profiles():
     assert kernel_category("some_unknown_kernel") == "other"
 
 
+def test_profile_summary_leaves_out_its_callers_final_sync():
+    """``host_syncs_per_step`` counts a step's own waits, not the one ``cudaDeviceSynchronize`` the profiling code
+    makes inside the profile to wait for the kernels (0.5 a step of two before); the kernels land in categories."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.driver import profile_summary
+
+    def event(key, device, count, cpu_ms=0.0, gpu_ms=0.0):
+        return SimpleNamespace(key=key, device_type=device, count=count, self_cpu_time_total=cpu_ms * 1000,
+                               self_device_time_total=gpu_ms * 1000)
+
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    prof = SimpleNamespace(key_averages=lambda: [
+        event("aten::mm", cpu, 4, cpu_ms=1.0), event("cudaLaunchKernel", cpu, 4, cpu_ms=0.2),
+        event("cudaStreamSynchronize", cpu, 2, cpu_ms=3.0), event("cudaDeviceSynchronize", cpu, 1, cpu_ms=5.0),
+        event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", gpu, 4, gpu_ms=8.0)])
+    out = profile_summary(prof, steps=2)
+    assert out["host_syncs_per_step"] == {"cudaStreamSynchronize": 1.0, "cudaDeviceSynchronize": 0.0}
+    assert out["categories_ms"] == {"bf16 matmul (cuBLAS)": 4.0} and out["device_ms_per_step"] == 4.0
+    assert out["host_ms_per_step"] == 0.6 and out["host_wait_ms_per_step"] == 4.0
+
+
 def test_cudagraph_skips_collects_inductor_reasons():
     """The records' ``cudagraph_skips``: each reason Inductor logs for running a graph without CUDA graphs."""
     from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
