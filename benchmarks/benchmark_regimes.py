@@ -243,8 +243,9 @@ def block_records(name: str, data: dict) -> list[dict]:
                        first_loss=r["first_loss"], last_loss=r["last_loss"], graphs=r["compiled_graphs"],
                        graph_breaks=r["graph_breaks"], chosen=r.get("chosen"), profile=r.get("profile"),
                        timed_recompiles=r.get("timed_recompiles"), step_ms_median=r.get("step_ms_median"))
-            # each timed step in order, the host's collections; why Inductor ran a graph without CUDA graphs
-            for key in ("step_ms_seq", "gc_timed", "gc_ms_seq", "cudagraph_skips"):
+            # each timed step in order, the host's collections; why Inductor ran a graph without CUDA graphs; the
+            # GPU's clocks and power over the timed steps
+            for key in ("step_ms_seq", "gc_timed", "gc_ms_seq", "cudagraph_skips", "gpu_telemetry"):
                 if r.get(key) is not None:
                     rec[key] = r[key]
             if r["recipe"].startswith("lora_"):  # LoRA rows: the reference is LoRA on a bf16 base

@@ -38,10 +38,10 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.driver import (FGA_VARIANTS, FULL_RECIPES, HEAD_VARIANTS, LORA_RECIPES, MASK_VARIANTS,  # noqa: E402
-                               OURS, OURS_LORA, RECIPES, add_int_flags, build_model, check_recipe_active,
-                               check_recipes, compile_layers, cudagraph_skips, error_cell, load_blocks, meta,
-                               plot_results, profile_summary, recipe_args, run_worker, save_json, timed_steps,
-                               torchao_version, train_step, write_results)
+                               OURS, OURS_LORA, RECIPES, GpuTelemetry, add_int_flags, build_model,
+                               check_recipe_active, check_recipes, compile_layers, cudagraph_skips, error_cell,
+                               load_blocks, meta, plot_results, profile_summary, recipe_args, run_worker, save_json,
+                               timed_steps, torchao_version, train_step, write_results)
 
 # the flags trainer_worker reads beyond the model's, with main()'s defaults
 TRAINER_DEFAULTS = dict(lr=1e-5, liger="off", data=None, compile_mode="default", no_cuda_graphs=False, profile=False)
@@ -74,6 +74,7 @@ def trainer_worker(a) -> dict:
     data = [{"input_ids": ids[i % len(ids)], "labels": ids[i % len(ids)]}
             for i in range((total + profiled) * a.batch * a.grad_accum)]
     times, graphs, losses, logged = {}, {}, [], {"train_mfu": [], "train_tokens_per_second": []}
+    telemetry, gpu = GpuTelemetry(), []  # the GPU's clocks and power over the timed steps (nvidia-smi, CUDA only)
     profile = {}
 
     class Clock(TrainerCallback):
@@ -91,6 +92,10 @@ def trainer_worker(a) -> dict:
                 sync()
                 times[state.global_step] = time.perf_counter()
                 graphs[state.global_step] = counters["stats"]["unique_graphs"]
+                if cuda and state.global_step == a.warmup:
+                    telemetry.start()
+                elif cuda:
+                    gpu.append(telemetry.stop())
             if profiled and state.global_step == total + profiled:
                 sync()
                 profile["prof"].__exit__(None, None, None)
@@ -160,7 +165,8 @@ def trainer_worker(a) -> dict:
             "compiled_graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values()), "chosen": chosen,
             "profile": profile_summary(profile["prof"], profiled, device="cuda" if cuda else "cpu") if profiled else None,
-            "timed_recompiles": graphs[total] - graphs[a.warmup], "cudagraph_skips": skips}
+            "timed_recompiles": graphs[total] - graphs[a.warmup], "cudagraph_skips": skips,
+            "gpu_telemetry": gpu[0] if gpu else None}
 
 
 def worker(a) -> dict:
@@ -211,8 +217,15 @@ def worker(a) -> dict:
                           before=before, plain=plain)[-1] * a.grad_accum
 
     graphs_warm = []
-    run = timed_steps(step, a.warmup, a.steps, cuda, warm=lambda loss: loss.item(),
-                      before_timing=lambda: graphs_warm.append(counters["stats"]["unique_graphs"]))
+    telemetry = GpuTelemetry()  # the GPU's clocks and power over the timed steps (nvidia-smi, CUDA only)
+
+    def before_timing():
+        graphs_warm.append(counters["stats"]["unique_graphs"])
+        if cuda:
+            telemetry.start()
+
+    run = timed_steps(step, a.warmup, a.steps, cuda, warm=lambda loss: loss.item(), before_timing=before_timing)
+    gpu = telemetry.stop()
     losses, step_times, elapsed = run["warm"] + [t.item() for t in run["timed"]], run["step_ms"], run["elapsed"]
     profile = None
     if a.profile and cuda:
@@ -229,7 +242,7 @@ def worker(a) -> dict:
             "step_ms_median": step_times[len(step_times) // 2] if step_times else None,
             "step_ms_range": [step_times[0], step_times[-1]] if step_times else None,
             "step_ms_seq": run["step_ms_seq"], "gc_timed": run["gc"], "gc_ms_seq": run["gc_ms_seq"],
-            "cudagraph_skips": skips}
+            "cudagraph_skips": skips, "gpu_telemetry": gpu}
 
 
 def main():

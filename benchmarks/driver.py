@@ -589,6 +589,94 @@ def cudagraph_skips() -> list[str]:
     return reasons
 
 
+class GpuTelemetry:
+    """The GPU's SM clock, power draw, temperature and active clock-event (throttle) reasons, sampled by one
+    ``nvidia-smi`` process in loop mode every ``ms`` milliseconds between :meth:`start` and :meth:`stop` and read by
+    a thread: whether a GPU-bound step runs at lower clocks than the kernels' profile (taken with the GPU partly
+    idle) saw. :meth:`stop` returns ``None`` where ``nvidia-smi`` is missing or answered nothing (a CPU machine)."""
+
+    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
+    # a bit mask (NVML's clock-event reasons: 0x1 idle, 0x4 software power cap, 0x8 hardware slowdown, 0x20 / 0x40
+    # software / hardware thermal, 0x80 power brake); newer drivers' field name, then the older one
+    REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+
+    def __init__(self, ms: int = 100):
+        self.ms = ms
+        self.proc = None
+        self.lines: list[str] = []
+
+    def _gpu(self) -> str:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return visible.split(",")[index].strip() if visible else str(index)
+
+    def start(self) -> "GpuTelemetry":
+        import shutil
+        import threading
+
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return self
+        gpu, query = self._gpu(), None
+        for reason in (*self.REASONS, None):  # the first field list this nvidia-smi accepts
+            fields = ",".join(self.FIELDS + ((reason,) if reason else ()))
+            try:
+                ok = subprocess.run([exe, f"--id={gpu}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                                    capture_output=True, text=True, timeout=20).returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                return self
+            if ok:
+                query = fields
+                break
+        if query is None:
+            return self
+        self.proc = subprocess.Popen([exe, f"--id={gpu}", f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                                      f"-lms={self.ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     start_new_session=True)  # its own process group, ended whole by stop()
+        self.reader = threading.Thread(target=lambda: self.lines.extend(line.strip() for line in self.proc.stdout),
+                                       daemon=True)
+        self.reader.start()
+        return self
+
+    def stop(self) -> dict | None:
+        if self.proc is None:
+            return None
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:  # it ended by itself
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.reader.join(timeout=10)
+        columns: list[list[float]] = [[] for _ in self.FIELDS]
+        reasons: set[str] = set()
+        for line in self.lines:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) < len(self.FIELDS):
+                continue
+            for values, part in zip(columns, parts):
+                try:
+                    values.append(float(part))
+                except ValueError:  # "[N/A]", "[Not Supported]"
+                    pass
+            if len(parts) > len(self.FIELDS) and parts[-1] not in ("", "0x0000000000000000"):
+                reasons.add(parts[-1])
+        if not any(columns):
+            return None
+
+        def spread(values):  # [min, median, max]
+            v = sorted(values)
+            return [v[0], v[len(v) // 2], v[-1]] if v else None
+
+        sm, power, temp = (spread(v) for v in columns)
+        return {"samples": len(self.lines), "every_ms": self.ms, "sm_mhz": sm, "power_w": power, "temp_c": temp,
+                "clock_event_reasons": sorted(reasons)}
+
+
 def timed_steps(step: Callable[[int], object], warmup: int, steps: int, cuda: bool, warm: Callable = lambda r: r,
                 before_timing: Callable[[], None] = lambda: None) -> dict:
     """``step(i)`` for ``warmup`` steps (compile, autotune; each result through ``warm``), the peak memory reset, then

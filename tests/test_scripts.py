@@ -103,6 +103,37 @@ def test_profile_summary_leaves_out_its_callers_final_sync():
     assert out["host_ms_per_step"] == 0.6 and out["host_wait_ms_per_step"] == 4.0
 
 
+def test_gpu_telemetry_reads_nvidia_smi(tmp_path, monkeypatch):
+    """GpuTelemetry: the field list this nvidia-smi accepts (newer drivers' clocks_event_reasons, else the older
+    name), its loop-mode lines parsed into [min, median, max] a field and the non-zero reasons; None without
+    nvidia-smi."""
+    import time as _time
+
+    from benchmarks.driver import GpuTelemetry
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert GpuTelemetry().start().stop() is None  # no nvidia-smi (a CPU machine)
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/bash\n"
+                    "case \"$*\" in *clocks_event_reasons*) exit 2;; esac\n"  # an older driver: its old name only
+                    "echo \"$*\" >> " + str(tmp_path / "calls") + "\n"
+                    "case \"$*\" in *-lms=*) printf '1980, 690.5, 61, 0x0000000000000000\\n"
+                    "1755, 700.1, 63, 0x0000000000000004\\n1830, [N/A], 62, 0x0000000000000004\\n'; sleep 30;; esac\n")
+    fake.chmod(0o755)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")  # the fake first; sleep from the system
+    telemetry = GpuTelemetry(ms=50).start()
+    deadline = _time.time() + 20
+    while len(telemetry.lines) < 3 and _time.time() < deadline:
+        _time.sleep(0.05)
+    out = telemetry.stop()
+    assert out == {"samples": 3, "every_ms": 50, "sm_mhz": [1755.0, 1830.0, 1980.0], "power_w": [690.5, 700.1, 700.1],
+                   "temp_c": [61.0, 62.0, 63.0], "clock_event_reasons": ["0x0000000000000004"]}
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[-1].startswith("--id=0 --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active")
+    assert calls[-1].endswith("-lms=50")
+
+
 def test_cudagraph_skips_collects_inductor_reasons():
     """The records' ``cudagraph_skips``: each reason Inductor logs for running a graph without CUDA graphs."""
     from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
