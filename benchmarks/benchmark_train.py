@@ -90,11 +90,11 @@ def trainer_worker(a) -> dict:
         def on_step_end(self, args, state, control, **kw):
             if state.global_step in (a.warmup, total):
                 sync()
+                if cuda and state.global_step == a.warmup:  # started before the clock: its set-up is not timed
+                    telemetry.start()
                 times[state.global_step] = time.perf_counter()
                 graphs[state.global_step] = counters["stats"]["unique_graphs"]
-                if cuda and state.global_step == a.warmup:
-                    telemetry.start()
-                elif cuda:
+                if cuda and state.global_step == total:
                     gpu.append(telemetry.stop())
             if profiled and state.global_step == total + profiled:
                 sync()
