@@ -120,6 +120,32 @@ N_INT8_MM_CASES = 20  # 5 shapes x a, b transposed or not
 N_INT8_MM_ADDEND_CASES = 12  # 3 shapes x 4 ranks
 
 
+def test_int8_matmuls_with_rows_past_2gb_interpreted():
+    assert "checked 3 matmuls with operand rows past 2**31 elements" in run_interpreted("large_offsets")
+
+
+def test_quantize_kernels_refuse_operands_past_32bit_offsets():
+    """The quantize kernels address in 32 bits: an operand spanning 2**31 elements (a 14336-wide activation at 150k
+    tokens, or its transposed view) is refused in one line before any launch (meta tensors: nothing allocated)."""
+    import torch
+
+    from hf_lowbit.kernels.triton_quant import quantize_dual_triton, quantize_t_triton
+
+    big = torch.empty(150_000, 14336, dtype=torch.bfloat16, device="meta")
+    for call in (lambda: quantize_t_triton(big, torch.int8, 127.0), lambda: quantize_dual_triton(big, torch.int8, 127.0),
+                 lambda: quantize_t_triton(big.T.contiguous().T, torch.int8, 127.0)):
+        with pytest.raises(ValueError, match=r"spans 2,150,400,000 elements, past the 2\*\*31 .* fewer tokens per "
+                                             r"micro-batch"):
+            call()
+
+
+@pytest.mark.cuda
+def test_int8_matmuls_with_rows_past_2gb_cuda():
+    from _triton_checks import check_large_offsets
+
+    assert check_large_offsets("cuda") == 3
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("i", range(N_INT8_MM_CASES))
 def test_triton_int8_scaled_mm_cuda(i):

@@ -466,6 +466,17 @@ def _tiles(tiles, default, what: str, fn: str = "quantize_t_triton") -> tuple[in
     return tuple(tiles)
 
 
+def _check_32bit_offsets(fn: str, x: torch.Tensor) -> None:
+    """These kernels address their operand and codes with 32-bit element offsets (as Triton does by default): refuse,
+    in one line, an operand that spans 2**31 elements or more (a 14336-wide activation at ~150k tokens, a weight of
+    2**31 elements), whose offsets would wrap and read and write outside it. The INT8 matmul's are 64-bit."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride())) if x.numel() else 0
+    if max(span, x.numel()) >= 2 ** 31:
+        raise ValueError(f"{fn}: an operand of shape {tuple(x.shape)} spans {max(span, x.numel()):,} elements, past the "
+                         "2**31 these Triton kernels address in 32 bits; use fewer tokens per micro-batch (more "
+                         "gradient_accumulation_steps), or leave this layer out of the low-bit recipe")
+
+
 def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m: int | None = None,
                       out: tuple[torch.Tensor, ...] | None = None, stochastic: bool = False,
                       row_mul: torch.Tensor | None = None, both_layouts: bool = False, *, variant: str = "two_kernel",
@@ -511,6 +522,7 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     same run as 14.3 rounding first). The other variants round softly."""
     if stochastic and qdtype != torch.int8:  # checked before anything is launched
         raise ValueError(f"quantize_t_triton: stochastic rounding is implemented for int8, not {qdtype}")
+    _check_32bit_offsets("quantize_t_triton", x)
     if variant not in VARIANTS:
         raise ValueError(f"quantize_t_triton: variant must be one of {VARIANTS}, got {variant!r}")
     if variant in _TWO_PASS and tiles is not None:
@@ -702,6 +714,7 @@ def quantize_dual_triton(g: torch.Tensor, qdtype: torch.dtype, qmax: float, col_
         raise ValueError("quantize_dual_triton: nearest rounding only; stochastic rounding goes through quantize_t")
     if g.dim() != 2:
         raise ValueError(f"quantize_dual_triton: g must be 2-D, got shape {tuple(g.shape)}")
+    _check_32bit_offsets("quantize_dual_triton", g)
     M, N = g.shape
     if col_mul is not None and (col_mul.shape != (N,) or col_mul.dtype != torch.float32 or col_mul.stride(0) != 1):
         raise ValueError(f"quantize_dual_triton: col_mul must be {N} contiguous float32 values, got "
