@@ -1,4 +1,4 @@
-"""Compile the serving kernels (and the atomic column-quantization variants) for the H200 (sm_90) on a machine without a GPU: ``python tests/_triton_sm90_compile.py``.
+"""Compile the serving kernels (the atomic column-quantization variants and the training matmuls too) for the H200 (sm_90) on a machine without a GPU: ``python tests/_triton_sm90_compile.py``.
 
 Triton's interpreter (what the CPU tests run) is Python: it accepts what compiled Triton refuses (non-constexpr
 globals in a jit function, two returns of different types around a constexpr ``if``, ``tl.dot`` shapes and
@@ -182,12 +182,30 @@ def _configs():
                     {"stride_wk": 1, "QMAX": 127.0 if qt == "*i8" else 448.0, "IS_INT8": qt == "*i8",
                      "STOCHASTIC": False, "HAS_MUL": False, "BOTH_LAYOUTS": True, "TENSORWISE": tensorwise,
                      "BLOCK_R": br, "BLOCK_K": bk}, warps, 3))
+    # the training matmuls: INT8 (with the LoRA addend or not) and the accumulating kernel (INT8, FP8), at a tile of
+    # their autotuning (their row offsets 64-bit since session 29)
+    from hf_lowbit.kernels import triton_int8 as T8
+
+    mm_sig = dict(a_ptr="*i8", b_ptr="*i8", a_scale_ptr="*fp32", b_scale_ptr="*fp32", out_ptr="*bf16", c_ptr="*bf16",
+                  d_ptr="*bf16", M="i32", N="i32", K="i32", R="i32", stride_am="i32", stride_ak="i32", stride_bn="i32",
+                  stride_bk="i32", stride_om="i32", stride_on="i32", stride_cm="i32", stride_cr="i32", stride_dn="i32",
+                  stride_dr="i32")
+    tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
+    for add in (False, True):
+        out.append((f"int8_scaled_mm 128x128x128w4 add={add}", T8._int8_scaled_mm_kernel.fn, mm_sig,
+                    dict(A_K_CONTIG=True, B_K_CONTIG=True, HAS_ADD=add, BLOCK_R=16, ADD_IEEE=False, **tile), 4, 3))
+    for codes in ("*i8", "*fp8e4nv"):
+        out.append((f"scaled_mm_accumulate 128x128x128w4 codes={codes}", T8._scaled_mm_accumulate_kernel.fn,
+                    dict(a_ptr=codes, b_ptr=codes, a_scale_ptr="*fp32", b_scale_ptr="*fp32", acc_ptr="*bf16", M="i32",
+                         N="i32", K="i32", stride_am="i32", stride_ak="i32", stride_bn="i32", stride_bk="i32",
+                         stride_cm="i32", stride_cn="i32"),
+                    dict(A_K_CONTIG=True, B_K_CONTIG=True, INT_CODES=codes == "*i8", **tile), 4, 3))
     return out
 
 
 # the int arguments a launch on Llama shapes passes as multiples of 16 (Triton then marks them, as it marks 16-byte
 # aligned pointers, ``tt.divisibility = 16``: vectorized loads and cp.async pipelining, other code than without)
-_ALIGNED_INTS = {"N", "K", "R", "stride_wr", "K_PER_SPLIT", "MN", "stride_xm", "stride_pn", "stride_wn", "stride_om",
+_ALIGNED_INTS = {"N", "K", "R", "stride_am", "stride_bn", "stride_cm", "stride_wr", "K_PER_SPLIT", "MN", "stride_xm", "stride_pn", "stride_wn", "stride_om",
                  "stride_split", "NP", "KP", "stride_qn", "stride_sg", "stride_xsm"}
 
 
