@@ -67,8 +67,8 @@ def _tile_product(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_am, stride_ak, s
     # Contiguous-K flags let the compiler vectorize along K without relying on stride specialization.
     sak = 1 if A_K_CONTIG else stride_ak
     sbk = 1 if B_K_CONTIG else stride_bk
-    # row offsets in 64 bits: an operand of 2^31 bytes or more (a low-bit LM head's dY codes at a 128k vocabulary and
-    # 16.7k tokens, a 14336-wide linear at 150k) would wrap in 32
+    # row offsets in 64 bits: an operand spanning 2^31 elements or more (a low-bit LM head's dY codes at a 128k
+    # vocabulary and 16.7k tokens, a 14336-wide linear's at 150k) would wrap in 32
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * sak
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * sbk
     mask_m = offs_m[:, None] < M

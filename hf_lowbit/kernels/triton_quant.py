@@ -472,8 +472,8 @@ def _check_32bit_offsets(fn: str, x: torch.Tensor) -> None:
     2**31 elements), whose offsets would wrap and read and write outside it. The INT8 matmul's are 64-bit."""
     span = 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride())) if x.numel() else 0
     if max(span, x.numel()) >= 2 ** 31:
-        raise ValueError(f"{fn}: an operand of shape {tuple(x.shape)} spans {max(span, x.numel()):,} elements, past the "
-                         "2**31 these Triton kernels address in 32 bits; use fewer tokens per micro-batch (more "
+        raise ValueError(f"{fn}: an operand of shape {tuple(x.shape)} spans {max(span, x.numel()):,} elements, past "
+                         "the 2**31 these Triton kernels address in 32 bits; use fewer tokens per micro-batch (more "
                          "gradient_accumulation_steps), or leave this layer out of the low-bit recipe")
 
 
