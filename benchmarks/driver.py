@@ -21,6 +21,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -583,7 +584,9 @@ def cudagraph_skips() -> list[str]:
 
     class _Collect(logging.Handler):
         def emit(self, record):
-            reasons.append(record.getMessage()[:400])
+            message = record.getMessage()
+            if "cudagraph" in message.lower() and "skip" in message.lower():  # not the log's other warnings
+                reasons.append(message[:400])
 
     cudagraph_utils.cudagraphs_log.addHandler(_Collect(logging.WARNING))
     return reasons
@@ -601,37 +604,44 @@ class GpuTelemetry:
     REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
 
     def __init__(self, ms: int = 100):
+        """Finds ``nvidia-smi`` and the field list it accepts now (construct it before the warm-up: the probe's
+        calls then stay out of the timed window and do not leave the GPU idle just before it)."""
+        import shutil
+
         self.ms = ms
         self.proc = None
         self.lines: list[str] = []
+        self.exe, self.gpu, self.query = shutil.which("nvidia-smi"), self._gpu(), None
+        for reason in (*self.REASONS, None) if self.exe else ():  # the first field list this nvidia-smi accepts
+            fields = ",".join(self.FIELDS + ((reason,) if reason else ()))
+            try:
+                ok = subprocess.run([self.exe, f"--id={self.gpu}", f"--query-gpu={fields}",
+                                     "--format=csv,noheader,nounits"], capture_output=True, timeout=20).returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                return
+            if ok:
+                self.query = fields
+                return
 
-    def _gpu(self) -> str:
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    @staticmethod
+    def _gpu() -> str:
+        """torch's current GPU as nvidia-smi names it: by UUID (CUDA's device order and nvidia-smi's can differ)."""
+        if torch.cuda.is_available():
+            uuid = str(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", "") or "")
+            if uuid:
+                return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         return visible.split(",")[index].strip() if visible else str(index)
 
     def start(self) -> "GpuTelemetry":
-        import shutil
         import threading
 
-        exe = shutil.which("nvidia-smi")
-        if exe is None:
+        if self.query is None:
             return self
-        gpu, query = self._gpu(), None
-        for reason in (*self.REASONS, None):  # the first field list this nvidia-smi accepts
-            fields = ",".join(self.FIELDS + ((reason,) if reason else ()))
-            try:
-                ok = subprocess.run([exe, f"--id={gpu}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                                    capture_output=True, text=True, timeout=20).returncode == 0
-            except (OSError, subprocess.SubprocessError):
-                return self
-            if ok:
-                query = fields
-                break
-        if query is None:
-            return self
-        self.proc = subprocess.Popen([exe, f"--id={gpu}", f"--query-gpu={query}", "--format=csv,noheader,nounits",
-                                      f"-lms={self.ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        self.proc = subprocess.Popen([self.exe, f"--id={self.gpu}", f"--query-gpu={self.query}",
+                                      "--format=csv,noheader,nounits", f"-lms={self.ms}"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True,
                                      start_new_session=True)  # its own process group, ended whole by stop()
         self.reader = threading.Thread(target=lambda: self.lines.extend(line.strip() for line in self.proc.stdout),
                                        daemon=True)
@@ -643,27 +653,31 @@ class GpuTelemetry:
             return None
         import signal
 
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:  # it ended by itself
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        for sig in (signal.SIGINT, signal.SIGKILL):  # SIGINT first: nvidia-smi ends as at Ctrl-C, its output flushed
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:  # it ended already
+                pass
+            try:
+                self.proc.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
         self.reader.join(timeout=10)
         columns: list[list[float]] = [[] for _ in self.FIELDS]
         reasons: set[str] = set()
+        samples = 0
         for line in self.lines:
             parts = [p.strip() for p in line.split(",")]
             if len(parts) < len(self.FIELDS):
                 continue
+            samples += 1
             for values, part in zip(columns, parts):
                 try:
                     values.append(float(part))
                 except ValueError:  # "[N/A]", "[Not Supported]"
                     pass
-            if len(parts) > len(self.FIELDS) and parts[-1] not in ("", "0x0000000000000000"):
+            if len(parts) > len(self.FIELDS) and re.fullmatch(r"0x[0-9a-fA-F]+", parts[-1]) and int(parts[-1], 16):
                 reasons.add(parts[-1])
         if not any(columns):
             return None
@@ -673,7 +687,7 @@ class GpuTelemetry:
             return [v[0], v[len(v) // 2], v[-1]] if v else None
 
         sm, power, temp = (spread(v) for v in columns)
-        return {"samples": len(self.lines), "every_ms": self.ms, "sm_mhz": sm, "power_w": power, "temp_c": temp,
+        return {"samples": samples, "every_ms": self.ms, "sm_mhz": sm, "power_w": power, "temp_c": temp,
                 "clock_event_reasons": sorted(reasons)}
 
 

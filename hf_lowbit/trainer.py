@@ -90,10 +90,11 @@ class LowBitTrainerMixin:
             cache if cache is not None else args.gradient_accumulation_steps > 1)
         self._lowbit_cached_layers: list[MixedPrecisionLinear] | None = None  # found on the first step
         fused = args.lowbit_fused_grad_accum
-        # several processes or devices: DDP / FSDP / DeepSpeed hooks and DataParallel's replicas (several GPUs in one
-        # process, "not_distributed") take each gradient from autograd. One process launched by torchrun counts as
-        # "distributed" but accelerate wraps no DDP around it (only with more than one process): nothing to refuse
-        distributed = sharded or args.world_size > 1 or args.parallel_mode.value == "not_distributed"
+        # several processes or devices: DDP / FSDP / DeepSpeed hooks, DataParallel's replicas (several GPUs in one
+        # process), SageMaker's and XLA's wrappers take each gradient from autograd. One process launched by torchrun
+        # ("distributed", world size 1) is let through: on GPUs accelerate wraps no DDP around a single process (on the
+        # CPU it does, and one process's DDP has nothing to reduce: the same parameters as without, measured)
+        distributed = sharded or args.world_size > 1 or args.parallel_mode.value not in ("not_parallel", "distributed")
         if fused and distributed:
             raise ValueError(f"{args_name}.lowbit_fused_grad_accum=True: not with DDP, FSDP, DeepSpeed or "
                              "DataParallel, whose hooks take each gradient from autograd; leave it unset (off there)")

@@ -1048,35 +1048,35 @@ def check_scaled_mm_accumulate(device: str, cases=None) -> int:
     return n
 
 
-def _strided_rows(rows: int, cols: int, dtype, device, gen, stride: int = 1 << 20) -> torch.Tensor:
-    """A ``[rows, cols]`` view whose rows lie ``stride`` elements apart in one storage of ``stride * rows`` elements
-    (~2 GB of int8 at 2064 rows: virtual on the CPU, only the rows' own bytes written), filled with random values."""
-    store = torch.empty(stride * (rows - 1) + cols, dtype=dtype, device=device)
-    view = store.as_strided((rows, cols), (stride, 1))
-    if dtype == torch.int8:
-        view.copy_(torch.randint(-127, 128, (rows, cols), dtype=dtype, device=device, generator=gen))
-    else:
-        view.copy_(torch.randn(rows, cols, device=device, generator=gen).to(dtype))
-    return view
-
-
 def check_large_offsets(device: str) -> int:
-    """The INT8 matmul (with and without its addend) and the accumulating kernel on operands whose rows start past
-    2**31 elements from their base (row 2048 at a stride of 2**20: a 32-bit offset wraps there, the kernels
-    computed them in 32 bits before and read outside the operand): the same results as on contiguous copies.
-    Returns the number of checks."""
+    """The INT8 matmul (with and without its addend) and the accumulating kernel on operands whose rows lie 2**26
+    elements apart, so that row 32 starts past 2**31 elements from the base (where a 32-bit offset wraps; the kernels
+    computed them in 32 bits before and read and wrote outside the operand): the same results as on contiguous
+    copies. Every operand but the matmul's own output (allocated contiguous) is such a view: ``a`` and ``b`` in one
+    int8 storage, the addend's ``c`` and ``d`` and the accumulator in one bf16 storage (2 GB and 4 GB of address space,
+    only the 48 rows' own bytes written). Returns the number of checks."""
     from hf_lowbit.kernels.accumulate import scaled_mm_accumulate_reference
     from hf_lowbit.kernels.triton_int8 import scaled_mm_accumulate_triton
 
     gen = torch.Generator(device=device).manual_seed(0)
-    M, N, K, R = 2064, 16, 32, 4
-    a = _strided_rows(M, K, torch.int8, device, gen)
-    b = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device, generator=gen)
+    M = N = 48
+    K, R, stride = 32, 4, 1 << 26
+
+    def far(store, cols, at, fill):  # a [48, cols] view at column ``at`` of every row of ``store``
+        view = store.as_strided((M, cols), (stride, 1), at)
+        view.copy_(fill)
+        return view
+
+    codes = torch.empty(stride * (M - 1) + 2 * K, dtype=torch.int8, device=device)
+    a = far(codes, K, 0, torch.randint(-127, 128, (M, K), dtype=torch.int8, device=device, generator=gen))
+    b = far(codes, K, K, torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device, generator=gen))
+    floats = torch.empty(stride * (M - 1) + 2 * R + N, dtype=torch.bfloat16, device=device)
+    c = far(floats, R, 0, torch.randn(M, R, device=device, generator=gen))
+    d = far(floats, R, R, torch.randn(N, R, device=device, generator=gen))
+    acc = far(floats, N, 2 * R, torch.randn(M, N, device=device, generator=gen))
     sa = torch.rand(M, device=device, generator=gen) / 1000 + 1e-4
     sb = torch.rand(N, device=device, generator=gen) / 1000 + 1e-4
-    c = _strided_rows(M, R, torch.bfloat16, device, gen)  # the addend's rows as far apart (~4 GB)
-    d = torch.randn(N, R, device=device, generator=gen).to(torch.bfloat16)
-    exact = int8_mm_reference(a.contiguous(), b).double() * sa.double()[:, None] * sb.double()[None, :]
+    exact = int8_mm_reference(a.contiguous(), b.contiguous()).double() * sa.double()[:, None] * sb.double()[None, :]
     n = 0
     for addend in (False, True):
         ref = exact + (c.double() @ d.double().T if addend else 0)
@@ -1084,12 +1084,13 @@ def check_large_offsets(device: str) -> int:
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel < 1e-6, f"addend={addend}: rel err {rel:.2e} with rows past 2**31 elements"
         n += 1
-    acc = torch.randn(M, N, device=device, generator=gen)
-    ref = scaled_mm_accumulate_reference(acc, a.contiguous(), b, sa, sb)
+    before = acc.clone()
+    ref = scaled_mm_accumulate_reference(before.float(), a.contiguous(), b.contiguous(), sa, sb)
     scaled_mm_accumulate_triton(acc, a, b, sa, sb)
-    bound = torch.finfo(torch.float32).eps * (ref.abs() + (a.float().abs() @ b.float().abs().T) * sa[:, None] *
-                                              sb[None, :] + 1)
-    assert ((acc - ref).abs() <= bound).all(), "the accumulating kernel with rows past 2**31 elements"
+    # the float32 sum's rounding, then bf16's (the interpreter truncates, the GPU rounds to nearest: within an ulp)
+    bound = torch.finfo(torch.float32).eps * ((a.float().abs() @ b.float().abs().T) * sa[:, None] * sb[None, :]
+                                              + before.float().abs()) + torch.finfo(torch.bfloat16).eps * ref.abs()
+    assert ((acc.float() - ref).abs() <= bound).all(), "the accumulating kernel with rows past 2**31 elements"
     return n + 1
 
 

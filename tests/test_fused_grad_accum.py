@@ -275,12 +275,13 @@ def test_trainer_refuses_it_without_a_low_bit_weight_gradient(tmp_path):
 
 
 @pytest.mark.parametrize("mode, world_size, refused", [("distributed", 1, False), ("distributed", 2, True),
-                                                       ("not_distributed", 1, True), ("not_parallel", 1, False)])
+                                                       ("not_distributed", 1, True), ("not_parallel", 1, False),
+                                                       ("tpu", 1, True), ("sagemaker_model_parallel", 1, True)])
 def test_trainer_refuses_it_where_another_wrapper_takes_the_gradients(tmp_path, monkeypatch, mode, world_size,
                                                                      refused):
-    """Refused under DDP (more than one process) and DataParallel (several GPUs in one process), whose hooks and
-    replicas take each gradient from autograd; not for one process launched by torchrun ("distributed", world size
-    1), around which accelerate wraps no DDP."""
+    """Refused under DDP (more than one process), DataParallel (several GPUs in one process), XLA and SageMaker, whose
+    hooks, replicas and wrappers take each gradient from autograd; not for one process launched by torchrun
+    ("distributed", world size 1), around which accelerate wraps no DDP on GPUs."""
     from transformers.training_args import ParallelMode
 
     args = _args(tmp_path, int8_mixed_precision=True, lowbit_fused_grad_accum=True)

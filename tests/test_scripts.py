@@ -118,17 +118,20 @@ def test_gpu_telemetry_reads_nvidia_smi(tmp_path, monkeypatch):
                     "case \"$*\" in *clocks_event_reasons*) exit 2;; esac\n"  # an older driver: its old name only
                     "echo \"$*\" >> " + str(tmp_path / "calls") + "\n"
                     "case \"$*\" in *-lms=*) printf '1980, 690.5, 61, 0x0000000000000000\\n"
-                    "1755, 700.1, 63, 0x0000000000000004\\n1830, [N/A], 62, 0x0000000000000004\\n'; sleep 30;; esac\n")
+                    "1755, 700.1, 63, 0x0000000000000004\\n1830, [N/A], 62, 0x0000000000000004\\nnot a sample\\n"
+                    "1900, 650.0, 62, [Not Supported]\\n'; sleep 30;; esac\n")
     fake.chmod(0o755)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")  # the fake first; sleep from the system
     telemetry = GpuTelemetry(ms=50).start()
     deadline = _time.time() + 20
-    while len(telemetry.lines) < 3 and _time.time() < deadline:
+    while len(telemetry.lines) < 5 and _time.time() < deadline:
         _time.sleep(0.05)
     out = telemetry.stop()
-    assert out == {"samples": 3, "every_ms": 50, "sm_mhz": [1755.0, 1830.0, 1980.0], "power_w": [690.5, 700.1, 700.1],
-                   "temp_c": [61.0, 62.0, 63.0], "clock_event_reasons": ["0x0000000000000004"]}
+    # the line that is no sample is left out, a reason field nvidia-smi could not fill is no reason
+    assert out == {"samples": 4, "every_ms": 50, "sm_mhz": [1755.0, 1900.0, 1980.0],
+                   "power_w": [650.0, 690.5, 700.1], "temp_c": [61.0, 62.0, 63.0],
+                   "clock_event_reasons": ["0x0000000000000004"]}
     calls = (tmp_path / "calls").read_text().splitlines()
     assert calls[-1].startswith("--id=0 --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active")
     assert calls[-1].endswith("-lms=50")

@@ -137,6 +137,10 @@ def test_quantize_kernels_refuse_operands_past_32bit_offsets():
         with pytest.raises(ValueError, match=r"spans 2,150,400,000 elements, past the 2\*\*31 .* fewer tokens per "
                                              r"micro-batch"):
             call()
+    # 32 elements whose rows lie 2**31 apart: the span counts, not the size
+    far = torch.empty(2 ** 31 + 16, dtype=torch.bfloat16, device="meta").as_strided((2, 16), (2 ** 31, 1))
+    with pytest.raises(ValueError, match=r"spans 2,147,483,664 elements"):
+        quantize_t_triton(far, torch.int8, 127.0)
 
 
 @pytest.mark.cuda

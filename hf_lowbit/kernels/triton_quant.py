@@ -470,9 +470,13 @@ def _check_32bit_offsets(fn: str, x: torch.Tensor) -> None:
     """These kernels address their operand and codes with 32-bit element offsets (as Triton does by default): refuse,
     in one line, an operand that spans 2**31 elements or more (a 14336-wide activation at ~150k tokens, a weight of
     2**31 elements), whose offsets would wrap and read and write outside it. The INT8 matmul's are 64-bit."""
-    span = 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride())) if x.numel() else 0
-    if max(span, x.numel()) >= 2 ** 31:
-        raise ValueError(f"{fn}: an operand of shape {tuple(x.shape)} spans {max(span, x.numel()):,} elements, past "
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    # under torch.compile sizes may be symbols: a backed one gets a guard here, a data-dependent one (tokens routed at
+    # run time) cannot be decided while tracing and is let through rather than failing the trace
+    span = 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
+    if guard_or_false(x.numel() >= 2 ** 31) or guard_or_false(span >= 2 ** 31):
+        raise ValueError(f"{fn}: an operand of shape {tuple(x.shape)} spans {max(int(span), x.numel()):,} elements, past "
                          "the 2**31 these Triton kernels address in 32 bits; use fewer tokens per micro-batch (more "
                          "gradient_accumulation_steps), or leave this layer out of the low-bit recipe")
 
