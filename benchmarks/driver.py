@@ -584,9 +584,11 @@ def cudagraph_skips() -> list[str]:
 
     class _Collect(logging.Handler):
         def emit(self, record):
-            message = record.getMessage()
-            if "cudagraph" in message.lower() and "skip" in message.lower():  # not the log's other warnings
-                reasons.append(message[:400])
+            # what the function that counts skips logs (its messages vary: "skipping cudagraphs due to ...",
+            # "disabling cudagraphs due to incompatible op ...", "graph with symbolic shapes inputs ..."), not the
+            # log's other warnings (the dynamic-shapes one on re-recorded sizes)
+            if record.funcName == cudagraph_utils.log_cudagraph_skip_and_bump_counter.__name__:
+                reasons.append(record.getMessage()[:400])
 
     cudagraph_utils.cudagraphs_log.addHandler(_Collect(logging.WARNING))
     return reasons
