@@ -97,7 +97,8 @@ class LowBitTrainerMixin:
         distributed = sharded or args.world_size > 1 or args.parallel_mode.value not in ("not_parallel", "distributed")
         if fused and distributed:
             raise ValueError(f"{args_name}.lowbit_fused_grad_accum=True: not with DDP, FSDP, DeepSpeed or "
-                             "DataParallel, whose hooks take each gradient from autograd; leave it unset (off there)")
+                             "DataParallel (nor XLA or SageMaker), whose hooks take each gradient from autograd; "
+                             "leave it unset (off there)")
         # unset: off (docs/benchmarks.md, "Fused gradient accumulation"); the arguments refuse True without a low-bit
         # weight gradient
         self.lowbit_fused_grad_accum = bool(fused)

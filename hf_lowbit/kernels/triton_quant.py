@@ -90,6 +90,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.library import wrap_triton
 
 _CHUNK_M = 1024  # rows per partial absmax
@@ -470,8 +471,6 @@ def _check_32bit_offsets(fn: str, x: torch.Tensor) -> None:
     """These kernels address their operand and codes with 32-bit element offsets (as Triton does by default): refuse,
     in one line, an operand that spans 2**31 elements or more (a 14336-wide activation at ~150k tokens, a weight of
     2**31 elements), whose offsets would wrap and read and write outside it. The INT8 matmul's are 64-bit."""
-    from torch.fx.experimental.symbolic_shapes import guard_or_false
-
     # under torch.compile sizes may be symbols: a backed one gets a guard here, a data-dependent one (tokens routed at
     # run time) cannot be decided while tracing and is let through rather than failing the trace
     span = 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
