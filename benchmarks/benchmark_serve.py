@@ -55,6 +55,9 @@ cores up to 16 rows, groups of 128 and more).
 On a CPU the int4 modes skip int4_tinygemm checkpoints (tinygemm's layout serves on CUDA); others swap nothing and run as
 ``compiled_lean``. Modes run in the order given, on one loaded model; a mode after one that changes the model
 (every compiled mode but ``compiled``: ``CHANGES_MODEL``) loads it again.
+``--defer_stop_check``: each decode is timed a second time inside ``hf_lowbit.qat.serving.deferred_stop_check()``
+(transformers' ``DeferredStopCheck``, which it enables on MPS only, on CUDA too: ``generate`` no longer waits for the
+GPU after every token to read its stopping flag), on the same model and graphs, and its tokens compared.
 A build or measurement that fails (a kernel missing on the image, an unsupported op, a time-out) becomes an
 error row with a one-line reason; the other rows are unaffected. ``--device cpu`` with tiny shapes checks the
 plumbing (``--compile_backend eager``: dynamo without Inductor); its timings mean nothing.
@@ -64,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import json
 import os
@@ -456,6 +460,15 @@ def measure(a, emit) -> dict:
                     phase[f"decode_tok_s_b{b}"] = b * (t2 - t1) / (long - short) * 1000
                 if a.profile:
                     phase[f"decode_profile_b{b}"] = decode_profile(run, t1, t2, device)
+                if a.defer_stop_check:  # the same model, graphs and lengths, generate's stop check deferred
+                    defer = _serving_helpers().deferred_stop_check
+                    with torch.no_grad(), defer():
+                        phase[f"deferred_same_tokens_b{b}"] = torch.equal(run(t2), out)
+                    short = _median_ms(lambda: _deferred(run, defer, t1), device, a.reps)
+                    long = _median_ms(lambda: _deferred(run, defer, t2), device, a.reps)
+                    phase[f"decode_ms_b{b}_deferred"] = [short, long]
+                    if long > short:
+                        phase[f"decode_tok_s_b{b}_deferred"] = b * (t2 - t1) / (long - short) * 1000
                 emit(row)
             if device == "cuda":
                 phase["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -472,6 +485,12 @@ def measure(a, emit) -> dict:
     return row
 
 
+def _deferred(run, defer, n: int):
+    with defer():
+        return run(n)
+
+
+@functools.cache
 def _serving_helpers():
     """``hf_lowbit/qat/serving.py`` loaded from its file (it imports only torch): the measured process imports no
     hf_lowbit, as a user serving the export with these lines copied would not."""
@@ -549,6 +568,26 @@ def table(rows: list[dict], modes, batches) -> list[str]:
             cells.append(f"{p['peak_gib']:.1f}" if "peak_gib" in p else "–")
         out.append("| " + " | ".join(cells) + " |")
     return out
+
+
+def deferred_table(rows: list[dict], modes, batches) -> list[str]:
+    """``--defer_stop_check``: each decode timed both ways, one line per checkpoint, mode and batch (none
+    without it)."""
+    head = ["checkpoint", "mode", "batch", "decode tok/s", "vs bf16", "stop check deferred: tok/s", "vs bf16",
+            "deferred / not", "same tokens"]
+    out = []
+    for r in rows:
+        for mode in modes:
+            p = r.get(mode) or {}
+            for b in batches:
+                d, n = p.get(f"decode_tok_s_b{b}_deferred"), p.get(f"decode_tok_s_b{b}")
+                if d is None or n is None:
+                    continue
+                ratio = [f"{p[k]:.2f}x" if k in p else "–" for k in (f"decode_vs_bf16_b{b}",
+                                                                     f"decode_vs_bf16_b{b}_deferred")]
+                out.append(f"| {r['checkpoint']} | {mode} | {b} | {n:.0f} | {ratio[0]} | {d:.0f} | {ratio[1]} | "
+                           f"{d / n:.2f}x | {p.get(f'deferred_same_tokens_b{b}', '–')} |")
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *out] if out else []
 
 
 def profile_table(rows: list[dict], modes, batches) -> list[str]:
@@ -638,6 +677,12 @@ def write(data: dict, a) -> None:
               f"{meta.get('torchao')}: {c['layers']} Llama-8B-shaped layers (h{c['hidden']}), prefill 1x{c['prefill']}, "
               f"decode {c['decode_tokens']} new tokens after a {c['prompt']}-token prompt, LM head {c['lm_head']}")
     lines = table(rows, modes, c["batches"]) if rows else []
+    deferred = deferred_table(rows, modes, c["batches"])
+    if deferred:
+        lines += ["", "Decode with generate's stop check deferred (`--defer_stop_check`: transformers' "
+                  "DeferredStopCheck on CUDA, hf_lowbit.qat.serving.deferred_stop_check; the same model, compiled "
+                  "graphs and lengths as the column before; same tokens: the deferred run's output equals the "
+                  "plain one's):", "", *deferred]
     profiled = profile_table(rows, modes, c["batches"])
     if profiled:
         lines += ["", "Profiled (`--profile`, one call each under `torch.profiler`; per decoded token: the difference "
@@ -675,6 +720,10 @@ def main():
     p.add_argument("--lm_head", choices=("int4", "bf16"), default="int4",
                    help="quantized checkpoints also quantize the LM head (int4: in the scheme's format) or keep it bf16")
     p.add_argument("--compile_backend", default="inductor", help="torch.compile backend (eager: CPU smoke runs)")
+    p.add_argument("--defer_stop_check", action="store_true",
+                   help="also time each decode with generate's stop check deferred (transformers' DeferredStopCheck, "
+                        "on for CUDA by hf_lowbit.qat.serving.deferred_stop_check): the host prepares the next token "
+                        "while the GPU computes this one; same model, graphs and lengths; the tokens compared")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and the decode (two generate lengths) in each mode: GPU ms, host "
                         "syncs, CUDA-graph replays and kernel launches per decoded token, the top kernels (and "
@@ -759,7 +808,7 @@ def run(a) -> None:
                     config={k: getattr(a, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "layers",
                                                        "prefill", "prompt", "decode_tokens", "batches", "group_size",
                                                        "qat_steps", "qat_seq", "reps", "lm_head", "compile_backend",
-                                                       "modes", "profile")})
+                                                       "modes", "profile", "defer_stop_check")})
     common = [sys.executable, os.path.abspath(__file__), "--device", a.device, "--seed", str(a.seed)]
     for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "prefill", "prompt", "group_size",
               "qat_steps", "qat_seq", "reps"):
@@ -767,6 +816,7 @@ def run(a) -> None:
     common += ["--decode_tokens", ",".join(map(str, a.decode_tokens)), "--batches", ",".join(map(str, a.batches)),
                "--modes", ",".join(a.modes), "--lm_head", a.lm_head, "--compile_backend", a.compile_backend]
     common += ["--profile"] if a.profile else []
+    common += ["--defer_stop_check"] if a.defer_stop_check else []
     data = {"meta": meta, "rows": []}
     if a.probe or a.probe_only:
         got, err = _run(common + ["--worker", "probe"], a.timeout)

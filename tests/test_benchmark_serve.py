@@ -34,7 +34,7 @@ def test_serve_smoke_on_cpu(tmp_path):
     # not a bound under test: the whole run (4 processes) took 60-180 s on 2 busy cores, and 300 s per worker
     # timed out once under a CPU hog.
     cmd = [sys.executable, SCRIPT, *TINY, "--checkpoints", "qat_8da4w", "--json", str(out),
-           "--markdown", str(tmp_path / "serve.md"), "--timeout", "900", "--profile",
+           "--markdown", str(tmp_path / "serve.md"), "--timeout", "900", "--profile", "--defer_stop_check",
            "--modes", "eager,compiled,compiled_unwrapped,compiled_lean,compiled_int4k,compiled_int4k_triton,compiled_fp8k"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2700, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -69,6 +69,8 @@ def test_serve_smoke_on_cpu(tmp_path):
             assert prof["top_kernels_per_token"] == [] and prof["top_kernels"] == []
             assert "host_ops" not in phase["prefill_profile"] and "kernels" not in phase["prefill_profile"]
             assert phase["prefill_profile"]["wall_ms"] > 0 and phase["cudagraph_skips"] == 0
+            # --defer_stop_check: timed again under deferred_stop_check (a no-op on the CPU: no events), same tokens
+            assert len(phase["decode_ms_b1_deferred"]) == 2 and phase["deferred_same_tokens_b1"] is True
     assert bf16["eager"]["prefill_vs_bf16"] == 1.0
     # unwrap_tensor_subclass: plain tensors for Dynamo, the same quantized weights rebuilt in the graph
     assert qat["compiled_unwrapped"]["parameter_types"] == bf16["compiled_unwrapped"]["parameter_types"] == ["Parameter"]
@@ -108,7 +110,9 @@ def test_serve_smoke_on_cpu(tmp_path):
     assert "| qat_8da4w | IntxUnpackedToInt8Tensor |" in (tmp_path / "serve.md").read_text()
     assert "| qat_8da4w | compiled |" in (tmp_path / "serve.md").read_text()  # the --profile table
     assert "Kernels per decoded token" not in (tmp_path / "serve.md").read_text()  # none on a CPU
-    assert meta["config"]["profile"] is True
+    assert meta["config"]["profile"] is True and meta["config"]["defer_stop_check"] is True
+    assert "stop check deferred" in (tmp_path / "serve.md").read_text() or not any(
+        "decode_tok_s_b1_deferred" in row[m] for row in (bf16, qat) for m in meta["config"]["modes"])
 
 
 def test_serve_build_worker_reports_a_scheme_it_cannot_convert_in_one_line(tmp_path, capsys, monkeypatch):
@@ -272,6 +276,27 @@ def test_serve_markdown_lists_kernels_per_token_where_recorded(tmp_path, monkeyp
     assert listed[0] == f"| qat_int4_tinygemm | compiled | 1 | 1.0000 | 32.00 | {('k0_' + 'x' * 100)[:80]} |"
     assert len(listed) == 12 and "Kernels per decoded token" in md
     assert not any(line.startswith("| bf16 | compiled | 1 |") for line in md.splitlines())
+
+
+def test_serve_markdown_lists_deferred_decodes_with_ratios_in_their_run(tmp_path, monkeypatch):
+    """``--defer_stop_check`` records: a line per checkpoint, mode and batch, the deferred rate against the bf16
+    row's deferred rate of the same run, and the deferred/plain ratio; none for a row without them."""
+    meta = {"config": {"layers": 8, "hidden": 4096, "prefill": 2048, "decode_tokens": [16, 80], "prompt": 128,
+                       "lm_head": "int4", "batches": [1]}, "command": "x"}
+    rows = [_row("bf16", 0, 10.0, 100.0, 4000), _row("qat_int4_tinygemm", 0, 8.0, 200.0, 1200),
+            _row("qat_fp8_rowwise", 0, 9.0, 150.0, 2000)]
+    rows[0]["compiled"] |= {"decode_tok_s_b1_deferred": 150.0, "deferred_same_tokens_b1": True}
+    rows[1]["compiled"] |= {"decode_tok_s_b1_deferred": 360.0, "deferred_same_tokens_b1": True}
+    (tmp_path / "part.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    monkeypatch.setattr(sys, "argv", ["benchmark_serve.py", "--merge", str(tmp_path / "part.json"), "--json",
+                                      str(tmp_path / "all.json"), "--markdown", str(tmp_path / "all.md")])
+    _script().main()
+    md = (tmp_path / "all.md").read_text()
+    assert "| bf16 | compiled | 1 | 100 | 1.00x | 150 | 1.00x | 1.50x | True |" in md
+    assert "| qat_int4_tinygemm | compiled | 1 | 200 | 2.00x | 360 | 2.40x | 1.80x | True |" in md
+    assert "| qat_fp8_rowwise | compiled | 1 |" not in md
+    merged = json.loads((tmp_path / "all.json").read_text())["rows"][1]["compiled"]
+    assert merged["decode_vs_bf16_b1_deferred"] == 2.4
 
 
 def test_serve_rejects_bad_arguments():

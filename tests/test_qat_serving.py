@@ -122,3 +122,115 @@ def test_guard_filter_missing_in_an_old_torch_is_said(monkeypatch):
     with pytest.raises(RuntimeError, match="guard filtering needs torch >= 2.8"):
         prepare_for_serving(model)
     assert not any(hasattr(m, "parametrizations") for m in model.modules())  # the model left as it was
+
+
+def test_deferred_stop_check_is_allowed_on_cuda_inside_the_block_only():
+    """transformers' own rule (MPS only) outside the block; inside it CUDA counts as MPS, and upstream's other
+    conditions (an assistant model, a returned cache that cannot roll back) still refuse."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.generation.utils import DeferredStopCheck
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    with serving.deferred_stop_check():
+        installed = DeferredStopCheck.__dict__["is_supported"]
+        assert DeferredStopCheck.is_supported(cuda, None, False, False)
+        assert not DeferredStopCheck.is_supported(cpu, None, False, False)  # no events on the CPU
+        assert not DeferredStopCheck.is_supported(cuda, None, False, True)  # an assistant: upstream's refusal
+        cache = DynamicCache()
+        assert DeferredStopCheck.is_supported(cuda, cache, True, False) == cache.is_croppable
+        with serving.deferred_stop_check():  # nested: still on, the patch not stacked
+            assert DeferredStopCheck.__dict__["is_supported"] is installed
+        assert DeferredStopCheck.is_supported(cuda, None, False, False)
+        copy = _serving_file_copy()  # a serving script's copy of the file shares the one installed flag
+        assert copy._cuda_flag() is serving._cuda_flag()
+        assert DeferredStopCheck.__dict__["is_supported"] is installed
+    assert not DeferredStopCheck.is_supported(cuda, None, False, False)
+
+
+def _serving_file_copy():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("copied_serving", serving.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_copy_of_the_file_defers_through_the_same_flag():
+    from transformers.generation.utils import DeferredStopCheck
+
+    copy = _serving_file_copy()
+    with copy.deferred_stop_check():
+        assert serving._cuda_flag().get()
+        assert DeferredStopCheck.is_supported(torch.device("cuda"), None, False, False)
+    assert not serving._cuda_flag().get()
+
+
+def test_defer_stop_check_wraps_this_models_generate_only():
+    """``defer_stop_check(model)``: the flag is on while this model generates (seen from its forward), off for
+    another model of the same class; the same tokens; a second call wraps nothing more."""
+    seen = []
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(3))
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    model, other = tiny_model().eval(), tiny_model().eval()
+    for m in (model, other):
+        m.register_forward_hook(lambda *_: seen.append(serving._cuda_flag().get()))
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        assert serving.defer_stop_check(model) is model
+        wrapped = model.generate
+        assert serving.defer_stop_check(model).generate is wrapped
+        seen.clear()
+        assert torch.equal(model.generate(ids, **kw), ref)
+        assert seen and all(seen)
+        seen.clear()
+        other.generate(ids, **kw)
+        assert seen and not any(seen)
+    assert not serving._cuda_flag().get()
+    assert "generate" not in vars(other) and type(model).generate is type(other).generate
+
+
+def test_defer_stop_check_without_transformers_support_is_said(monkeypatch):
+    from transformers.generation import utils as generation
+
+    monkeypatch.delattr(generation, "DeferredStopCheck")
+    model = tiny_model()
+    with pytest.raises(RuntimeError, match="transformers .* has no DeferredStopCheck.*serve without defer_stop_check"):
+        prepare_for_serving(model, backend="aot_eager", defer_stop=True)
+    assert "generate" not in vars(model)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events: DeferredStopCheck runs on a GPU only")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_deferred_stop_check_decodes_the_same_tokens_cuda(compiled, monkeypatch):
+    """On CUDA the deferred check really runs (counted) and gives generate's tokens: stopped by length, and by an
+    EOS met mid-way (the token decoded past it undone), at batch 1 and 2, eagerly and through the compiled path
+    (static cache, CUDA graphs)."""
+    from transformers.generation import utils as generation
+
+    made = []
+    init = generation.DeferredStopCheck.__init__
+    monkeypatch.setattr(generation.DeferredStopCheck, "__init__",
+                        lambda self, *a, **k: (made.append(1), init(self, *a, **k))[1])
+    model = tiny_model().to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(4)).cuda()
+    kw = {"do_sample": False, "pad_token_id": 0}
+    if compiled:
+        kw |= {"cache_implementation": "static", "compile_config": serving.serving_compile_config()}
+    else:
+        kw["disable_compile"] = True
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=12, min_new_tokens=12, **kw)
+        eos = int(ref[0, 6 + 4])  # the first row's fifth new token: that row stops there
+        for rows in (ids[:1], ids):
+            for extra in ({"max_new_tokens": 12, "min_new_tokens": 12}, {"max_new_tokens": 12, "eos_token_id": eos}):
+                want = model.generate(rows, **kw, **extra)
+                assert not made
+                with serving.deferred_stop_check():
+                    got = model.generate(rows, **kw, **extra)
+                assert made, "the deferred check did not run"
+                made.clear()
+                assert torch.equal(got, want), (rows.shape, extra)
+    torch._dynamo.reset()

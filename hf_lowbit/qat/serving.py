@@ -19,6 +19,13 @@ removes them:
   (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``); those on the inputs (ids, cache, positions: shapes,
   dtypes) stay.
 
+And one cost every model pays, quantized or not: ``generate`` reads its stopping flag on the host after each
+token (one device sync), so the host's ~2-4 ms of Python and launches a token run after the GPU's work instead of
+beside it. transformers (>= 5.17) has the fix, ``DeferredStopCheck`` (the flag copied asynchronously and read one
+token late; a token decoded past an EOS is undone), but turns it on for Apple's MPS only.
+:func:`defer_stop_check` turns it on for one model's ``generate`` on CUDA too (:func:`deferred_stop_check`: for a
+block of code).
+
 Unsafe in one way, as the name says: once compiled, the model's modules must not change (no new weights, no
 ``train()``, no swapped layers); call ``torch._dynamo.reset()`` before compiling again after a change. That holds
 for serving a loaded checkpoint.
@@ -30,11 +37,16 @@ can be copied next to a serving script.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-__all__ = ["guard_filter", "prepare_for_serving", "serving_compile_config", "unwrap_quantized_weights"]
+__all__ = ["defer_stop_check", "deferred_stop_check", "guard_filter", "prepare_for_serving", "serving_compile_config",
+           "unwrap_quantized_weights"]
 
 
 def guard_filter():
@@ -110,9 +122,77 @@ def unwrap_quantized_weights(model: nn.Module) -> dict[str, str]:
     return done
 
 
-def prepare_for_serving(model: nn.Module, backend: str = "inductor", cudagraphs: bool = True):
+def _cuda_flag() -> contextvars.ContextVar:
+    """The flag under which transformers' ``DeferredStopCheck.is_supported`` accepts CUDA, installing that
+    extension first: upstream's own rule (the device must be MPS, then cache conditions) applied as if a CUDA
+    device were MPS, so its other conditions stay its own. One per process: the flag lives on the installed
+    function, so a second copy of this file (a serving script's, beside hf_lowbit's) finds and shares it."""
+    import transformers
+    from transformers.generation import utils as generation
+
+    cls = getattr(generation, "DeferredStopCheck", None)
+    if cls is None or not isinstance(cls.__dict__.get("is_supported"), staticmethod):
+        raise RuntimeError(f"defer_stop_check: transformers {transformers.__version__} has no "
+                           "DeferredStopCheck.is_supported in generate's loop (it came with transformers 5.17): "
+                           "upgrade transformers, or serve without defer_stop_check")
+    upstream = cls.__dict__["is_supported"].__func__
+    flag = getattr(upstream, "_hf_lowbit_cuda_flag", None)
+    if flag is not None:
+        return flag
+    flag = contextvars.ContextVar("hf_lowbit_defer_stop_check_on_cuda", default=False)
+
+    @functools.wraps(upstream)
+    def is_supported(device, cache, cache_is_returned, is_assistant):
+        if flag.get() and torch.device(device).type == "cuda":
+            device = torch.device("mps")  # only the device test differs from upstream's rule
+        return upstream(device, cache, cache_is_returned, is_assistant)
+
+    is_supported._hf_lowbit_cuda_flag = flag
+    cls.is_supported = staticmethod(is_supported)
+    return flag
+
+
+@contextlib.contextmanager
+def deferred_stop_check():
+    """Within the block, ``generate`` on CUDA reads its stopping flag one token late (transformers'
+    ``DeferredStopCheck``) instead of waiting for the GPU after every token: the host prepares token t+1 while
+    the GPU computes token t. The same tokens come out (greedy or sampled with a seed: the decoding is unchanged;
+    a token decoded past the stop is undone by transformers). Sequences stop one ``forward`` later at an EOS, not
+    at ``max_new_tokens``."""
+    flag = _cuda_flag()
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)
+
+
+def defer_stop_check(model: nn.Module) -> nn.Module:
+    """``model.generate`` (this model's, not its class's) runs under :func:`deferred_stop_check`; returns the model.
+    Calling it again changes nothing. Needs transformers with ``DeferredStopCheck`` (5.17+): else a RuntimeError
+    now, not at the first ``generate``."""
+    _cuda_flag()
+    generate = model.generate
+    if getattr(generate, "_hf_lowbit_deferred", False):
+        return model
+
+    @functools.wraps(generate)
+    def deferred_generate(*args, **kwargs):
+        with deferred_stop_check():
+            return generate(*args, **kwargs)
+
+    deferred_generate._hf_lowbit_deferred = True
+    model.generate = deferred_generate
+    return model
+
+
+def prepare_for_serving(model: nn.Module, backend: str = "inductor", cudagraphs: bool = True,
+                        defer_stop: bool = False):
     """:func:`unwrap_quantized_weights` on ``model`` (in place), and the ``CompileConfig`` of
-    :func:`serving_compile_config` to pass to ``generate`` (with ``cache_implementation="static"``)."""
+    :func:`serving_compile_config` to pass to ``generate`` (with ``cache_implementation="static"``).
+    ``defer_stop``: :func:`defer_stop_check` on the model too."""
     config = serving_compile_config(backend, cudagraphs)  # first: a torch without the filter changes nothing
+    if defer_stop:
+        defer_stop_check(model)
     unwrap_quantized_weights(model)
     return config
