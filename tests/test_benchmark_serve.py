@@ -71,6 +71,7 @@ def test_serve_smoke_on_cpu(tmp_path):
             assert phase["prefill_profile"]["wall_ms"] > 0 and phase["cudagraph_skips"] == 0
             # --defer_stop_check: timed again under deferred_stop_check (a no-op on the CPU: no events), same tokens
             assert len(phase["decode_ms_b1_deferred"]) == 2 and phase["deferred_same_tokens_b1"] is True
+            assert phase["deferred_agree_b1"] == phase["plain_repeat_agree_b1"] == 1.0
     assert bf16["eager"]["prefill_vs_bf16"] == 1.0
     # unwrap_tensor_subclass: plain tensors for Dynamo, the same quantized weights rebuilt in the graph
     assert qat["compiled_unwrapped"]["parameter_types"] == bf16["compiled_unwrapped"]["parameter_types"] == ["Parameter"]
@@ -285,15 +286,15 @@ def test_serve_markdown_lists_deferred_decodes_with_ratios_in_their_run(tmp_path
                        "lm_head": "int4", "batches": [1]}, "command": "x"}
     rows = [_row("bf16", 0, 10.0, 100.0, 4000), _row("qat_int4_tinygemm", 0, 8.0, 200.0, 1200),
             _row("qat_fp8_rowwise", 0, 9.0, 150.0, 2000)]
-    rows[0]["compiled"] |= {"decode_tok_s_b1_deferred": 150.0, "deferred_same_tokens_b1": True}
-    rows[1]["compiled"] |= {"decode_tok_s_b1_deferred": 360.0, "deferred_same_tokens_b1": True}
+    rows[0]["compiled"] |= {"decode_tok_s_b1_deferred": 150.0, "deferred_agree_b1": 1.0, "plain_repeat_agree_b1": 1.0}
+    rows[1]["compiled"] |= {"decode_tok_s_b1_deferred": 360.0, "deferred_agree_b1": 0.875}
     (tmp_path / "part.json").write_text(json.dumps({"meta": meta, "rows": rows}))
     monkeypatch.setattr(sys, "argv", ["benchmark_serve.py", "--merge", str(tmp_path / "part.json"), "--json",
                                       str(tmp_path / "all.json"), "--markdown", str(tmp_path / "all.md")])
     _script().main()
     md = (tmp_path / "all.md").read_text()
-    assert "| bf16 | compiled | 1 | 100 | 1.00x | 150 | 1.00x | 1.50x | True |" in md
-    assert "| qat_int4_tinygemm | compiled | 1 | 200 | 2.00x | 360 | 2.40x | 1.80x | True |" in md
+    assert "| bf16 | compiled | 1 | 100 | 1.00x | 150 | 1.00x | 1.50x | 100.0% | 100.0% |" in md
+    assert "| qat_int4_tinygemm | compiled | 1 | 200 | 2.00x | 360 | 2.40x | 1.80x | 87.5% | – |" in md
     assert "| qat_fp8_rowwise | compiled | 1 |" not in md
     merged = json.loads((tmp_path / "all.json").read_text())["rows"][1]["compiled"]
     assert merged["decode_vs_bf16_b1_deferred"] == 2.4
