@@ -593,6 +593,8 @@ def deferred_table(rows: list[dict], modes, batches) -> list[str]:
                 ratio = [f"{p[k]:.2f}x" if k in p else "–" for k in (f"decode_vs_bf16_b{b}",
                                                                      f"decode_vs_bf16_b{b}_deferred")]
                 agree = [f"{p[k]:.1%}" if k in p else "–" for k in (f"deferred_agree_b{b}", f"plain_repeat_agree_b{b}")]
+                if f"deferred_agree_b{b}" not in p and f"deferred_same_tokens_b{b}" in p:  # records before 544c11d
+                    agree[0] = "all (vs warm-up)" if p[f"deferred_same_tokens_b{b}"] else "not all (vs warm-up)"
                 out.append(f"| {r['checkpoint']} | {mode} | {b} | {n:.0f} | {ratio[0]} | {d:.0f} | {ratio[1]} | "
                            f"{d / n:.2f}x | {agree[0]} | {agree[1]} |")
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *out] if out else []
@@ -651,6 +653,8 @@ def plot(rows: list[dict], modes, batches, path: str, title: str) -> None:
     good = [r for r in rows if "error" not in r and r["checkpoint"] != "bf16"]
     names = list(dict.fromkeys(r["checkpoint"] for r in good))
     metrics = [("prefill_vs_bf16", "prefill")] + [(f"decode_vs_bf16_b{b}", f"decode b{b}") for b in batches]
+    metrics += [(f"decode_vs_bf16_b{b}_deferred", f"decode b{b}, stop check deferred") for b in batches
+                if any(f"decode_vs_bf16_b{b}_deferred" in (r.get(m) or {}) for r in good for m in modes)]
     fig, axes = plt.subplots(1, len(modes) + 1, figsize=(5 * (len(modes) + 1), 4), squeeze=False)
     width = 0.8 / len(metrics)
     for ax, mode in zip(axes[0], modes):

@@ -190,13 +190,22 @@ def test_defer_stop_check_wraps_this_models_generate_only():
     assert "generate" not in vars(other) and type(model).generate is type(other).generate
 
 
-def test_defer_stop_check_without_transformers_support_is_said(monkeypatch):
+def test_prepare_for_serving_defers_where_transformers_can_and_says_where_not(monkeypatch):
     from transformers.generation import utils as generation
 
+    with_it = tiny_model()
+    prepare_for_serving(with_it, backend="aot_eager")  # the default: deferred where transformers can
+    assert getattr(vars(with_it).get("generate"), "_hf_lowbit_deferred", False)
+    off = tiny_model()
+    prepare_for_serving(off, backend="aot_eager", defer_stop=False)
+    assert "generate" not in vars(off)
     monkeypatch.delattr(generation, "DeferredStopCheck")
     model = tiny_model()
     with pytest.raises(RuntimeError, match="transformers .* has no DeferredStopCheck.*serve without defer_stop_check"):
         prepare_for_serving(model, backend="aot_eager", defer_stop=True)
+    assert "generate" not in vars(model)
+    with pytest.warns(UserWarning, match="has no DeferredStopCheck, so generate waits for the GPU after every token"):
+        prepare_for_serving(model, backend="aot_eager")  # the default: served without it, and said
     assert "generate" not in vars(model)
 
 
