@@ -269,6 +269,20 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
     # 26's model). At 8 layers generate()'s host loop (~2-3 ms a token) exceeds every checkpoint's GPU time
     # (bf16 1.40 ms, int4 0.92), so decode ratios measure the host; LAYERS=32 (Llama-8B's depth, ~16 GB of bf16
     # weights) weighs the GPU as a served 8B model does (226593a: serve_fp8k and serve_int4k, docs/qat.md).
+    "serve_defer": ("issue 26: decode with generate's stop check deferred (hf_lowbit.qat.serving.deferred_stop_check, "
+                    "on by default in prepare_for_serving) beside the plain decode, on the same graphs, bf16 in the "
+                    "same call, no profiler: at 32 layers (session 30: int4 export on decode='triton_mma' 2.14x bf16 at "
+                    "batch 1 deferred, 1.60x plain). CHECKPOINTS (default qat_int4_tinygemm), MODES (default "
+                    "compiled_int4k_mma), LAYERS (default 32), BATCHES (default 1,8) and TAG name a call: the peer is "
+                    "CHECKPOINTS=ptq_int4_tinygemm MODES=compiled_lean TAG=ptq (torchao's tinygemm path), FP8 is "
+                    "CHECKPOINTS=qat_fp8_rowwise MODES=compiled_fp8k_stacked TAG=fp8",
+                    "32 layers, 2 checkpoints x 1 mode at batches 1,8: ~430 s (88b0f63: 461 s with 33 s of tests); "
+                    "8 layers: ~180 s (544c11d)", [
+        "timeout 580 " + B + ("benchmark_serve.py --timeout 420 --layers ${LAYERS:-32} --modes "
+                              "${MODES:-compiled_int4k_mma} --batches ${BATCHES:-1,8} --reps 5 --defer_stop_check "
+                              "--checkpoints ${CHECKPOINTS:-qat_int4_tinygemm} "
+                              "--json $OUT/serve_defer_${TAG:-int4}_h200.json "
+                              "--markdown $OUT/serve_defer_${TAG:-int4}_h200.md")]),
     "serve_merge": ("issue 26: the serve calls' JSON (and the probe's) joined, ratios kept per call (a call's file "
                     "that is missing is left out, and said so); the PNG needs matplotlib (merge on any machine that "
                     "has it)", "seconds", [
