@@ -412,9 +412,37 @@ def test_fp8_rowwise_train_export_load_generate_on_cpu(tmp_path, monkeypatch):
     assert config["quant_type"]["default"]["_type"] == "Float8DynamicActivationFloat8WeightConfig"
     card = (tmp_path / "q" / "README.md").read_text()
     assert "fp8_rowwise" in card and "sm_89+" in card and "one scale per weight row" in card
+    assert "## Serving" in card and 'from_pretrained("q", device_map="cuda")' in card and "use_fp8_kernels(model)" in card
     got = _load_in_fresh_process(tmp_path / "q", ids, tmp_path)
     assert got["weight_type"] == "Float8Tensor" and got["generated"] == 9
     assert torch.equal(got["logits"], converted)
+
+
+def test_model_card_serving_figures_are_the_records():
+    """The Serving section each GPU scheme's model card carries quotes the H200 records under docs/results (the
+    ratios as the serving benchmark computes them, to two decimals); the ExecuTorch schemes carry none."""
+    from hf_lowbit.qat import get_scheme
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def phase(file, checkpoint, mode):
+        with open(os.path.join(root, "docs", "results", file)) as f:
+            row = next(r for r in json.load(f)["rows"] if r["checkpoint"] == checkpoint)
+        return row, row[mode]
+
+    row, p = phase("serve_int4k_l32_defer_h200.json", "qat_int4_tinygemm", "compiled_int4k_mma")
+    int4 = get_scheme("int4_tinygemm").serving
+    for value, context in ((p["decode_vs_bf16_b1_deferred"], "batch 1 **{}x**"),
+                           (p["decode_vs_bf16_b8_deferred"], "{}x at batch 8"),
+                           (p["prefill_vs_bf16"], "tokens {}x"), (row["size_vs_bf16"], "{}x its size")):
+        assert context.format(f"{value:.2f}") in " ".join(int4.split()), (value, context)
+    row, p = phase("serve_fp8k_l32_h200.json", "qat_fp8_rowwise", "compiled_fp8k_stacked")
+    fp8 = " ".join(get_scheme("fp8_rowwise").serving.split())
+    for value, context in ((p["decode_vs_bf16_b1"], "batch 1 **{}x**"), (p["prefill_vs_bf16"], "tokens {}x"),
+                           (row["size_vs_bf16"], "{}x its size")):
+        assert context.format(f"{value:.2f}") in fp8, (value, context)
+    assert 'decode="triton_mma"' in int4 and "{name}" in int4
+    assert get_scheme("8da4w").serving == get_scheme("int4_weight_only").serving == ""
 
 
 # ---------------------------------------------------------------------------------------------- on the GPU

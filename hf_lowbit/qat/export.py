@@ -46,7 +46,7 @@ Quantization-aware fine-tuned with hf_lowbit and converted to torchao's
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained("{name}")   # needs torchao
 ```
-"""
+{serving}"""
 
 
 def save_quantized(model: nn.Module, path: str, config: QATConfig, tokenizer=None, *,
@@ -98,7 +98,9 @@ def save_quantized(model: nn.Module, path: str, config: QATConfig, tokenizer=Non
                                       granularity=granularity, runtime=spec.runtime, tensor_type=spec.tensor_type,
                                       base_config=type(config.base_config()).__name__,
                                       n_converted=len(converted), dtype=dtype,
-                                      kept=", ".join(f"`{k}`" for k in kept) or "none"))
+                                      kept=", ".join(f"`{k}`" for k in kept) or "none",
+                                      serving=f"\n## Serving\n\n{spec.serving.replace('{name}', name)}\n"
+                                      if spec.serving else ""))
         atomic.replace_dir(tmp, path)  # an earlier export is swapped out in one step where the OS can
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
