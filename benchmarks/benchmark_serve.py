@@ -55,7 +55,8 @@ cores up to 16 rows, groups of 128 and more).
 On a CPU the int4 modes skip int4_tinygemm checkpoints (tinygemm's layout serves on CUDA); others swap nothing and run as
 ``compiled_lean``. Modes run in the order given, on one loaded model; a mode after one that changes the model
 (every compiled mode but ``compiled``: ``CHANGES_MODEL``) loads it again.
-``--defer_stop_check``: each decode is timed a second time inside ``hf_lowbit.qat.serving.deferred_stop_check()``
+``--defer_stop_check``: each decode is timed a second time, interleaved with the plain one repetition by repetition,
+inside ``hf_lowbit.qat.serving.deferred_stop_check()``
 (transformers' ``DeferredStopCheck``, which it enables on MPS only, on CUDA too: ``generate`` no longer waits for the
 GPU after every token to read its stopping flag), on the same model and graphs, and its tokens compared.
 A build or measurement that fails (a kernel missing on the image, an unsupported op, a time-out) becomes an
@@ -266,6 +267,22 @@ def probe_kernels(a) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- measure worker
+def _interleaved_median_ms(fns, args, device: str, reps: int) -> list[float]:
+    """The median ms of each ``fn(arg)``, the calls interleaved: each repetition runs every one once, in order."""
+    import torch
+
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for i, (fn, arg) in enumerate(zip(fns, args)):
+            _sync(device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                fn(arg)
+            _sync(device)
+            times[i].append(1000 * (time.perf_counter() - t0))
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
 def _median_ms(fn, device: str, reps: int) -> float:
     import torch
 
@@ -453,15 +470,20 @@ def measure(a, emit) -> dict:
                 phase[f"decode_warmup_s_b{b}"] = time.perf_counter() - t
                 if out.shape != (b, a.prompt + t2):
                     raise RuntimeError(f"generate returned shape {tuple(out.shape)}, expected {(b, a.prompt + t2)}")
-                short = _median_ms(lambda: run(t1), device, a.reps)
-                long = _median_ms(lambda: run(t2), device, a.reps)
-                phase[f"decode_ms_b{b}"] = [short, long]
-                if long > short:  # else the timing resolved nothing (only on a noisy CPU): no rate
-                    phase[f"decode_tok_s_b{b}"] = b * (t2 - t1) / (long - short) * 1000
+                # each length timed plainly and (--defer_stop_check) with generate's stop check deferred on the same
+                # model, graphs and lengths, the kinds interleaved repetition by repetition
+                defer = _serving_helpers().deferred_stop_check if a.defer_stop_check else None
+                kinds = {"": run} | ({"_deferred": functools.partial(_deferred, run, defer)} if defer else {})
+                medians = _interleaved_median_ms([fn for fn in kinds.values() for _ in (t1, t2)],
+                                                 [n for _ in kinds for n in (t1, t2)], device, a.reps)
+                for i, suffix in enumerate(kinds):
+                    short, long = medians[2 * i], medians[2 * i + 1]
+                    phase[f"decode_ms_b{b}{suffix}"] = [short, long]
+                    if long > short:  # else the timing resolved nothing (only on a noisy CPU): no rate
+                        phase[f"decode_tok_s_b{b}{suffix}"] = b * (t2 - t1) / (long - short) * 1000
                 if a.profile:
                     phase[f"decode_profile_b{b}"] = decode_profile(run, t1, t2, device)
-                if a.defer_stop_check:  # the same model, graphs and lengths, generate's stop check deferred
-                    defer = _serving_helpers().deferred_stop_check
+                if defer:
                     with torch.no_grad():
                         again = run(t2)
                         with defer():
@@ -471,11 +493,6 @@ def measure(a, emit) -> dict:
                     phase[f"plain_repeat_agree_b{b}"] = (again == out)[:, a.prompt:].float().mean().item()
                     phase[f"deferred_agree_b{b}"] = (deferred == again)[:, a.prompt:].float().mean().item()
                     phase[f"deferred_same_tokens_b{b}"] = torch.equal(deferred, again)
-                    short = _median_ms(lambda: _deferred(run, defer, t1), device, a.reps)
-                    long = _median_ms(lambda: _deferred(run, defer, t2), device, a.reps)
-                    phase[f"decode_ms_b{b}_deferred"] = [short, long]
-                    if long > short:
-                        phase[f"decode_tok_s_b{b}_deferred"] = b * (t2 - t1) / (long - short) * 1000
                 emit(row)
             if device == "cuda":
                 phase["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -588,15 +605,16 @@ def deferred_table(rows: list[dict], modes, batches) -> list[str]:
             p = r.get(mode) or {}
             for b in batches:
                 d, n = p.get(f"decode_tok_s_b{b}_deferred"), p.get(f"decode_tok_s_b{b}")
-                if d is None or n is None:
+                if d is None:
                     continue
                 ratio = [f"{p[k]:.2f}x" if k in p else "–" for k in (f"decode_vs_bf16_b{b}",
                                                                      f"decode_vs_bf16_b{b}_deferred")]
                 agree = [f"{p[k]:.1%}" if k in p else "–" for k in (f"deferred_agree_b{b}", f"plain_repeat_agree_b{b}")]
                 if f"deferred_agree_b{b}" not in p and f"deferred_same_tokens_b{b}" in p:  # records before 544c11d
                     agree[0] = "all (vs warm-up)" if p[f"deferred_same_tokens_b{b}"] else "not all (vs warm-up)"
-                out.append(f"| {r['checkpoint']} | {mode} | {b} | {n:.0f} | {ratio[0]} | {d:.0f} | {ratio[1]} | "
-                           f"{d / n:.2f}x | {agree[0]} | {agree[1]} |")
+                plain = ("–", "–") if n is None else (f"{n:.0f}", f"{d / n:.2f}x")  # no plain rate: it resolved none
+                out.append(f"| {r['checkpoint']} | {mode} | {b} | {plain[0]} | {ratio[0]} | {d:.0f} | {ratio[1]} | "
+                           f"{plain[1]} | {agree[0]} | {agree[1]} |")
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *out] if out else []
 
 

@@ -296,6 +296,10 @@ def test_serve_markdown_lists_deferred_decodes_with_ratios_in_their_run(tmp_path
     assert "| bf16 | compiled | 1 | 100 | 1.00x | 150 | 1.00x | 1.50x | 100.0% | 100.0% |" in md
     assert "| qat_int4_tinygemm | compiled | 1 | 200 | 2.00x | 360 | 2.40x | 1.80x | 87.5% | – |" in md
     assert "| qat_fp8_rowwise | compiled | 1 |" not in md
+    rows[2]["compiled"] = {"prefill_ms": 9.0, "decode_tok_s_b1_deferred": 180.0}  # the plain timing resolved no rate
+    (tmp_path / "part.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    _script().main()
+    assert "| qat_fp8_rowwise | compiled | 1 | – | – | 180 | 1.20x | – | – | – |" in (tmp_path / "all.md").read_text()
     merged = json.loads((tmp_path / "all.json").read_text())["rows"][1]["compiled"]
     assert merged["decode_vs_bf16_b1_deferred"] == 2.4
 

@@ -190,6 +190,33 @@ def test_defer_stop_check_wraps_this_models_generate_only():
     assert "generate" not in vars(other) and type(model).generate is type(other).generate
 
 
+def test_a_deferred_models_copies_threads_and_pickles_defer_themselves():
+    """``defer_stop_check``'s wrapper follows the model: a deep copy generates with its own weights (deferred), the
+    model pickles and the loaded one defers too, and ``generate`` run in a thread (the streaming pattern) sets the
+    flag there."""
+    import copy
+    import pickle
+    import threading
+
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(5))
+    kw = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    model = serving.defer_stop_check(tiny_model().eval())
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        calls = {"model": [], "clone": []}
+        model.register_forward_hook(lambda *_: calls["model"].append(serving._cuda_flag().get()))
+        clone.register_forward_hook(lambda *_: calls["clone"].append(serving._cuda_flag().get()))
+        with torch.no_grad():
+            clone.generate(ids, **kw)
+        assert calls["model"] == [] and calls["clone"] and all(calls["clone"])
+        model._forward_hooks.clear()
+    seen = []
+    model.register_forward_hook(lambda *_: seen.append(serving._cuda_flag().get()))
+    thread = threading.Thread(target=lambda: model.generate(ids, **kw))
+    thread.start()
+    thread.join()
+    assert seen and all(seen) and not serving._cuda_flag().get()
+
+
 def test_prepare_for_serving_defers_where_transformers_can_and_says_where_not(monkeypatch):
     from transformers.generation import utils as generation
 

@@ -20,8 +20,8 @@ removes them:
   dtypes) stay.
 
 And one cost every model pays, quantized or not: ``generate`` reads its stopping flag on the host after each
-token (one device sync), so the host's ~2-4 ms of Python and launches a token run after the GPU's work instead of
-beside it. transformers (5.17, the version tested) has the fix, ``DeferredStopCheck`` (the flag copied
+token (one device sync), so the host's Python and launches for the next token wait for the GPU's work instead of
+running beside it (on the H200 the deferral below hid 1.5-1.8 ms a token at 32 Llama-8B layers). transformers (5.17, the version tested) has the fix, ``DeferredStopCheck`` (the flag copied
 asynchronously and read one token late; a token decoded past an EOS is undone), but turns it on for Apple's MPS
 only, pending measurements on CUDA. :func:`defer_stop_check` turns it on for one model's ``generate`` on CUDA too
 (:func:`deferred_stop_check`: for a block of code); :func:`prepare_for_serving` does by default. Measured on the
@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 
 import torch
 from torch import nn
@@ -124,6 +125,9 @@ def unwrap_quantized_weights(model: nn.Module) -> dict[str, str]:
     return done
 
 
+_INSTALL = threading.Lock()
+
+
 def _cuda_flag() -> contextvars.ContextVar:
     """The flag under which transformers' ``DeferredStopCheck.is_supported`` accepts CUDA, installing that
     extension first: upstream's own rule (the device must be MPS, then cache conditions) applied as if a CUDA
@@ -137,30 +141,35 @@ def _cuda_flag() -> contextvars.ContextVar:
                            "DeferredStopCheck.is_supported in generate's loop (transformers 5.17 has it): "
                            "upgrade transformers, or serve without defer_stop_check")
     cls = generation.DeferredStopCheck
-    upstream = cls.__dict__["is_supported"].__func__
-    flag = getattr(upstream, "_hf_lowbit_cuda_flag", None)
-    if flag is not None:
+    with _INSTALL:  # two threads installing at once would each make a flag, one of them never read
+        upstream = cls.__dict__["is_supported"].__func__
+        flag = getattr(upstream, "_hf_lowbit_cuda_flag", None)
+        if flag is not None:
+            return flag
+        flag = contextvars.ContextVar("hf_lowbit_defer_stop_check_on_cuda", default=False)
+
+        @functools.wraps(upstream)
+        def is_supported(device, *args, **kwargs):  # upstream's other arguments passed on as they come
+            if flag.get() and torch.device(device).type == "cuda":
+                device = torch.device("mps")  # only the device test differs from upstream's rule
+            return upstream(device, *args, **kwargs)
+
+        is_supported._hf_lowbit_cuda_flag = flag
+        cls.is_supported = staticmethod(is_supported)
         return flag
-    flag = contextvars.ContextVar("hf_lowbit_defer_stop_check_on_cuda", default=False)
-
-    @functools.wraps(upstream)
-    def is_supported(device, cache, cache_is_returned, is_assistant):
-        if flag.get() and torch.device(device).type == "cuda":
-            device = torch.device("mps")  # only the device test differs from upstream's rule
-        return upstream(device, cache, cache_is_returned, is_assistant)
-
-    is_supported._hf_lowbit_cuda_flag = flag
-    cls.is_supported = staticmethod(is_supported)
-    return flag
 
 
 @contextlib.contextmanager
 def deferred_stop_check():
     """Within the block, ``generate`` on CUDA reads its stopping flag one token late (transformers'
     ``DeferredStopCheck``) instead of waiting for the GPU after every token: the host prepares token t+1 while
-    the GPU computes token t. The same tokens come out (greedy or sampled with a seed: the decoding is unchanged;
-    a token decoded past the stop is undone by transformers). Sequences stop one ``forward`` later at an EOS, not
-    at ``max_new_tokens``."""
+    the GPU computes token t. The decoding is unchanged, so a call returns the tokens it returns without the
+    deferral (transformers undoes the token decoded past a stop); what changes: a sequence stopped by an EOS costs
+    one ``forward`` more (one more random draw when sampling, so later unseeded sampling differs), and a streamer
+    gets each token one step late. Any ``generate`` in the block defers, another model's called from inside too
+    (an assistant model excepted, by upstream's rule). The flag is a context variable: threads started inside the
+    block (a ``Thread(target=model.generate)`` streaming pattern, an executor) do not see it; wrap the model
+    instead (:func:`defer_stop_check`), whose ``generate`` sets it in whichever thread runs it."""
     flag = _cuda_flag()
     token = flag.set(True)
     try:
@@ -169,22 +178,30 @@ def deferred_stop_check():
         flag.reset(token)
 
 
+class _DeferredGenerate:
+    """A model's ``generate`` run under :func:`deferred_stop_check`: the model's own (an instance-level one it
+    had, else its class's), looked up through the model it holds, so a deep copy of the model gets a wrapper of
+    its copy and the model still pickles (a closure over the bound method would do neither)."""
+
+    _hf_lowbit_deferred = True
+
+    def __init__(self, model: nn.Module, inner=None):
+        self.model, self.inner = model, inner
+
+    def __call__(self, *args, **kwargs):
+        generate = self.inner if self.inner is not None else functools.partial(type(self.model).generate, self.model)
+        with deferred_stop_check():
+            return generate(*args, **kwargs)
+
+
 def defer_stop_check(model: nn.Module) -> nn.Module:
     """``model.generate`` (this model's, not its class's) runs under :func:`deferred_stop_check`; returns the model.
     Calling it again changes nothing. Needs transformers with ``DeferredStopCheck`` (5.17 has it): else a
     RuntimeError now, not at the first ``generate``."""
     _cuda_flag()
-    generate = model.generate
-    if getattr(generate, "_hf_lowbit_deferred", False):
+    if getattr(model.generate, "_hf_lowbit_deferred", False):
         return model
-
-    @functools.wraps(generate)
-    def deferred_generate(*args, **kwargs):
-        with deferred_stop_check():
-            return generate(*args, **kwargs)
-
-    deferred_generate._hf_lowbit_deferred = True
-    model.generate = deferred_generate
+    model.generate = _DeferredGenerate(model, vars(model).get("generate"))
     return model
 
 
