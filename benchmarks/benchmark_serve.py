@@ -609,7 +609,8 @@ def deferred_table(rows: list[dict], modes, batches) -> list[str]:
                     continue
                 ratio = [f"{p[k]:.2f}x" if k in p else "–" for k in (f"decode_vs_bf16_b{b}",
                                                                      f"decode_vs_bf16_b{b}_deferred")]
-                agree = [f"{p[k]:.1%}" if k in p else "–" for k in (f"deferred_agree_b{b}", f"plain_repeat_agree_b{b}")]
+                agree = [f"{p[k]:.1%}" if k in p else "–"
+                         for k in (f"deferred_agree_b{b}", f"plain_repeat_agree_b{b}")]
                 if f"deferred_agree_b{b}" not in p and f"deferred_same_tokens_b{b}" in p:  # records before 544c11d
                     agree[0] = "all (vs warm-up)" if p[f"deferred_same_tokens_b{b}"] else "not all (vs warm-up)"
                 plain = ("–", "–") if n is None else (f"{n:.0f}", f"{d / n:.2f}x")  # no plain rate: it resolved none
@@ -712,7 +713,8 @@ def write(data: dict, a) -> None:
         lines += ["", "Decode with generate's stop check deferred (`--defer_stop_check`: transformers' "
                   "DeferredStopCheck on CUDA, hf_lowbit.qat.serving.deferred_stop_check; the same model, compiled "
                   "graphs and lengths as the column before; the share of new tokens equal between a deferred and a "
-                  "plain run, and between two plain runs (greedy decoding of a random model: near-ties can flip)):", "", *deferred]
+                  "plain run, and between two plain runs (greedy decoding of a random model: near-ties can flip)):",
+                  "", *deferred]
     profiled = profile_table(rows, modes, c["batches"])
     if profiled:
         lines += ["", "Profiled (`--profile`, one call each under `torch.profiler`; per decoded token: the difference "

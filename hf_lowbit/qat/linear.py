@@ -160,7 +160,8 @@ out = model.generate(input_ids, max_new_tokens=256, cache_implementation="static
 ```"""
 _INT4_SERVING = _SERVE_CODE.format(
     import_line="from hf_lowbit.qat.int4_serving import use_int4_kernels",
-    swap_line='use_int4_kernels(model, decode="triton_mma")  # tensor-core GEMV up to 16 rows, dequantize + cuBLAS above') + """
+    swap_line='use_int4_kernels(model, decode="triton_mma")  # a tensor-core GEMV to 16 rows, dequantize + cuBLAS above'
+) + """
 
 Measured by hf_lowbit on one H200 (32 Llama-8B-shaped layers, the compiled path above, the bf16 model in the same
 run; docs/qat.md): greedy decode at batch 1 **2.14x** the bf16 model's tokens/s, 1.60x at batch 8; prefill of

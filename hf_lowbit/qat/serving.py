@@ -21,12 +21,13 @@ removes them:
 
 And one cost every model pays, quantized or not: ``generate`` reads its stopping flag on the host after each
 token (one device sync), so the host's Python and launches for the next token wait for the GPU's work instead of
-running beside it (on the H200 the deferral below hid 1.5-1.8 ms a token at 32 Llama-8B layers). transformers (5.17, the version tested) has the fix, ``DeferredStopCheck`` (the flag copied
-asynchronously and read one token late; a token decoded past an EOS is undone), but turns it on for Apple's MPS
-only, pending measurements on CUDA. :func:`defer_stop_check` turns it on for one model's ``generate`` on CUDA too
-(:func:`deferred_stop_check`: for a block of code); :func:`prepare_for_serving` does by default. Measured on the
-H200 (32 Llama-8B-shaped layers, compiled path, batch 1): bf16 1.28x the tokens/s, an int4 export on hf_lowbit's
-kernels 1.72x, the same tokens (docs/qat.md § Serving).
+running beside it (on the H200 the deferral below hid 1.5-1.8 ms a token at 32 Llama-8B layers). transformers (5.17,
+the version tested) has the fix, ``DeferredStopCheck`` (the flag copied asynchronously and read one token late; a
+token decoded past an EOS is undone), but turns it on for Apple's MPS only, pending measurements on CUDA.
+:func:`defer_stop_check` turns it on for one model's ``generate`` on CUDA too (:func:`deferred_stop_check`: for a
+block of code); :func:`prepare_for_serving` does by default. Measured on the H200 (32 Llama-8B-shaped layers,
+compiled path, batch 1): bf16 1.28x the tokens/s, an int4 export on hf_lowbit's kernels 1.72x, the same tokens
+(docs/qat.md § Serving).
 
 Unsafe in one way, as the name says: once compiled, the model's modules must not change (no new weights, no
 ``train()``, no swapped layers); call ``torch._dynamo.reset()`` before compiling again after a change. That holds
@@ -229,8 +230,8 @@ def prepare_for_serving(model: nn.Module, backend: str = "inductor", cudagraphs:
             import transformers
 
             warnings.warn(f"prepare_for_serving: transformers {transformers.__version__} has no DeferredStopCheck, so "
-                          "generate waits for the GPU after every token (with transformers 5.17 the next token is prepared "
-                          "meanwhile: defer_stop_check; pass defer_stop=False to silence this)", stacklevel=2)
+                          "generate waits for the GPU after every token (with transformers 5.17 the next token is "
+                          "prepared meanwhile: defer_stop_check; pass defer_stop=False to silence this)", stacklevel=2)
     if defer_stop:
         defer_stop_check(model)
     unwrap_quantized_weights(model)
