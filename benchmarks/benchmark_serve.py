@@ -284,17 +284,7 @@ def _interleaved_median_ms(fns, args, device: str, reps: int) -> list[float]:
 
 
 def _median_ms(fn, device: str, reps: int) -> float:
-    import torch
-
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            fn()
-        _sync(device)
-        times.append(1000 * (time.perf_counter() - t0))
-    return sorted(times)[len(times) // 2]
+    return _interleaved_median_ms([lambda _: fn()], [None], device, reps)[0]
 
 
 _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -516,7 +506,7 @@ def _deferred(run, defer, n: int):
 
 @functools.cache
 def _serving_helpers():
-    """``hf_lowbit/qat/serving.py`` loaded from its file (it imports only torch): the measured process imports no
+    """``hf_lowbit/qat/serving.py`` loaded from its file (it imports only torch and transformers): the measured process imports no
     hf_lowbit, as a user serving the export with these lines copied would not."""
     import importlib.util
 

@@ -16,9 +16,9 @@ Fake-quantize during fine-tuning, convert with torchao, save a checkpoint ``from
   (:mod:`.export`) writes the converted model: ``model.safetensors`` with torchao's tensor-subclass metadata, a
   ``TorchAoConfig`` in ``config.json``, the tokenizer and a model card, swapped in atomically;
   :func:`push_quantized_to_hub` uploads exactly those files.
-* serve: :func:`prepare_for_serving` (:mod:`.serving`, torch alone: a serving script can copy the file) unwraps
-  the loaded export's torchao weights to plain tensors rebuilt in the graph and returns ``generate``'s compile
-  config with Dynamo's nn-module guards skipped: less host work per decoded token (docs/qat.md § Serving);
+* serve: :func:`prepare_for_serving` (:mod:`.serving`, torch and transformers only: a serving script can copy the
+  file) unwraps the loaded export's torchao weights to plain tensors rebuilt in the graph and returns ``generate``'s
+  compile config with Dynamo's nn-module guards skipped: less host work per decoded token (docs/qat.md § Serving);
   :func:`defer_stop_check` lets ``generate`` on CUDA prepare the next token while the GPU computes this one.
 
 Imports: :mod:`hf_lowbit.kernels` and the core.
