@@ -506,8 +506,8 @@ def _deferred(run, defer, n: int):
 
 @functools.cache
 def _serving_helpers():
-    """``hf_lowbit/qat/serving.py`` loaded from its file (it imports only torch and transformers): the measured process imports no
-    hf_lowbit, as a user serving the export with these lines copied would not."""
+    """``hf_lowbit/qat/serving.py`` loaded from its file (it imports only torch and transformers): the measured
+    process imports no hf_lowbit, as a user serving the export with these lines copied would not."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("hf_lowbit_serving", SERVING_HELPERS)
