@@ -12,6 +12,11 @@ One model for every checkpoint: a Llama-8B-shaped decoder (hidden 4096, MLP 1433
 Checkpoints (``--checkpoints``):
 
 * ``bf16``: that model, the reference of every ratio (same run, same mode).
+* ``<checkpoint>@<mode>+<mode>``: that checkpoint in those modes instead of ``--modes`` (bf16 always runs ``--modes``),
+  e.g. ``qat_int4_tinygemm,ptq_int4_tinygemm@compiled_lean`` with ``--modes compiled_int4k_mma``: our export on our
+  kernels and torchao's PTQ on torchao's path, beside bf16, in one run. A mode bf16 did not run is compared with
+  bf16's ``compiled_lean`` or kernel-mode phase: the kernel modes swap nothing of a bf16 model, so those phases serve
+  it the same way (the row keeps ``bf16_mode``).
 * ``qat_<scheme>``: ``hf_lowbit.qat.prepare_qat`` (``--qat_steps`` AdamW steps on random tokens, to pass through
   training) then ``hf_lowbit.save_quantized``; any scheme of ``hf_lowbit.qat.QAT_SCHEMES``.
 * ``ptq_<scheme>``: torchao's PTQ of the same base config: ``quantize_`` on the bf16 model (the same layers), then
@@ -98,6 +103,7 @@ KERNEL_MODES = {mode: (module, fn, kwargs, key) for mode, (module, fn, key), kwa
 MODES = ("eager", "compiled", "compiled_unwrapped", "compiled_lean", *KERNEL_MODES)
 # a mode after one of these loads the model again
 CHANGES_MODEL = ("compiled_unwrapped", "compiled_lean", *KERNEL_MODES)
+LEAN_ALIKE = ("compiled_lean", *KERNEL_MODES)  # one way of serving a bf16 model (its weights are not swapped)
 SERVING_HELPERS = os.path.join(ROOT, "hf_lowbit", "qat", "serving.py")
 DEFAULT_CHECKPOINTS = ("bf16,qat_int4_tinygemm,ptq_int4_tinygemm,qat_fp8_rowwise,ptq_fp8_rowwise,qat_8da4w,"
                        "qat_int4_weight_only")
@@ -109,6 +115,18 @@ def one_line(e: BaseException | str) -> str:
     text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
     lines = [s.strip() for s in str(text).strip().splitlines() if s.strip()]
     return (lines[0] if lines else "unknown error")[:ERROR_CHARS]
+
+
+def checkpoint_modes(spec: str, modes: list[str]) -> tuple[str, list[str]]:
+    """``"name@m1+m2"`` -> (name, [m1, m2]); ``"name"`` -> (name, modes); an unknown mode -> SystemExit."""
+    name, at, own = spec.partition("@")
+    if not at:
+        return name, modes
+    own_modes = [m for m in own.split("+") if m]
+    if name == "bf16" or not own_modes or any(m not in MODES for m in own_modes):
+        raise SystemExit(f"--checkpoints {spec}: after '@' give modes joined by '+' from {', '.join(MODES)} (bf16, "
+                         "the reference, runs --modes)")
+    return name, own_modes
 
 
 def parse_checkpoint(name: str, schemes) -> tuple[str, str | None]:
@@ -544,6 +562,10 @@ def add_ratios(rows: list[dict], modes) -> None:
         r["size_vs_bf16"] = r["safetensors_bytes"] / base["safetensors_bytes"]
         for mode in modes:
             p, q = r.get(mode) or {}, base.get(mode) or {}
+            if p and not q and mode in LEAN_ALIKE:  # bf16 swaps nothing in the kernel modes: the same serving
+                alike = next((m for m in LEAN_ALIKE if base.get(m)), None)
+                if alike is not None:
+                    q, p["bf16_mode"] = base[alike], alike
             if "prefill_ms" in p and "prefill_ms" in q:
                 p["prefill_vs_bf16"] = q["prefill_ms"] / p["prefill_ms"]
             for k in [k for k in p if k.startswith("decode_tok_s_b")]:
@@ -698,6 +720,11 @@ def write(data: dict, a) -> None:
               f"{meta.get('torchao')}: {c['layers']} Llama-8B-shaped layers (h{c['hidden']}), prefill 1x{c['prefill']}, "
               f"decode {c['decode_tokens']} new tokens after a {c['prompt']}-token prompt, LM head {c['lm_head']}")
     lines = table(rows, modes, c["batches"]) if rows else []
+    alike = sorted({f"{r['checkpoint']} in {m} (bf16's {r[m]['bf16_mode']})" for r in rows for m in modes
+                    if isinstance(r.get(m), dict) and "bf16_mode" in r[m]})
+    if alike:
+        lines += ["", "Ratios against bf16 in another mode of the same serving (the kernel modes swap nothing of a "
+                  "bf16 model; `--checkpoints NAME@MODE`): " + "; ".join(alike) + "."]
     deferred = deferred_table(rows, modes, c["batches"])
     if deferred:
         lines += ["", "Decode with generate's stop check deferred (`--defer_stop_check`: transformers' "
@@ -820,9 +847,9 @@ def run(a) -> None:
     from benchmarks.driver import torchao_version
     from hf_lowbit.qat import QAT_SCHEMES
 
-    names = [c for c in a.checkpoints.split(",") if c and c != "bf16"]
-    names.insert(0, "bf16")  # the reference of every ratio: always measured, first
-    specs = [(n, *parse_checkpoint(n, QAT_SCHEMES)) for n in names]
+    named = [checkpoint_modes(c, a.modes) for c in a.checkpoints.split(",") if c and c != "bf16"]
+    named.insert(0, ("bf16", a.modes))  # the reference of every ratio: always measured, first
+    specs = [(n, *parse_checkpoint(n, QAT_SCHEMES), modes) for n, modes in named]
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmark_serve.py needs a CUDA GPU (--device cpu only smoke-tests the script)")
     meta = run_meta(a.device if a.device == "cuda" else (platform.processor() or "cpu"),
@@ -830,18 +857,19 @@ def run(a) -> None:
                     config={k: getattr(a, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "layers",
                                                        "prefill", "prompt", "decode_tokens", "batches", "group_size",
                                                        "qat_steps", "qat_seq", "reps", "lm_head", "compile_backend",
-                                                       "modes", "profile", "defer_stop_check")})
+                                                       "modes", "profile", "defer_stop_check")},
+                    checkpoint_modes={n: modes for n, modes in named if modes != a.modes})
     common = [sys.executable, os.path.abspath(__file__), "--device", a.device, "--seed", str(a.seed)]
     for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "layers", "prefill", "prompt", "group_size",
               "qat_steps", "qat_seq", "reps"):
         common += [f"--{k}", str(getattr(a, k))]
     common += ["--decode_tokens", ",".join(map(str, a.decode_tokens)), "--batches", ",".join(map(str, a.batches)),
-               "--modes", ",".join(a.modes), "--lm_head", a.lm_head, "--compile_backend", a.compile_backend]
+               "--lm_head", a.lm_head, "--compile_backend", a.compile_backend]
     common += ["--profile"] if a.profile else []
     common += ["--defer_stop_check"] if a.defer_stop_check else []
     data = {"meta": meta, "rows": []}
     if a.probe or a.probe_only:
-        got, err = _run(common + ["--worker", "probe"], a.timeout)
+        got, err = _run(common + ["--modes", ",".join(a.modes), "--worker", "probe"], a.timeout)
         data["probe"] = (got or {}).get("probe") or [{"config": "all", "ok": False, "error": err}]
         print(json.dumps(data["probe"]), flush=True)
         if a.probe_only:
@@ -857,7 +885,7 @@ def run(a) -> None:
         t = time.perf_counter()
         meta["params"] = build_base(a, base_dir)["params"]
         print(f"bf16 model built in {time.perf_counter() - t:.0f} s ({meta['params'] / 1e9:.2f}B parameters)", flush=True)
-        for name, kind, scheme in specs:
+        for name, kind, scheme, modes in specs:
             row: dict = {"checkpoint": name, "kind": kind, "scheme": scheme, "run": 0}
             data["rows"].append(row)
             path = base_dir if kind == "bf16" else os.path.join(workdir, name)
@@ -872,11 +900,12 @@ def run(a) -> None:
                     row.update(stage="build", error=(built or {}).get("error") or err)
             if "error" not in row:
                 row["safetensors_bytes"] = _bytes(path)
-                got, err = _run(common + ["--worker", "measure", "--ckpt_dir", path], a.timeout)
+                got, err = _run(common + ["--modes", ",".join(modes), "--worker", "measure", "--ckpt_dir", path],
+                                a.timeout)
                 row.update(got or {})
                 if err:
                     # a crash or time-out: what it measured before stays; the mode it was in says why it stopped
-                    mode = next((m for m in reversed(a.modes) if isinstance(row.get(m), dict)), None)
+                    mode = next((m for m in reversed(modes) if isinstance(row.get(m), dict)), None)
                     if mode is None:
                         row.update(stage="measure", error=err)
                     else:

@@ -274,7 +274,9 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                     "same call, no profiler: at 32 layers (session 30: int4 export on decode='triton_mma' 2.14x bf16 at "
                     "batch 1 deferred, 1.60x plain). CHECKPOINTS (default qat_int4_tinygemm), MODES (default "
                     "compiled_int4k_mma), LAYERS (default 32), BATCHES (default 1,8) and TAG name a call: the peer is "
-                    "CHECKPOINTS=ptq_int4_tinygemm MODES=compiled_lean TAG=ptq (torchao's tinygemm path), FP8 is "
+                    "CHECKPOINTS=ptq_int4_tinygemm MODES=compiled_lean TAG=ptq (torchao's tinygemm path), ours and "
+                    "the peer in one call: CHECKPOINTS=qat_int4_tinygemm,ptq_int4_tinygemm@compiled_lean BATCHES=1 "
+                    "TAG=int4_ptq (NAME@MODE: that checkpoint's own modes), FP8 is "
                     "CHECKPOINTS=qat_fp8_rowwise MODES=compiled_fp8k_stacked TAG=fp8",
                     "32 layers, 2 checkpoints x 1 mode at batches 1,8: ~430 s (88b0f63: 461 s with 33 s of tests); "
                     "8 layers: ~180 s (544c11d)", [

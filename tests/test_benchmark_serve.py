@@ -374,3 +374,28 @@ def test_serve_host_calls_counts_each_kind(tmp_path):
     bad = subprocess.run([sys.executable, script, "--kinds", "fp4"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT)
     assert bad.returncode != 0 and "--kinds fp4: choose from bf16, int4, int4_unwrapped, int4_filtered" in bad.stderr
+
+
+def test_serve_checkpoint_modes_and_ratios_against_bf16_served_alike():
+    """``NAME@m1+m2`` runs a checkpoint in its own modes (the PTQ peer on torchao's path beside our export on our
+    kernels, one run); bf16 runs ``--modes``, and a lean-alike mode it did not run is compared with its phase in
+    one it did (the kernel modes swap nothing of a bf16 model), said so in the row; other modes get no ratio."""
+    serve = _script()
+    assert serve.checkpoint_modes("ptq_int4_tinygemm@compiled_lean", ["compiled_int4k_mma"]) == (
+        "ptq_int4_tinygemm", ["compiled_lean"])
+    assert serve.checkpoint_modes("qat_fp8_rowwise", ["eager"]) == ("qat_fp8_rowwise", ["eager"])
+    assert serve.checkpoint_modes("qat_8da4w@eager+compiled", []) == ("qat_8da4w", ["eager", "compiled"])
+    for bad in ("qat_8da4w@fast", "qat_8da4w@", "bf16@eager"):
+        with pytest.raises(SystemExit, match="after '@' give modes joined by"):
+            serve.checkpoint_modes(bad, ["eager"])
+    phase = lambda prefill, decode: {"prefill_ms": prefill, "decode_tok_s_b1": decode}  # noqa: E731
+    rows = [{"checkpoint": "bf16", "run": 0, "safetensors_bytes": 4, "compiled_int4k_mma": phase(10.0, 100.0)},
+            {"checkpoint": "qat_int4_tinygemm", "run": 0, "safetensors_bytes": 1, "compiled_int4k_mma": phase(8.0, 250.0)},
+            {"checkpoint": "ptq_int4_tinygemm", "run": 0, "safetensors_bytes": 1, "compiled_lean": phase(10.0, 150.0),
+             "eager": phase(20.0, 50.0)}]
+    serve.add_ratios(rows, ["compiled_int4k_mma", "compiled_lean", "eager"])
+    ours, peer = rows[1]["compiled_int4k_mma"], rows[2]["compiled_lean"]
+    assert ours["decode_vs_bf16_b1"] == 2.5 and "bf16_mode" not in ours
+    assert peer["decode_vs_bf16_b1"] == 1.5 and peer["prefill_vs_bf16"] == 1.0
+    assert peer["bf16_mode"] == "compiled_int4k_mma"
+    assert "decode_vs_bf16_b1" not in rows[2]["eager"]  # bf16 ran no eager phase: nothing to compare with
