@@ -271,7 +271,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
     # weights) weighs the GPU as a served 8B model does (226593a: serve_fp8k and serve_int4k, docs/qat.md).
     "serve_defer": ("issue 26: decode with generate's stop check deferred (hf_lowbit.qat.serving.deferred_stop_check, "
                     "on by default in prepare_for_serving) beside the plain decode, on the same graphs, bf16 in the "
-                    "same call, no profiler: at 32 layers (session 30: int4 export on decode='triton_mma' 2.14x bf16 at "
+                    "same call, no profiler: at 32 layers (int4 export on decode='triton_mma' 2.14x / 1.87x bf16 at "
                     "batch 1 deferred, 1.60x plain). CHECKPOINTS (default qat_int4_tinygemm), MODES (default "
                     "compiled_int4k_mma), LAYERS (default 32), BATCHES (default 1,8) and TAG name a call: the peer is "
                     "CHECKPOINTS=ptq_int4_tinygemm MODES=compiled_lean TAG=ptq (torchao's tinygemm path), ours and "

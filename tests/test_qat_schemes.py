@@ -431,10 +431,16 @@ def test_model_card_serving_figures_are_the_records():
             row = next(r for r in json.load(f)["rows"] if r["checkpoint"] == checkpoint)
         return row, row[mode]
 
-    row, p = phase("serve_int4k_l32_defer_h200.json", "qat_int4_tinygemm", "compiled_int4k_mma")
+    # batch 1, prefill and size from the run with torchao's PTQ peer beside ours (25083fc), batch 8 and the
+    # earlier batch-1 figure from 88b0f63's
+    row, p = phase("serve_int4k_l32_defer_ptq_h200.json", "qat_int4_tinygemm", "compiled_int4k_mma")
+    _, peer = phase("serve_int4k_l32_defer_ptq_h200.json", "ptq_int4_tinygemm", "compiled_lean")
+    _, before = phase("serve_int4k_l32_defer_h200.json", "qat_int4_tinygemm", "compiled_int4k_mma")
     int4 = get_scheme("int4_tinygemm").serving
     for value, context in ((p["decode_vs_bf16_b1_deferred"], "batch 1 **{}x**"),
-                           (p["decode_vs_bf16_b8_deferred"], "{}x at batch 8"),
+                           (before["decode_vs_bf16_b1_deferred"], "({}x in an earlier run"),
+                           (peer["decode_vs_bf16_b1_deferred"], "tinygemm path {}x in the same run"),
+                           (before["decode_vs_bf16_b8_deferred"], "{}x at batch 8"),
                            (p["prefill_vs_bf16"], "tokens {}x"), (row["size_vs_bf16"], "{}x its size")):
         assert context.format(f"{value:.2f}") in " ".join(int4.split()), (value, context)
     row, p = phase("serve_fp8k_l32_h200.json", "qat_fp8_rowwise", "compiled_fp8k_stacked")

@@ -164,9 +164,10 @@ _INT4_SERVING = _SERVE_CODE.format(
 ) + """
 
 Measured by hf_lowbit on one H200 (32 Llama-8B-shaped layers, the compiled path above, the bf16 model in the same
-run; docs/qat.md): greedy decode at batch 1 **2.14x** the bf16 model's tokens/s, 1.60x at batch 8; prefill of
-2048 tokens 0.93x; 0.28x its size. Loaded with plain transformers alone, the same weights run torchao's tinygemm
-kernel for prefill and decode (slower at both: docs/qat.md)."""
+run; docs/qat.md): greedy decode at batch 1 **1.87x** the bf16 model's tokens/s (2.14x in an earlier run; torchao's
+PTQ of the same config on torchao's own tinygemm path 1.37x in the same run), 1.60x at batch 8; prefill of 2048
+tokens 0.95x; 0.28x its size. Loaded with plain transformers alone, the same weights run torchao's tinygemm kernel
+for prefill and decode (slower at both: docs/qat.md)."""
 _FP8_SERVING = _SERVE_CODE.format(
     import_line="from hf_lowbit.qat.fp8_serving import use_fp8_kernels",
     swap_line="use_fp8_kernels(model)  # FP8 GEMV for decode (activation quantized once), _scaled_mm for prefill") + """
