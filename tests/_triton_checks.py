@@ -451,6 +451,120 @@ def check_quantize_tensorwise(device: str) -> int:
     return n
 
 
+def check_adamw_rows(device: str) -> int:
+    """``adamw_rows_`` (AdamW on a weight in one pass, each row's absmax of the stored weight as float bits) against
+    ``adamw_reference`` (plain float32 torch, the same operations) bit for bit, weight, moments and absmax; bf16 and
+    float32 weights, steps 1 and 7, with and without weight decay, shapes no tile divides, a NaN gradient (its row's
+    absmax NaN); several steps from a zero state against ``torch.optim.AdamW``'s fused kernel (at most one step of
+    the stored dtype apart, on at most 2% of the weight: on CUDA it forms some products in float64 and contracts
+    fmas, on the CPU its float32 square root is not always correctly rounded); the rows kernel given that absmax (``row_amax``, one read of
+    the weight) against computing it (both layouts, INT8 and FP8, into poisoned buffers); bad arguments refused in
+    one line. Returns the number of checks."""
+    from hf_lowbit.kernels import quantize_weight
+    from hf_lowbit.kernels.adamw import adamw_reference, adamw_rows_
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX
+    from hf_lowbit.kernels.int8 import INT8_MAX
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
+
+    bits = lambda t: t.view(torch.uint8) if t.dtype == FP8_DTYPE else t  # noqa: E731
+    g0 = torch.Generator().manual_seed(0)
+    shapes = [(70, 300), (1024, 4096), (4099, 33)] if device == "cuda" else [(37, 50), (16, 64)]
+    n = 0
+    for R, K in shapes:
+        for dtype in (torch.bfloat16, torch.float32):
+            for step, wd in ((1, 0.01), (7, 0.0)):
+                p = (torch.randn(R, K, generator=g0) * torch.logspace(-3, 0, R)[:, None]).to(dtype)
+                g = (torch.randn(R, K, generator=g0) * 1e-2).to(dtype)
+                m = (torch.randn(R, K, generator=g0) * 1e-3).to(dtype)
+                v = (torch.rand(R, K, generator=g0) * 1e-5).to(dtype)
+                if step == 7:
+                    g[R // 2, K // 3] = float("nan")  # that row's weight and absmax NaN
+                kw = dict(lr=3e-3, weight_decay=wd)
+                rp, rm, rv = adamw_reference(p, g, m, v, step, **kw)
+                dp, dm, dv = (t.to(device) for t in (p, m, v))
+                amax = torch.empty(R, dtype=torch.int32, device=device)
+                assert adamw_rows_(dp, g.to(device), dm, dv, step, row_amax=amax, **kw) is amax
+                what = f"adamw {(R, K)} {dtype} step {step}"
+                for name, got, ref in (("weight", dp, rp), ("exp_avg", dm, rm), ("exp_avg_sq", dv, rv)):
+                    got = got.cpu()
+                    same = (got == ref) | (got.isnan() & ref.isnan())
+                    assert same.all(), f"{what}: {name} differs in {(~same).sum().item()} of {ref.numel()}"
+                ref_amax = rp.float().abs().amax(1)
+                got_amax = amax.cpu().view(torch.float32)
+                nan_rows = ref_amax.isnan()
+                assert torch.equal(got_amax[~nan_rows], ref_amax[~nan_rows]), f"{what}: row absmax differs"
+                assert bool(got_amax[nan_rows].isnan().all()) and int(nan_rows.sum()) == (step == 7), what
+                n += 1
+                if step != 1:
+                    continue
+                # the refresh given that absmax: the bits of the rows kernel computing it
+                for qdtype, qmax in ((torch.int8, INT8_MAX), (FP8_DTYPE, FP8_MAX)):
+                    with PoisonedAllocations():
+                        bufs = (torch.empty(R, K, dtype=qdtype, device=device),
+                                torch.empty(R, dtype=torch.float32, device=device),
+                                torch.empty(K, R, dtype=qdtype, device=device))
+                    got = quantize_t_triton(dp.T, qdtype, qmax, out=bufs, both_layouts=True, variant="rows",
+                                            row_amax=amax)
+                    ref = quantize_t_triton(dp.T, qdtype, qmax, both_layouts=True, variant="rows")
+                    for a, b, name in zip(got, ref, ("codes", "scales", "transposed codes")):
+                        assert torch.equal(bits(a), bits(b)), f"{what} {qdtype}: {name} differ given row_amax"
+                    n += 1
+        # several steps from a zero state, as torch.optim.AdamW takes them
+        for dtype in (torch.bfloat16, torch.float32):
+            w0 = torch.randn(R, K, generator=g0).to(dtype)
+            grads = [(torch.randn(R, K, generator=g0) * 1e-2).to(dtype).to(device) for _ in range(3)]
+            ours = [w0.clone().to(device), torch.zeros(R, K, dtype=dtype, device=device),
+                    torch.zeros(R, K, dtype=dtype, device=device)]
+            theirs = torch.nn.Parameter(w0.clone().to(device))
+            opt = torch.optim.AdamW([theirs], lr=3e-3, weight_decay=0.01, fused=True)
+            for i, gi in enumerate(grads):
+                adamw_rows_(*ours[:1], gi, *ours[1:], i + 1, lr=3e-3, weight_decay=0.01)
+                theirs.grad = gi.clone()
+                opt.step()
+            a, b = ours[0].float().cpu(), theirs.detach().float().cpu()
+            differ = (a != b).float().mean().item()
+            ulp = torch.finfo(dtype).eps * b.abs().clamp(min=torch.finfo(dtype).tiny)
+            assert differ <= 0.02 and bool(((a - b).abs() <= 2 * ulp).all()), (
+                f"adamw {(R, K)} {dtype}: {differ:.2%} differ from torch's fused AdamW")
+            print(f"adamw {(R, K)} {dtype}: {differ:.4%} of the weight differs from torch's fused AdamW after 3 steps")
+            n += 1
+    # refused in one line
+    w = torch.zeros(4, 8, device=device)
+    for bad, match in ((dict(g=torch.zeros(4, 9, device=device)), "one 2-D shape"),
+                       (dict(step=0), "step counts from 1"),
+                       (dict(row_amax=torch.zeros(4, device=device)), "row_amax must be 4 int32"),
+                       (dict(tiles=(3, 16, 4)), "powers of two"),
+                       (dict(p=torch.zeros(8, 4, device=device).T), "contiguous")):
+        args = dict(p=w, g=torch.zeros_like(w), exp_avg=torch.zeros_like(w), exp_avg_sq=torch.zeros_like(w), step=1,
+                    lr=1e-3)
+        args.update(bad)
+        if "p" in bad:
+            args.update(g=torch.zeros(8, 4, device=device).T, exp_avg=torch.zeros(8, 4, device=device).T,
+                        exp_avg_sq=torch.zeros(8, 4, device=device).T)
+        try:
+            adamw_rows_(**args)
+        except ValueError as e:
+            assert match in str(e), (bad, e)
+        else:
+            raise AssertionError(f"adamw_rows_ accepted {bad}")
+    for bad in (dict(variant="two_kernel"), dict(variant="rows", tensorwise=True)):
+        try:
+            quantize_t_triton(w.T, torch.int8, INT8_MAX, row_amax=torch.zeros(4, dtype=torch.int32, device=device),
+                              **bad)
+        except ValueError as e:
+            assert "row_amax is implemented for variant 'rows'" in str(e), e
+        else:
+            raise AssertionError(f"row_amax with {bad} was accepted")
+    try:
+        quantize_weight("fp8_tensorwise", w, row_amax=torch.zeros(4, dtype=torch.int32, device=device))
+    except ValueError as e:
+        assert "row_amax is for formats scaled per row" in str(e), e
+    else:
+        if device == "cuda":
+            raise AssertionError("quantize_weight(fp8_tensorwise, row_amax=...) was accepted")
+    return n
+
+
 def check_rcp_binades(device: str) -> int:
     """``variant="atomic_rcp"`` (the quotient from the column's reciprocal and an fma correction, fp8's rounding
     step by a multiply) against the default path's bits on columns whose values span every binade bf16 has: each
@@ -1102,6 +1216,7 @@ MODES = {
     "variants": lambda: ("checked", _with(exact_fma_interpreter(), check_quantize_t_variants, "cpu"),
                          "quantizations of other variants and tiles"),
     "tensorwise": lambda: ("checked", check_quantize_tensorwise("cpu"), "tensorwise weight quantizations"),
+    "adamw": lambda: ("checked", check_adamw_rows("cpu"), "AdamW steps and refreshes from their absmax"),
     "rcp_binades": lambda: ("checked", _with(exact_fma_interpreter(), check_rcp_binades, "cpu"),
                             "columns of every binade"),
     "fp8_ties": lambda: ("checked", _with(exact_fma_interpreter(), check_fp8_ties, "cpu"), "FP8 quantizations of ties"),

@@ -175,13 +175,26 @@ def _configs():
     out.append((f"quant_t tensor_amax {br}x{bk}w{warps}", Q._tensor_amax_kernel,
                 {"w_ptr": "*bf16", "amax_ptr": "*i32", "R": "i32", "K": "i32", "stride_wr": "i32"},
                 {"stride_wk": 1, "BLOCK_R": br, "BLOCK_K": bk}, warps, 3))
-    for qt, tensorwise in (("*i8", False), ("*fp8e4nv", False), ("*fp8e4nv", True)):
-        out.append((f"quant_t rows {br}x{bk}w{warps} q={qt} tensorwise={tensorwise}", Q._quantize_rows_kernel,
+    for qt, tensorwise, row_amax in (("*i8", False, False), ("*fp8e4nv", False, False), ("*fp8e4nv", True, False),
+                                     ("*i8", False, True), ("*fp8e4nv", False, True)):
+        out.append((f"quant_t rows {br}x{bk}w{warps} q={qt} tensorwise={tensorwise}" + (" row_amax" if row_amax else ""),
+                    Q._quantize_rows_kernel,
                     {"w_ptr": "*bf16", "q_ptr": qt, "scale_ptr": "*fp32", "seed_ptr": "*fp32", "mul_ptr": "*fp32",
                      "qt_ptr": qt, "amax_ptr": "*i32", "R": "i32", "K": "i32", "stride_wr": "i32"},
                     {"stride_wk": 1, "QMAX": 127.0 if qt == "*i8" else 448.0, "IS_INT8": qt == "*i8",
                      "STOCHASTIC": False, "HAS_MUL": False, "BOTH_LAYOUTS": True, "TENSORWISE": tensorwise,
-                     "BLOCK_R": br, "BLOCK_K": bk}, warps, 3))
+                     "ROW_AMAX": row_amax, "BLOCK_R": br, "BLOCK_K": bk}, warps, 3))
+    # AdamW on a weight with each row's absmax (the weight cache's refresh from it reads the weight once)
+    from hf_lowbit.kernels import adamw as AW
+
+    br, bk, warps = AW._TILES
+    for dt in ("*bf16", "*fp32"):
+        for row_amax in (False, True):
+            out.append((f"adamw_rows {br}x{bk}w{warps} {dt} row_amax={row_amax}", AW._adamw_rows_kernel,
+                        {"p_ptr": dt, "g_ptr": dt, "m_ptr": dt, "v_ptr": dt, "amax_ptr": "*i32", "R": "i32",
+                         "K": "i32", **{a: "fp32" for a in ("decay", "beta1", "one_minus_beta1", "beta2",
+                                                            "one_minus_beta2", "step_size", "bc2_sqrt", "eps")}},
+                        {"ROW_AMAX": row_amax, "BLOCK_R": br, "BLOCK_K": bk}, warps, 3))
     # the training matmuls: INT8 (with the LoRA addend or not) and the accumulating kernel (INT8, FP8), at a tile of
     # their autotuning (their row offsets 64-bit since session 29)
     from hf_lowbit.kernels import triton_int8 as T8

@@ -312,6 +312,20 @@ def test_quantize_tensorwise_interpreted():
     assert "checked 17 tensorwise weight quantizations" in run_interpreted("tensorwise")
 
 
+def test_adamw_rows_interpreted():
+    """AdamW on a weight in one pass with each row's absmax (the weight cache's refresh then reads the weight once):
+    the float32 reference's bits, torch's fused AdamW within a step of the dtype, the rows kernel given that absmax
+    equal to it computing it, bad arguments refused."""
+    assert "checked 20 AdamW steps and refreshes from their absmax" in run_interpreted("adamw")
+
+
+@pytest.mark.cuda
+def test_adamw_rows_cuda():
+    from _triton_checks import check_adamw_rows
+
+    assert check_adamw_rows("cuda") == 30
+
+
 @pytest.mark.cuda
 def test_quantize_tensorwise_cuda():
     from _triton_checks import check_quantize_tensorwise

@@ -213,16 +213,17 @@ def _carried_stores(sass: str) -> tuple[list[tuple], int]:
 def _rows_main(tmp: str, bindir: str) -> int:
     br, bk, warps = Q._ROWS_TILES
     print(f"_quantize_rows_kernel at {br}x{bk}, {warps} warps, bf16 w, both layouts (Triton {triton.__version__})")
-    for name, fn, qt, tensorwise in (("int8", Q._quantize_rows_kernel, "*i8", False),
-                                     ("fp8", Q._quantize_rows_kernel, "*fp8e4nv", False),
-                                     ("fp8-tensorwise", Q._quantize_rows_kernel, "*fp8e4nv", True),
-                                     ("fp8-cvt", _rows_cvt_kernel, "*fp8e4nv", False)):
+    for name, fn, qt, tensorwise, row_amax in (("int8", Q._quantize_rows_kernel, "*i8", False, False),
+                                               ("fp8", Q._quantize_rows_kernel, "*fp8e4nv", False, False),
+                                               ("fp8-tensorwise", Q._quantize_rows_kernel, "*fp8e4nv", True, False),
+                                               ("fp8-row_amax", Q._quantize_rows_kernel, "*fp8e4nv", False, True),
+                                               ("fp8-cvt", _rows_cvt_kernel, "*fp8e4nv", False, False)):
         for div in (True, False):
             sig = {"w_ptr": "*bf16", "q_ptr": qt, "scale_ptr": "*fp32", "seed_ptr": "*fp32", "mul_ptr": "*fp32",
                    "qt_ptr": qt, "amax_ptr": "*i32", "R": "i32", "K": "i32", "stride_wr": "i32"}
             consts = {"stride_wk": 1, "QMAX": 127.0 if qt == "*i8" else 448.0, "IS_INT8": qt == "*i8",
                       "STOCHASTIC": False, "HAS_MUL": False, "BOTH_LAYOUTS": True, "TENSORWISE": tensorwise,
-                      "BLOCK_R": br, "BLOCK_K": bk}
+                      "ROW_AMAX": row_amax, "BLOCK_R": br, "BLOCK_K": bk}
             sig = {k: v for k, v in sig.items() if k in fn.arg_names}  # the old kernel has no tensorwise arguments
             consts = {k: v for k, v in consts.items() if k in fn.arg_names}
             hints = [k for k, t in sig.items() if t.startswith("*") or (div and k in ("R", "K", "stride_wr"))]

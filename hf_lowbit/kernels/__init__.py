@@ -139,7 +139,8 @@ WEIGHT_VARIANT = {"int8": "rows", "fp8": "rows"}
 
 
 @torch.no_grad()
-def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, **kernel: object) -> tuple[Tensor, ...]:
+def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, row_amax: Tensor | None = None,
+                    **kernel: object) -> tuple[Tensor, ...]:
     """Everything a linear's weight ``w [N, K]`` takes part in, from one call: ``(q [N, K], scale [N])`` per
     output row (the forward's operand, the same bits as :func:`quantize_operand` ``(w, 1)``) and the same codes
     transposed, ``qt [K, N]`` (the input gradient's, :func:`scaled_matmul_input_grad`). ``out``: three
@@ -150,7 +151,10 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
     1.45x the two-kernel path over a Llama-8B layer on the H200 for INT8; see ``WEIGHT_VARIANT``); unused off
     CUDA (plain torch). A tensorwise format takes the rows kernel with one scale (``tensorwise=True``): in plain
     torch, run eagerly here, its refresh was ~6 unfused kernels a weight (~30 ms a step for 8 Llama-8B layers at
-    1x2048 with accumulation 8 on the H200, session 17's profile, against the rows kernel's ~5 ms)."""
+    1x2048 with accumulation 8 on the H200, session 17's profile, against the rows kernel's ~5 ms).
+    ``row_amax``: each row's absmax of ``w`` as it is now, int32 float bits ``[N]`` (left by
+    :func:`hf_lowbit.kernels.adamw.adamw_rows_`, the optimizer pass that wrote ``w``): on CUDA the rows kernel then
+    reads ``w`` once; per-row formats only; the plain-torch path computes the same absmax itself."""
     if w.is_cuda:
         from torch._library.triton import set_wrap_triton_enabled
 
@@ -162,6 +166,10 @@ def quantize_weight(fmt: str, w: Tensor, out: tuple[Tensor, ...] | None = None, 
                 raise ValueError(f"quantize_weight: {fmt} (one scale per tensor) is refreshed by the rows kernel "
                                  f"only, got variant={kernel['variant']!r}")
             kernel = {**kernel, "variant": "rows", "tensorwise": True}
+        if row_amax is not None:
+            if f.tensorwise:
+                raise ValueError(f"quantize_weight: row_amax is for formats scaled per row, not {fmt!r}")
+            kernel = {"variant": "rows", **kernel, "row_amax": row_amax}
         # eagerly (this runs outside compiled graphs, after optimizer steps) launch the kernels directly:
         # wrap_triton's dispatch costs ~1 ms a launch, which made a refresh of 8 Llama-8B layers ~70 ms. Both
         # layouts come from one pass (the transposed codes are stored from the same registers)

@@ -390,8 +390,8 @@ def _tensor_amax_kernel(w_ptr, amax_ptr, R, K, stride_wr, stride_wk, BLOCK_R: tl
 @triton.jit
 def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qt_ptr, amax_ptr, R, K, stride_wr, stride_wk,
                           QMAX: tl.constexpr, IS_INT8: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MUL: tl.constexpr,
-                          BOTH_LAYOUTS: tl.constexpr, TENSORWISE: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BOTH_LAYOUTS: tl.constexpr, TENSORWISE: tl.constexpr, ROW_AMAX: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """``variant="rows"``: ``w [R, K]`` (``= x.T``) quantized per row, one program per ``BLOCK_R`` rows, ``K`` read
     twice with loads along ``w``'s rows; codes stored in ``w``'s layout ``q [R, K]`` (row-major: no transpose)
     and, with ``BOTH_LAYOUTS``, transposed into ``qt [K, R]``. In ``x``'s terms ``M = K``, ``N = R``, so the
@@ -413,13 +413,24 @@ def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qt_ptr, am
     each row's absmax, stored once a row (``w`` is then read once here). Triton then encodes each tile twice, once
     in each store's layout, instead of transposing the codes through shared memory (80 SASS instructions an element
     against the per-row kernel's 42 at Llama shapes, ``tools/quant_t_sass.py --rows``; deriving the scale through a
-    row reduction kept the duplicate and made the tool flag a stale store, so it stays this way)."""
+    row reduction kept the duplicate and made the tool flag a stale store, so it stays this way).
+
+    ``ROW_AMAX``: each row's absmax given, as int32 bits in ``amax_ptr [R]`` (:func:`_abs_bits`; made by the pass
+    that last wrote ``w``, e.g. :func:`hf_lowbit.kernels.adamw.adamw_rows_`), so ``w`` is read once here."""
     q8_ptr, qt8_ptr = q_ptr.to(tl.pointer_type(tl.int8)), qt_ptr.to(tl.pointer_type(tl.int8))  # int8: the same
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     if TENSORWISE:
         amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
         scale = _scale_of(tl.zeros((BLOCK_R,), dtype=tl.float32) + amax, QMAX)
+    elif ROW_AMAX:
+        # merged with the absmax of the rows' first tile (at most theirs: the same bits), so that the scale comes
+        # out of a reduction over a tile of w as the computed one does: loaded as a plain vector alone, Triton gave
+        # the encode the tensorwise path's layouts (each tile encoded twice, ~82 SASS instructions an element, and
+        # tools/quant_t_sass.py --rows flagged FP8 transposed stores of the previous iteration's codes)
+        w = _load_w(w_ptr, offs_r, tl.arange(0, BLOCK_K), R, K, stride_wr, stride_wk, mul_ptr, HAS_MUL)
+        bits = tl.maximum(tl.load(amax_ptr + offs_r, mask=mask_r, other=0), tl.max(_abs_bits(w), axis=1))
+        scale = _scale_of(bits.to(tl.float32, bitcast=True), QMAX)
     else:
         acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -485,7 +496,7 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
                       row_mul: torch.Tensor | None = None, both_layouts: bool = False, *, variant: str = "two_kernel",
                       amax_tiles: tuple[int, int, int] | None = None, quant_tiles: tuple[int, int, int] | None = None,
                       tiles: tuple[int, int, int] | None = None, tensorwise: bool = False,
-                      fp8_cast: str | None = None) -> tuple[torch.Tensor, ...]:
+                      fp8_cast: str | None = None, row_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``x`` [M, N] (any strides) -> ``q`` [N, M] contiguous in ``qdtype``, ``scale`` [N] float32.
 
     ``chunk_m``: rows per partial absmax (a multiple of the row tile; default: sized to the shape). ``out``:
@@ -517,6 +528,11 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     weight, ~30 ms a step for 8 Llama-8B layers on the H200. Two launches: an absmax pass merged by an atomic max,
     then the rows kernel reading the scale instead of computing one a row.
 
+    ``row_amax`` (``variant="rows"`` only, nearest rounding, no ``row_mul``, not ``tensorwise``): the absmax of each
+    of ``x``'s columns (``w``'s rows) already known, as int32 bits ``[N]`` (``|x|``'s float32 bits, NaN above inf:
+    what :func:`hf_lowbit.kernels.adamw.adamw_rows_` leaves from the optimizer's own pass over the weight), so the
+    rows kernel reads ``x`` once instead of twice. The same bits as computing it here, given the true absmax.
+
     ``fp8_cast`` (``"atomic"`` / ``"atomic_rcp"``, fp8): how the quotients become e4m3 codes, the same bits either
     way: ``"native"`` (the default on CUDA) the hardware's round-to-nearest-even cast, ``"soft"`` (the default and
     the only choice in the interpreter, whose cast rounds ties up) rounding in float32 arithmetic first. On the
@@ -539,6 +555,10 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         raise ValueError("quantize_t_triton: tensorwise=True is implemented for variant 'rows' with nearest rounding "
                          f"and no row_mul, got variant={variant!r}, stochastic={stochastic}, "
                          f"row_mul={'given' if row_mul is not None else None}")
+    if row_amax is not None and (variant != "rows" or stochastic or row_mul is not None or tensorwise):
+        raise ValueError("quantize_t_triton: row_amax is implemented for variant 'rows' with nearest rounding, no "
+                         f"row_mul and not tensorwise, got variant={variant!r}, stochastic={stochastic}, "
+                         f"row_mul={'given' if row_mul is not None else None}, tensorwise={tensorwise}")
     if fp8_cast not in (None, "native", "soft"):
         raise ValueError(f"quantize_t_triton: fp8_cast must be 'native', 'soft' or None, got {fp8_cast!r}")
     if fp8_cast is not None and variant not in FP8_CAST_VARIANTS:
@@ -551,6 +571,10 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         raise ValueError(f"quantize_t_triton: amax_tiles, quant_tiles and chunk_m are the two-kernel path's, not "
                          f"{variant!r}'s (it takes tiles)")
     M, N = x.shape
+    if row_amax is not None and (row_amax.shape != (N,) or row_amax.dtype != torch.int32
+                                 or row_amax.device != x.device):
+        raise ValueError(f"quantize_t_triton: row_amax must be {N} int32 values (float32 bits) on {x.device}, got "
+                         f"{tuple(row_amax.shape)} {row_amax.dtype} on {row_amax.device}")
     small = x.device.type == "cpu"  # the interpreter: small tiles
     if out is None:
         q = torch.empty((N, M), dtype=qdtype, device=x.device)
@@ -580,14 +604,14 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
             num_warps=warps)
     elif variant == "rows":  # w = x.T: [R, K] = [N, M]; q [N, M] is w's layout, qx [M, N] its transpose
         br, bk, warps = _tiles(tiles, _CPU_TILES if small else _ROWS_TILES, "tiles")
-        amax_bits = scale  # read only with TENSORWISE
+        amax_bits = scale if row_amax is None else row_amax  # read only with TENSORWISE or ROW_AMAX
         if tensorwise:
             amax_bits = torch.zeros((1,), dtype=torch.int32, device=x.device)  # |x| >= +0: the max's identity
             wrap_triton(_tensor_amax_kernel)[(triton.cdiv(N, br),)](
                 x, amax_bits, N, M, x.stride(1), x.stride(0), BLOCK_R=br, BLOCK_K=bk, num_warps=warps)
         wrap_triton(_quantize_rows_kernel)[(triton.cdiv(N, br),)](
             x, q, scale, seed, mul, qx_arg, amax_bits, N, M, x.stride(1), x.stride(0), **consts,
-            TENSORWISE=tensorwise, BLOCK_R=br, BLOCK_K=bk, num_warps=warps)
+            TENSORWISE=tensorwise, ROW_AMAX=row_amax is not None, BLOCK_R=br, BLOCK_K=bk, num_warps=warps)
     else:  # _TWO_PASS: column absmax, then quantize; the tiles and row chunks chosen alike
         bm, bn, warps = _tiles(amax_tiles, _CPU_TILES if small else _AMAX_TILES, "amax_tiles")
         if chunk_m is None:
