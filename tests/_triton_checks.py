@@ -565,6 +565,100 @@ def check_adamw_rows(device: str) -> int:
     return n
 
 
+def check_lowbit_adamw(device: str) -> int:
+    """``LowBitAdamW`` on a model with cached INT8 and FP8 low-bit linears (one with a bias), an embedding and a
+    tensorwise FP8 linear, against ``torch.optim.AdamW`` (fused) on a copy, the same gradients, 3 steps: the cached
+    weights within a step of the dtype on at most 2% (the kernel's arithmetic is torch's fused kernel's), every
+    other parameter bit for bit (torch's own step); each cache the bits of quantizing its weight now, refreshed by
+    the optimizer from the kernel's absmax (the post-step hook re-quantized none of them); ``state_dict`` equal in
+    structure and step counts; a weight whose cache is switched off goes back to torch's step and counts on; the
+    state loads into ``torch.optim.AdamW``. Returns the number of checks."""
+    import copy
+
+    from hf_lowbit.kernels import quantize_weight
+    from hf_lowbit.kernels.fp8 import FP8_DTYPE
+    from hf_lowbit.mixed_precision import LowBitAdamW, MixedPrecisionConfig, MixedPrecisionLinear
+    from hf_lowbit.mixed_precision import linear as L
+
+    bits = lambda t: t.view(torch.uint8) if t.dtype == FP8_DTYPE else t  # noqa: E731
+    torch.manual_seed(0)
+    dims = (48, 80) if device == "cpu" else (1024, 4096)
+    model = torch.nn.ModuleDict({
+        "emb": torch.nn.Embedding(16, dims[1]),
+        "a": MixedPrecisionLinear(dims[1], dims[0], bias=True, config=MixedPrecisionConfig("int8")),
+        "b": MixedPrecisionLinear(dims[0], dims[1], bias=False, config=MixedPrecisionConfig("fp8")),
+        "t": MixedPrecisionLinear(dims[1], dims[0], bias=False, config=MixedPrecisionConfig("fp8_tensorwise")),
+    }).to(device=device, dtype=torch.bfloat16)
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        for layer in m.values():
+            if isinstance(layer, MixedPrecisionLinear):
+                layer.set_weight_cache(True)
+    ours = LowBitAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
+    calls = []
+    real = L.quantize_weight
+
+    def counting(fmt, w, out=None, row_amax=None, **kw):
+        calls.append((id(w.untyped_storage()), row_amax is not None))
+        return real(fmt, w, out=out, row_amax=row_amax, **kw)
+
+    L.quantize_weight = counting
+    n = 0
+    try:
+        for step in range(4):
+            if step == 3:  # "b" leaves the fast path: torch's step takes it, counting on from 3
+                model["b"].set_weight_cache(False)
+                ref["b"].set_weight_cache(False)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                g = torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 100 + len(name))) * 1e-2
+                p.grad, q.grad = g.to(device, p.dtype), g.to(device, p.dtype)
+            calls.clear()
+            ours.step()
+            theirs.step()
+            taken = {"a", "b"} if step < 3 else {"a"}
+            assert ours.lowbit_refreshed == {id(model[k].weight) for k in taken}, step
+            for k in taken:  # the optimizer's refresh from the absmax, and no other of that weight
+                mine = [c for c in calls if c[0] == id(model[k].weight.untyped_storage())]
+                assert mine == [(mine[0][0], True)], (step, k, mine)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                a, b = p.detach().float().cpu(), q.detach().float().cpu()
+                if name.split(".")[0] in ("a", "b") and name.endswith("weight"):  # ours at some step
+                    ulp = torch.finfo(p.dtype).eps * b.abs().clamp(min=torch.finfo(p.dtype).tiny)
+                    differ = (a != b).float().mean().item()
+                    assert differ <= 0.02 and bool(((a - b).abs() <= 2 * ulp).all()), (step, name, differ)
+                else:
+                    assert torch.equal(a, b), (step, name)
+            for k in ("a", "b", "t"):
+                layer = model[k]
+                if not layer.weight_cache:
+                    continue
+                want = real(layer.lowbit_config.format, layer.weight.detach())
+                got = tuple(getattr(layer, b) for b in L._CACHE_BUFFERS)
+                assert all(torch.equal(bits(x), bits(y)) for x, y in zip(got, want)), (step, k)
+            n += 1
+        sd, sd_ref = ours.state_dict(), theirs.state_dict()
+        assert sd["param_groups"] == sd_ref["param_groups"]
+        for i, st in sd["state"].items():
+            assert float(st["step"]) == float(sd_ref["state"][i]["step"]) == 4.0, (i, st["step"])
+            assert st["step"].device == sd_ref["state"][i]["step"].device and set(st) == set(sd_ref["state"][i])
+        back = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
+        back.load_state_dict(sd)
+        back.step()  # torch's step from our state
+        n += 1
+    finally:
+        L.quantize_weight = real
+    try:
+        LowBitAdamW.from_optimizer(theirs)
+    except ValueError as e:
+        assert "has state already" in str(e), e
+    else:
+        raise AssertionError("from_optimizer accepted a stepped optimizer")
+    fresh = LowBitAdamW.from_optimizer(torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.8, 0.9), fused=True))
+    assert fresh.defaults["betas"] == (0.8, 0.9) and fresh.param_groups[0]["lr"] == 1e-4
+    return n + 1
+
+
 def check_rcp_binades(device: str) -> int:
     """``variant="atomic_rcp"`` (the quotient from the column's reciprocal and an fma correction, fp8's rounding
     step by a multiply) against the default path's bits on columns whose values span every binade bf16 has: each
@@ -1217,6 +1311,7 @@ MODES = {
                          "quantizations of other variants and tiles"),
     "tensorwise": lambda: ("checked", check_quantize_tensorwise("cpu"), "tensorwise weight quantizations"),
     "adamw": lambda: ("checked", check_adamw_rows("cpu"), "AdamW steps and refreshes from their absmax"),
+    "lowbit_adamw": lambda: ("checked", check_lowbit_adamw("cpu"), "LowBitAdamW steps against torch's AdamW"),
     "rcp_binades": lambda: ("checked", _with(exact_fma_interpreter(), check_rcp_binades, "cpu"),
                             "columns of every binade"),
     "fp8_ties": lambda: ("checked", _with(exact_fma_interpreter(), check_fp8_ties, "cpu"), "FP8 quantizations of ties"),

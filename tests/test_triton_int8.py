@@ -326,6 +326,20 @@ def test_adamw_rows_cuda():
     assert check_adamw_rows("cuda") == 30
 
 
+def test_lowbit_adamw_interpreted():
+    """LowBitAdamW beside torch's fused AdamW on the same gradients: cached INT8/FP8 weights through the one-pass
+    kernel (within a step of the dtype), everything else torch's bits, caches refreshed from the kernel's absmax
+    and by nothing else, the state torch's (a weight handed back counts on; the state loads into AdamW)."""
+    assert "checked 6 LowBitAdamW steps against torch's AdamW" in run_interpreted("lowbit_adamw")
+
+
+@pytest.mark.cuda
+def test_lowbit_adamw_cuda():
+    from _triton_checks import check_lowbit_adamw
+
+    assert check_lowbit_adamw("cuda") == 6
+
+
 @pytest.mark.cuda
 def test_quantize_tensorwise_cuda():
     from _triton_checks import check_quantize_tensorwise

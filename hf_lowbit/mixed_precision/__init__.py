@@ -16,12 +16,15 @@ precision").
   stock transformers.
 * gradient accumulation (``lowbit_fused_grad_accum``): :mod:`.grad_accum`, each weight's ``.grad`` added into by its
   weight-gradient matmul (:class:`FusedGradAccumulation`).
+* the optimizer (``lowbit_fused_adamw``): :mod:`.adamw`, :class:`LowBitAdamW`, AdamW whose pass over each cached
+  weight leaves its row absmax, so that the cache refresh reads the weight once.
 * FSDP2 (``lowbit_fsdp_lowbit_all_gather``): :mod:`.fsdp_all_gather`, the weight that FSDP2 all-gathers as
   codes + row scales and the layer computes with.
 
 Imports: :mod:`hf_lowbit.kernels` and the core (``swap``, ``compute``, ``warnings``).
 """
 
+from .adamw import LowBitAdamW
 from .fsdp_all_gather import GatheredLowBitWeight, LowBitAllGatherWeight
 from .grad_accum import FusedGradAccumulation, enable_fused_grad_accumulation
 from .linear import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear, convert_to_mixed_precision,
@@ -29,4 +32,4 @@ from .linear import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear, c
 
 __all__ = ["MixedPrecisionConfig", "MixedPrecisionLinear", "LowBitLinear", "mixed_precision_linear",
            "convert_to_mixed_precision", "set_weight_cache", "refresh_weight_caches", "LowBitAllGatherWeight",
-           "GatheredLowBitWeight", "FusedGradAccumulation", "enable_fused_grad_accumulation"]
+           "GatheredLowBitWeight", "FusedGradAccumulation", "enable_fused_grad_accumulation", "LowBitAdamW"]

@@ -209,11 +209,14 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
     """Global optimizer step post-hook: every weight the optimizer holds gets its low-bit copies
     recomputed once, here, instead of on every micro-batch (the cached copies are then current for every
     forward that follows, compiled or not). Unconditionally: fused optimizers (``AdamW(fused=True)``,
-    the Trainer's ``adamw_torch_fused``) update parameters without bumping their version counter."""
+    the Trainer's ``adamw_torch_fused``) update parameters without bumping their version counter. Weights whose
+    cache the optimizer refreshed itself (:class:`~hf_lowbit.mixed_precision.LowBitAdamW`: ``lowbit_refreshed``)
+    are left alone."""
     if _CACHED_LAYERS:
+        done = getattr(optimizer, "lowbit_refreshed", ())
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for layer in list(_CACHED_LAYERS):
-            if id(layer.weight) in params:
+            if id(layer.weight) in params and id(layer.weight) not in done:
                 layer.refresh_weight_cache(force=True)
 
 
@@ -273,10 +276,11 @@ class MixedPrecisionLinear(nn.Linear):
         return (w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape))
 
     @torch.no_grad()
-    def refresh_weight_cache(self, force: bool = False) -> bool:
+    def refresh_weight_cache(self, force: bool = False, row_amax: Tensor | None = None) -> bool:
         """Recompute the cached low-bit weight if the weight changed since (by its version counter, storage,
         dtype, device) or a module cast changed the cache buffers' dtypes (``force``: regardless, e.g. after an
-        optimizer step); return whether it did."""
+        optimizer step); return whether it did. ``row_amax``: the weight's row absmax as it is now (int32 float
+        bits, from :func:`hf_lowbit.kernels.adamw.adamw_rows_`): the refresh reads the weight once."""
         if not self.weight_cache or self.weight.device.type == "meta":
             return False
         key = self._weight_key()
@@ -287,7 +291,7 @@ class MixedPrecisionLinear(nn.Linear):
         current = tuple(getattr(self, name) for name in _CACHE_BUFFERS)
         # rewritten in place only if still of the right kind (else reallocated)
         reuse = intact and all(t.device == w.device for t in current) and current[0].shape == w.shape
-        out = quantize_weight(fmt, w, out=current if reuse else None)
+        out = quantize_weight(fmt, w, out=current if reuse else None, row_amax=row_amax)
         for name, t in zip(_CACHE_BUFFERS, out):
             setattr(self, name, t)
         self._cache_key = key
