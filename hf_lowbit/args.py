@@ -80,6 +80,9 @@ class LowBitArgumentsMixin:
     lowbit_fused_grad_accum: bool | None = field(default=None, metadata={"help": (
         "Gradient accumulation: add low-bit weight gradients into .grad in their matmul, not by a separate add; one "
         "process only. Unset: off (not yet faster on the H200; docs/usage.md).")})
+    lowbit_fused_adamw: bool | None = field(default=None, metadata={"help": (
+        "Weight cache: AdamW's pass over each cached weight (LowBitAdamW) yields its row absmax, so the refresh "
+        "reads it once. Unset: off (unmeasured; docs/usage.md).")})
     lowbit_stochastic_rounding: bool = field(default=False, metadata={"help": (
         "INT8 mixed precision: round the backward's operands stochastically (the output gradient in both "
         "gradient matmuls, the input in the weight gradient) instead of to nearest, so their rounding is "
@@ -157,7 +160,7 @@ class LowBitArgumentsMixin:
             raise ValueError(f"{cls}.lowbit_stochastic_rounding=True needs int8_mixed_precision=True "
                              "(it is implemented for INT8 operands only)")
         for name in ("lowbit_weight_cache", "lowbit_cuda_graphs", "lowbit_dual_grad_quant", "lowbit_save_x_codes",
-                     "lowbit_fused_grad_accum"):
+                     "lowbit_fused_grad_accum", "lowbit_fused_adamw"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{cls}.{name} must be True, False or None (automatic), got {value!r}")
@@ -165,6 +168,17 @@ class LowBitArgumentsMixin:
             raise ValueError(f"{cls}.lowbit_fused_grad_accum=True adds the low-bit weight-gradient matmul's product into "
                              ".grad: it needs int8_mixed_precision or fp8_mixed_precision (or "
                              "fp8_tensorwise_mixed_precision) with lowbit_grad_weight=True")
+        if self.lowbit_fused_adamw:
+            if not self.lowbit_recipes:
+                raise ValueError(f"{cls}.lowbit_fused_adamw=True updates cached INT8/FP8 weights: it needs "
+                                 "int8_mixed_precision or fp8_mixed_precision (the weight cache scales per row)")
+            if self.lowbit_weight_cache is False:
+                raise ValueError(f"{cls}.lowbit_fused_adamw=True refreshes the weight cache from AdamW's pass: not "
+                                 "with lowbit_weight_cache=False")
+            optim = getattr(self.optim, "value", self.optim)
+            if optim not in ("adamw_torch", "adamw_torch_fused"):
+                raise ValueError(f"{cls}.lowbit_fused_adamw=True replaces torch's AdamW: optim must be 'adamw_torch' "
+                                 f"or 'adamw_torch_fused', got {optim!r}")
         if self.lowbit_weight_cache and not self.lowbit_recipes:
             raise ValueError(f"{cls}.lowbit_weight_cache=True caches the INT8/FP8 form of trainable "
                              "weights: it needs int8_mixed_precision or fp8_mixed_precision "

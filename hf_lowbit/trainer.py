@@ -89,6 +89,12 @@ class LowBitTrainerMixin:
         self.lowbit_weight_cache = bool(args.lowbit_recipes) and not sharded and (
             cache if cache is not None else args.gradient_accumulation_steps > 1)
         self._lowbit_cached_layers: list[MixedPrecisionLinear] | None = None  # found on the first step
+        # AdamW's pass over each cached weight refreshes its cache (LowBitAdamW, made in create_optimizer)
+        self.lowbit_fused_adamw = bool(args.lowbit_fused_adamw) and self.lowbit_weight_cache
+        if args.lowbit_fused_adamw and not self.lowbit_weight_cache:
+            warnings.warn(f"{args_name}.lowbit_fused_adamw=True does nothing without the weight cache (off here: "
+                          "gradient_accumulation_steps=1 or a sharded model); pass lowbit_weight_cache=True to use "
+                          "it", LowBitWarning, stacklevel=2)
         fused = args.lowbit_fused_grad_accum
         # several processes or devices: DDP / FSDP / DeepSpeed hooks, DataParallel's replicas (several GPUs in one
         # process), SageMaker's and XLA's wrappers take each gradient from autograd. One process launched by torchrun
@@ -329,6 +335,16 @@ class LowBitTrainerMixin:
             with open(state_file) as f:
                 self.train_dataset.seek(json.load(f))
             self.args.ignore_data_skip = True
+
+    def create_optimizer(self, *args, **kwargs):
+        """The Trainer's optimizer; with ``lowbit_fused_adamw`` its ``torch.optim.AdamW`` becomes
+        :class:`~hf_lowbit.mixed_precision.LowBitAdamW` with the same groups and options."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self.lowbit_fused_adamw and type(optimizer) is torch.optim.AdamW:
+            from .mixed_precision import LowBitAdamW
+
+            optimizer = self.optimizer = LowBitAdamW.from_optimizer(optimizer)
+        return optimizer
 
     def _lowbit_before_forward(self, model, training: bool) -> None:
         """Keep the cached low-bit weights current (a host-side version check per layer; a weight changed

@@ -215,3 +215,38 @@ def test_cache_survives_module_dtype_casts(fmt, cast):
     assert (lin._wq.dtype, lin._wq_scale.dtype, lin._wq_t.dtype) == (code, torch.float32, code)
     for name, g, r in zip(("y", "dx", "dw", "db"), got, ref):
         assert torch.equal(g, r), name
+
+
+def test_trainer_fused_adamw_swaps_the_optimizer_and_refuses_what_it_cannot_do(tmp_path):
+    """lowbit_fused_adamw: LowBitTrainer's AdamW becomes LowBitAdamW with the same groups and options; on a CPU
+    (no Triton kernel) every parameter takes torch's step, so training is the same bit for bit; refused in one line
+    without a low-bit recipe, with the cache off or another optimizer; a warning where the cache is off by default
+    (no accumulation). The kernel's own path is tests/test_triton_int8.py's (interpreter, CUDA)."""
+    from conftest import arithmetic_blocks, tiny_model
+
+    from hf_lowbit import LowBitAdamW, LowBitTrainer, LowBitTrainingArguments, LowBitWarning
+
+    def make(out, **kw):
+        base = dict(output_dir=str(tmp_path / out), max_steps=4, per_device_train_batch_size=4,
+                    gradient_accumulation_steps=2, learning_rate=3e-3, logging_steps=1, save_strategy="no",
+                    report_to="none", seed=0, lowbit_min_features=16, disable_tqdm=True, use_cpu=True,
+                    optim="adamw_torch_fused", int8_mixed_precision=True)
+        return LowBitTrainingArguments(**{**base, **kw})
+
+    losses = {}
+    for fused in (True, None):
+        trainer = LowBitTrainer(tiny_model(vocab_size=96), args=make(str(fused), lowbit_fused_adamw=fused),
+                                train_dataset=arithmetic_blocks(48))
+        trainer.train()
+        assert isinstance(trainer.optimizer.optimizer, LowBitAdamW) is bool(fused)  # inside accelerate's wrapper
+        losses[fused] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses[True]) == 4 and losses[True] == losses[None]
+    for kw, match in ((dict(int8_mixed_precision=False), "needs int8_mixed_precision or fp8_mixed_precision"),
+                      (dict(lowbit_weight_cache=False), "not with lowbit_weight_cache=False"),
+                      (dict(optim="sgd"), "optim must be 'adamw_torch' or 'adamw_torch_fused'"),
+                      (dict(lowbit_fused_adamw=1), "must be True, False or None")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            make("bad", **{"lowbit_fused_adamw": True, **kw})
+    with pytest.warns(LowBitWarning, match="lowbit_fused_adamw=True does nothing without the weight cache"):
+        LowBitTrainer(tiny_model(vocab_size=96), args=make("ga1", lowbit_fused_adamw=True, gradient_accumulation_steps=1),
+                      train_dataset=arithmetic_blocks(48))
