@@ -112,6 +112,10 @@ TENSORWISE = "bf16,fp8,fp8_tensorwise,torchao_float8,torchao_float8_tensorwise"
 HEAD = "bf16,int8,int8_head,fp8,fp8_head"
 # each format's weight gradient accumulated by autograd's add (the default) and by its matmul (lowbit_fused_grad_accum)
 FGA = "bf16,int8,int8_fga,fp8,fp8_fga"
+# each format's weight cache refreshed after torch's AdamW (the default with accumulation) and from LowBitAdamW's row
+# absmax (lowbit_fused_adamw); at GA 1 beside the cache-less default and the cache forced on
+ADAMW = "bf16,int8,int8_adamw,fp8,fp8_adamw"
+ADAMW_B1 = "bf16,int8,int8_cache,int8_adamw,fp8,fp8_cache,fp8_adamw"
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -124,6 +128,10 @@ BLOCKS = {
     "layers_b8": ("layers", 8, 1, "default", FULL, []),
     "layers_b8_ro": ("layers", 8, 1, "reduce-overhead", "bf16,int8,fp8", []),
     "trainer_b1_ga8": ("trainer", 1, 8, "default", "bf16,int8,fp8", []),
+    # issue 25: lowbit_fused_adamw (LowBitAdamW) against torch's AdamW + the rows refresh, in the same run
+    "layers_b1_adamw": ("layers", 1, 1, "default", ADAMW_B1, ["--profile"]),
+    "layers_b1_ga8_adamw": ("layers", 1, 8, "default", ADAMW, []),
+    "trainer_b1_ga8_adamw": ("trainer", 1, 8, "default", ADAMW, []),
     "trainer_b1": ("trainer", 1, 1, "default", "bf16,int8,fp8", []),
     "trainer_b8": ("trainer", 8, 1, "default", "bf16,int8,fp8", []),
     # + a kernel profile, and bf16 through LowBitTrainer (bf16_lbt): what bounds the 8x2048 rows (issue 25)

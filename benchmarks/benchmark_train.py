@@ -37,8 +37,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.driver import (FGA_VARIANTS, FULL_RECIPES, HEAD_VARIANTS, LORA_RECIPES, MASK_VARIANTS,  # noqa: E402
-                               OURS, OURS_LORA, RECIPES, GpuTelemetry, add_int_flags, build_model,
+from benchmarks.driver import (ADAMW_VARIANTS, FGA_VARIANTS, FULL_RECIPES, HEAD_VARIANTS,  # noqa: E402
+                               LORA_RECIPES, MASK_VARIANTS, OURS, OURS_LORA, RECIPES, GpuTelemetry, add_int_flags, build_model,
                                check_recipe_active, check_recipes, compile_layers, cudagraph_skips, error_cell,
                                load_blocks, meta, plot_results, profile_summary, recipe_args, run_worker, save_json,
                                timed_steps, torchao_version, train_step, write_results)
@@ -138,8 +138,11 @@ def trainer_worker(a) -> dict:
         if trainer.lowbit_fused_grad_accum != (a.recipe in FGA_VARIANTS):
             raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_fused_grad_accum resolved to "
                                f"{trainer.lowbit_fused_grad_accum}")
+        if trainer.lowbit_fused_adamw != (a.recipe in ADAMW_VARIANTS):
+            raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_fused_adamw resolved to "
+                               f"{trainer.lowbit_fused_adamw}")
         chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
-                  "fused_grad_accum": trainer.lowbit_fused_grad_accum,
+                  "fused_grad_accum": trainer.lowbit_fused_grad_accum, "fused_adamw": trainer.lowbit_fused_adamw,
                   "cuda_graphs": trainer.lowbit_cuda_graphs, "non_blocking": trainer.accelerator.non_blocking,
                   "skip_causal_mask": trainer.lowbit_skip_causal_mask}
     else:
@@ -185,7 +188,12 @@ def worker(a) -> dict:
     if not a.no_compile:
         compile_layers(model, a.layers, mode=mode)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr, fused=cuda)
+    if a.recipe in ADAMW_VARIANTS:  # lowbit_fused_adamw's optimizer (LowBitTrainer makes it itself)
+        from hf_lowbit import LowBitAdamW
+
+        opt = LowBitAdamW(params, lr=a.lr, fused=cuda)
+    else:
+        opt = torch.optim.AdamW(params, lr=a.lr, fused=cuda)
     before = None
     if a.recipe in FGA_VARIANTS:  # the hand loop's part of lowbit_fused_grad_accum
         from hf_lowbit import enable_fused_grad_accumulation

@@ -113,6 +113,10 @@ SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
 # against autograd's separate add: the layers path's hand loop calls FusedGradAccumulation.prepare before each
 # micro-batch, LowBitTrainer does it itself
 FGA_VARIANTS = {f"{fmt}_fga": fmt for fmt in ("int8", "fp8")}
+# INT8 / FP8 with the weight cache on and LowBitAdamW (lowbit_fused_adamw, issue 25; off by default): AdamW's pass over
+# each cached weight leaves its row absmax, so the refresh reads the weight once; against <fmt> (GA > 1: the cache
+# on) or <fmt>_cache (GA 1) in the same run
+ADAMW_VARIANTS = {f"{fmt}_adamw": fmt for fmt in ("int8", "fp8")}
 # the trainer path only: the layers path keeps the LM head bf16 and compiles only the decoder layers (apply_recipe)
 HEAD_VARIANTS = tuple(r for r, (_, field) in SWITCH_VARIANTS.items() if field == "include_lm_head")
 # bf16 / INT8 / FP8 with Inductor's partitioner free to recompute, in the backward, activations that a matmul or a
@@ -142,11 +146,13 @@ PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS, **SHARED_VARIANTS
 # eagerly: hf_lowbit.integrations.causal_mask), to tell that gain from the low-bit compute's in the same run
 MASK_VARIANTS = {"bf16_lbt_mask": "bf16_lbt", "int8_mask": "int8", "fp8_mask": "fp8",
                  "fp8_tensorwise_mask": "fp8_tensorwise"}
-OURS = ("int8", "fp8", "fp8_tensorwise", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, *FGA_VARIANTS, "bf16_lbt",
+OURS = ("int8", "fp8", "fp8_tensorwise", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, *FGA_VARIANTS,
+        *ADAMW_VARIANTS, "bf16_lbt",
         "int8_recompute",
         "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *QUANT_VARIANTS, *CAST_VARIANTS,
         *MASK_VARIANTS)  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS) + tuple(FGA_VARIANTS)
+                + tuple(ADAMW_VARIANTS)
                 + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS)
                 + tuple(SHARED_VARIANTS) + tuple(QUANT_VARIANTS) + tuple(CAST_VARIANTS)
                 + tuple(MASK_VARIANTS))  # compared with bf16
@@ -232,7 +238,7 @@ def _bnb_nf4_lora(model, r: int):
 
 def mixed_precision_args(recipe: str) -> dict:
     """The ``LowBitTrainingArguments`` fields of our INT8/FP8 recipe ``recipe`` (``int8``, ``fp8``, INT8_VARIANTS,
-    CACHE_VARIANTS, SWITCH_VARIANTS, FGA_VARIANTS, PROCESS_VARIANTS)."""
+    CACHE_VARIANTS, SWITCH_VARIANTS, FGA_VARIANTS, ADAMW_VARIANTS, PROCESS_VARIANTS)."""
     recipe = PROCESS_VARIANTS.get(recipe, recipe)
     if recipe in INT8_VARIANTS:
         return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
@@ -243,6 +249,9 @@ def mixed_precision_args(recipe: str) -> dict:
         return {f"{fmt}_mixed_precision": True, f"lowbit_{field}": True}
     if recipe in FGA_VARIANTS:
         return {f"{FGA_VARIANTS[recipe]}_mixed_precision": True, "lowbit_fused_grad_accum": True}
+    if recipe in ADAMW_VARIANTS:
+        return {f"{ADAMW_VARIANTS[recipe]}_mixed_precision": True, "lowbit_weight_cache": True,
+                "lowbit_fused_adamw": True}
     return {f"{recipe}_mixed_precision": True}
 
 
@@ -432,7 +441,7 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
             raise RuntimeError(f"recipe {recipe!r} is not active: up_proj is {type(mod).__name__} over {type(base).__name__}")
         return
     mod = model.model.layers[0].mlp.up_proj
-    if recipe.endswith("_cache") and not getattr(mod, "weight_cache", False):
+    if (recipe.endswith("_cache") or recipe in ADAMW_VARIANTS) and not getattr(mod, "weight_cache", False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")
     if recipe in SWITCH_VARIANTS and not getattr(getattr(mod, "lowbit_config", None), SWITCH_VARIANTS[recipe][1], False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's {SWITCH_VARIANTS[recipe][1]} is off")

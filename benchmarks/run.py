@@ -88,6 +88,15 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
         "--markdown $OUT/quant_sweep_h200_t2048.md",
         B + "benchmark_mm.py --quant_sweep --tokens 16384 --json $OUT/quant_sweep_h200_t16384.json "
         "--markdown $OUT/quant_sweep_h200_t16384.md"]),
+    "adamw_refresh": ("issue 25: LowBitAdamW (lowbit_fused_adamw) on the GPU: its CUDA tests (the kernel's bits against "
+                      "the float32 reference and torch's fused AdamW, the optimizer beside torch's), then AdamW + the "
+                      "weight cache's refresh per Llama-8B layer weight, torch's fused AdamW + the rows kernel against "
+                      "the one-pass kernel + the refresh from its row absmax (GPU ms, GB/s, bits checked). Then, "
+                      "a call each: regimes with BLOCKS=layers_b1_adamw (profiled), layers_b1_ga8_adamw, "
+                      "trainer_b1_ga8_adamw", "~2 min (estimate; not yet run)", [
+        "python3 -m pytest -q -rfEs -p no:cacheprovider -v tests/test_triton_int8.py -k 'adamw and cuda' 2>&1 "
+        "| tee $OUT/pytest_cuda_adamw.txt",
+        B + "benchmark_refresh.py --json $OUT/refresh_h200.json --markdown $OUT/refresh_h200.md"]),
     "quant_dual": ("issue 25: dY quantized per row (times the weight's scales, for dX) and per column (for dW): "
                    "today's pair (compiled plain torch + quantize_t, three reads of dY) vs quantize_dual_triton (two "
                    "reads) at each DUAL_SWEEP tile config, int8 and fp8, a Llama-8B layer's dY shapes at 2048 and "

@@ -13,16 +13,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_benchmark_train_smoke_on_cpu(tmp_path):
     out = tmp_path / "train.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu", "--no_compile",
-           "--recipes", "bf16,int8,fp8,int8_cache,int8_dual,int8_xcodes,int8_fga", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+           "--recipes", "bf16,int8,fp8,int8_cache,int8_dual,int8_xcodes,int8_fga,int8_adamw", "--hidden", "64", "--intermediate", "128", "--heads", "4",
            "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--batch", "2", "--seq", "32", "--warmup", "1",
            "--steps", "2", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["recipe"] for r in rows] == ["bf16", "int8", "fp8", "int8_cache", "int8_dual", "int8_xcodes", "int8_fga"]
+    assert [r["recipe"] for r in rows] == ["bf16", "int8", "fp8", "int8_cache", "int8_dual", "int8_xcodes", "int8_fga",
+                                           "int8_adamw"]
     # the weight cache, the dual quantization of dY and X's codes kept from the forward change where the codes are
-    # computed, not which; the fused accumulation of one micro-batch rounds the same product once, as autograd does:
-    # the same losses as INT8 without them
+    # computed, not which; the fused accumulation of one micro-batch rounds the same product once, as autograd does;
+    # LowBitAdamW leaves every parameter to torch's step on a CPU (no Triton kernel there): the same losses as INT8
+    # without them
     assert all(r["losses"] == rows[1]["losses"] for r in rows[3:])
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     # same init and data: the low-bit recipes start from bf16's loss
@@ -1040,3 +1042,20 @@ def test_benchmark_fp8_softcast_recipe(monkeypatch):
     assert {name: BLOCKS[name][:5] for name in ("layers_b8_cast", "layers_b1_cast", "trainer_b1_ga8_cast")} == {
         "layers_b8_cast": ("layers", 8, 1, "default", cast), "layers_b1_cast": ("layers", 1, 1, "default", cast),
         "trainer_b1_ga8_cast": ("trainer", 1, 8, "default", cast)}
+
+
+def test_benchmark_refresh_smoke_interpreted(tmp_path):
+    """benchmarks/benchmark_refresh.py under Triton's interpreter on shrunk shapes: every part runs, each refresh
+    from LowBitAdamW's kernel's absmax equals quantize_weight's, the table and JSON are written (no timings on a
+    CPU: the GPU columns are NaN)."""
+    out = tmp_path / "refresh.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_refresh.py"), "--device", "cpu", "--scale", "256",
+           "--reps", "1", "--warmup", "1", "--json", str(out), "--markdown", str(tmp_path / "refresh.md")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["fmt"], r["name"]) for r in rows][:4] == [("int8", "q, o"), ("int8", "k, v"), ("int8", "gate, up"),
+                                                          ("int8", "down")] and len(rows) == 8
+    assert all(r["refresh_bits_equal"] for r in rows)
+    assert "**a layer**" in (tmp_path / "refresh.md").read_text()
