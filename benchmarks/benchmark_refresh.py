@@ -102,6 +102,16 @@ def measure(fmt: str, shape: tuple[int, int], a) -> dict:
     row = {"fmt": fmt, "shape": [R, K], "elements": R * K}
     for name, fn in parts.items():
         row[f"{name}_gpu_ms"] = _gpu_ms(fn, a.reps, a.device)
+    sweep = {}
+    for tiles in (a.tiles or []):  # the one-pass kernel at other tiles (the same bits: elementwise, then a row max)
+        def fn(tiles=tiles):
+            steps[0] += 1
+            adamw_rows_(p, g, m, v, steps[0], lr=1e-5, row_amax=amax, tiles=tiles)
+        for _ in range(a.warmup):
+            fn()
+        sweep["x".join(map(str, tiles))] = _gpu_ms(fn, a.reps, a.device)
+    if sweep:
+        row["adamw_tiles_gpu_ms"] = sweep
     row["torch_path_wall_ms"] = _wall_ms(lambda: (parts["torch_adamw"](), parts["rows_refresh"]()), a.reps, a.device)
     row["ours_path_wall_ms"] = _wall_ms(lambda: (parts["ours_adamw"](), parts["amax_refresh"]()), a.reps, a.device)
     ours_adamw()
@@ -149,10 +159,19 @@ def main():
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--scale", type=int, default=1, help="divide every shape by this (CPU smoke runs)")
+    p.add_argument("--tiles", default="",
+                   help="also time the one-pass AdamW kernel at these (BLOCK_R, BLOCK_K, num_warps), e.g. "
+                        "'4x256x4,16x256x8,8x512x8' (its default: hf_lowbit.kernels.adamw._TILES)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args()
+    try:
+        a.tiles = [tuple(int(x) for x in t.split("x")) for t in a.tiles.split(",") if t]
+    except ValueError:
+        raise SystemExit(f"--tiles {a.tiles}: give BLOCK_RxBLOCK_KxWARPS triples, e.g. 16x256x8") from None
+    if any(len(t) != 3 for t in a.tiles):
+        raise SystemExit(f"--tiles {a.tiles}: give BLOCK_RxBLOCK_KxWARPS triples, e.g. 16x256x8")
     import torch
 
     from benchmarks.driver import meta, write_results
@@ -172,7 +191,16 @@ def main():
     header = (f"{data['meta'].get('gpu')}, torch {torch.__version__}: AdamW + the weight cache's refresh per weight "
               f"of a Llama-8B layer (bf16), torch's fused AdamW + the rows kernel against LowBitAdamW's kernel + the "
               f"refresh from its row absmax; GPU ms per call (profiler), {a.reps} calls")
-    write_results(data, table(rows), header, a.json, a.markdown)
+    lines = table(rows)
+    swept = [r for r in rows if r.get("adamw_tiles_gpu_ms")]
+    if swept:
+        configs = list(swept[0]["adamw_tiles_gpu_ms"])
+        lines += ["", "The one-pass AdamW kernel at other tiles (`--tiles`; GPU ms per call; the default's in the first "
+                  "column):", "", "| format | weight | default | " + " | ".join(configs) + " |",
+                  "|" + "---|" * (3 + len(configs))]
+        lines += [f"| {r['fmt']} | {r['name']} | {r['ours_adamw_gpu_ms']:.3f} | "
+                  + " | ".join(f"{r['adamw_tiles_gpu_ms'][c]:.3f}" for c in configs) + " |" for r in swept]
+    write_results(data, lines, header, a.json, a.markdown)
     if not all(r["refresh_bits_equal"] for r in rows):
         raise SystemExit("a refresh from the kernel's absmax differs from quantize_weight's: see the table")
 

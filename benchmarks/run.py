@@ -96,7 +96,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                       "trainer_b1_ga8_adamw", "~2 min (estimate; not yet run)", [
         "python3 -m pytest -q -rfEs -p no:cacheprovider -v tests/test_triton_int8.py -k 'adamw and cuda' 2>&1 "
         "| tee $OUT/pytest_cuda_adamw.txt",
-        B + "benchmark_refresh.py --json $OUT/refresh_h200.json --markdown $OUT/refresh_h200.md"]),
+        B + "benchmark_refresh.py --tiles 4x256x4,16x256x8,8x512x8,8x1024x8 --json $OUT/refresh_h200.json "
+        "--markdown $OUT/refresh_h200.md"]),
     "quant_dual": ("issue 25: dY quantized per row (times the weight's scales, for dX) and per column (for dW): "
                    "today's pair (compiled plain torch + quantize_t, three reads of dY) vs quantize_dual_triton (two "
                    "reads) at each DUAL_SWEEP tile config, int8 and fp8, a Llama-8B layer's dY shapes at 2048 and "

@@ -1051,11 +1051,13 @@ def test_benchmark_refresh_smoke_interpreted(tmp_path):
     out = tmp_path / "refresh.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_refresh.py"), "--device", "cpu", "--scale", "256",
-           "--reps", "1", "--warmup", "1", "--json", str(out), "--markdown", str(tmp_path / "refresh.md")]
+           "--reps", "1", "--warmup", "1", "--tiles", "2x16x1", "--json", str(out), "--markdown",
+           str(tmp_path / "refresh.md")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["fmt"], r["name"]) for r in rows][:4] == [("int8", "q, o"), ("int8", "k, v"), ("int8", "gate, up"),
                                                           ("int8", "down")] and len(rows) == 8
     assert all(r["refresh_bits_equal"] for r in rows)
-    assert "**a layer**" in (tmp_path / "refresh.md").read_text()
+    assert "**a layer**" in (tmp_path / "refresh.md").read_text() and "| 2x16x1 |" in (tmp_path / "refresh.md").read_text()
+    assert all(set(r["adamw_tiles_gpu_ms"]) == {"2x16x1"} for r in rows)
