@@ -126,6 +126,11 @@ def measure(fmt: str, shape: tuple[int, int], a) -> dict:
     return row
 
 
+def _paths(r: dict) -> tuple[float, float]:
+    """GPU ms of torch's path (its AdamW + the rows refresh) and of ours (the one-pass kernel + the refresh)."""
+    return r["torch_adamw_gpu_ms"] + r["rows_refresh_gpu_ms"], r["ours_adamw_gpu_ms"] + r["amax_refresh_gpu_ms"]
+
+
 def table(rows: list[dict]) -> list[str]:
     head = ["format", "weight (count a layer)", "shape", "torch AdamW GPU ms (GB/s)", "rows refresh GPU ms (GB/s)",
             "ours AdamW + absmax GPU ms (GB/s)", "refresh from absmax GPU ms (GB/s)", "GPU: ours / torch's",
@@ -133,8 +138,7 @@ def table(rows: list[dict]) -> list[str]:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cell = lambda k: f"{r[k + '_gpu_ms']:.3f} ({r[k + '_gbs']:,.0f})"  # noqa: E731
-        theirs = r["torch_adamw_gpu_ms"] + r["rows_refresh_gpu_ms"]
-        ours = r["ours_adamw_gpu_ms"] + r["amax_refresh_gpu_ms"]
+        theirs, ours = _paths(r)
         out.append(f"| {r['fmt']} | {r['name']} ({r['count']}) | {r['shape'][0]}x{r['shape'][1]} | "
                    f"{cell('torch_adamw')} | {cell('rows_refresh')} | {cell('ours_adamw')} | {cell('amax_refresh')} | "
                    f"{ours / theirs:.3f} | {r['torch_path_wall_ms']:.3f} | {r['ours_path_wall_ms']:.3f} | "
@@ -144,8 +148,7 @@ def table(rows: list[dict]) -> list[str]:
         total = {k: sum(r[k] * r["count"] for r in mine) for k in
                  ("torch_adamw_gpu_ms", "rows_refresh_gpu_ms", "ours_adamw_gpu_ms", "amax_refresh_gpu_ms",
                   "torch_path_wall_ms", "ours_path_wall_ms")}
-        theirs = total["torch_adamw_gpu_ms"] + total["rows_refresh_gpu_ms"]
-        ours = total["ours_adamw_gpu_ms"] + total["amax_refresh_gpu_ms"]
+        theirs, ours = _paths(total)
         out.append(f"| {fmt} | **a layer** | | {total['torch_adamw_gpu_ms']:.3f} | {total['rows_refresh_gpu_ms']:.3f} | "
                    f"{total['ours_adamw_gpu_ms']:.3f} | {total['amax_refresh_gpu_ms']:.3f} | {ours / theirs:.3f} "
                    f"(8 layers: {8 * theirs:.2f} -> {8 * ours:.2f} ms) | {total['torch_path_wall_ms']:.3f} | "
