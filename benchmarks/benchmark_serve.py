@@ -563,7 +563,7 @@ def add_ratios(rows: list[dict], modes) -> None:
         for mode in modes:
             p, q = r.get(mode) or {}, base.get(mode) or {}
             if p and not q and mode in LEAN_ALIKE:  # bf16 swaps nothing in the kernel modes: the same serving
-                alike = next((m for m in LEAN_ALIKE if base.get(m)), None)
+                alike = next((m for m in LEAN_ALIKE if "prefill_ms" in (base.get(m) or {})), None)
                 if alike is not None:
                     q, p["bf16_mode"] = base[alike], alike
             if "prefill_ms" in p and "prefill_ms" in q:

@@ -169,9 +169,10 @@ class LowBitArgumentsMixin:
                              ".grad: it needs int8_mixed_precision or fp8_mixed_precision (or "
                              "fp8_tensorwise_mixed_precision) with lowbit_grad_weight=True")
         if self.lowbit_fused_adamw:
-            if not self.lowbit_recipes:
-                raise ValueError(f"{cls}.lowbit_fused_adamw=True updates cached INT8/FP8 weights: it needs "
-                                 "int8_mixed_precision or fp8_mixed_precision (the weight cache scales per row)")
+            if not (self.int8_mixed_precision or self.fp8_mixed_precision):
+                raise ValueError(f"{cls}.lowbit_fused_adamw=True updates cached INT8/FP8 weights scaled per row: it "
+                                 "needs int8_mixed_precision or fp8_mixed_precision (fp8_tensorwise's one scale a "
+                                 "weight is not taken)")
             if self.lowbit_weight_cache is False:
                 raise ValueError(f"{cls}.lowbit_fused_adamw=True refreshes the weight cache from AdamW's pass: not "
                                  "with lowbit_weight_cache=False")

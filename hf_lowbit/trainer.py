@@ -337,10 +337,12 @@ class LowBitTrainerMixin:
             self.args.ignore_data_skip = True
 
     def create_optimizer(self, *args, **kwargs):
-        """The Trainer's optimizer; with ``lowbit_fused_adamw`` its ``torch.optim.AdamW`` becomes
-        :class:`~hf_lowbit.mixed_precision.LowBitAdamW` with the same groups and options."""
+        """The Trainer's optimizer; with ``lowbit_fused_adamw`` the ``torch.optim.AdamW`` it makes becomes
+        :class:`~hf_lowbit.mixed_precision.LowBitAdamW` with the same groups and options (one passed in with
+        ``optimizers=`` is left as it is)."""
+        given = self.optimizer is not None  # passed in by the user (optimizers=(...)): left as it is
         optimizer = super().create_optimizer(*args, **kwargs)
-        if self.lowbit_fused_adamw and type(optimizer) is torch.optim.AdamW:
+        if self.lowbit_fused_adamw and not given and type(optimizer) is torch.optim.AdamW:
             from .mixed_precision import LowBitAdamW
 
             optimizer = self.optimizer = LowBitAdamW.from_optimizer(optimizer)

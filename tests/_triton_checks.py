@@ -567,7 +567,10 @@ def check_lowbit_adamw(device: str) -> int:
     other parameter bit for bit (torch's own step); each cache the bits of quantizing its weight now, refreshed by
     the optimizer from the kernel's absmax (the post-step hook re-quantized none of them); ``state_dict`` equal in
     structure and step counts; a weight whose cache is switched off goes back to torch's step and counts on; the
-    state loads into ``torch.optim.AdamW``. Returns the number of checks."""
+    state loads into ``torch.optim.AdamW``; a layer tied to a cached weight gets its cache refreshed too; the
+    absmax handed to the refresh is the weight's; a deep copy of the optimizer keeps its counts and steps on;
+    GradScaler is asked to unscale for it (no fused scaling); ``from_optimizer`` refuses what is not an AdamW.
+    Returns the number of checks."""
     import copy
 
     from hf_lowbit.kernels import quantize_weight
@@ -583,13 +586,16 @@ def check_lowbit_adamw(device: str) -> int:
         "a": MixedPrecisionLinear(dims[1], dims[0], bias=True, config=MixedPrecisionConfig("int8")),
         "b": MixedPrecisionLinear(dims[0], dims[1], bias=False, config=MixedPrecisionConfig("fp8")),
         "t": MixedPrecisionLinear(dims[1], dims[0], bias=False, config=MixedPrecisionConfig("fp8_tensorwise")),
+        "c": MixedPrecisionLinear(dims[1], dims[0], bias=False, config=MixedPrecisionConfig("int8")),
     }).to(device=device, dtype=torch.bfloat16)
+    model["c"].weight = model["a"].weight  # tied: one parameter, two layers' caches
     ref = copy.deepcopy(model)
     for m in (model, ref):
         for layer in m.values():
             if isinstance(layer, MixedPrecisionLinear):
                 layer.set_weight_cache(True)
     ours = LowBitAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
+    assert ours._step_supports_amp_scaling is False  # GradScaler unscales and skips inf steps for it
     theirs = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
     calls = []
     real = L.quantize_weight
@@ -613,9 +619,12 @@ def check_lowbit_adamw(device: str) -> int:
             theirs.step()
             taken = {"a", "b"} if step < 3 else {"a"}
             assert ours.lowbit_refreshed == {id(model[k].weight) for k in taken}, step
-            for k in taken:  # the optimizer's refresh from the absmax, and no other of that weight
-                mine = [c for c in calls if c[0] == id(model[k].weight.untyped_storage())]
-                assert mine == [(mine[0][0], True)], (step, k, mine)
+            for k in taken:  # the optimizer's refreshes from the absmax (a's weight: a's and c's), and no other
+                w = model[k].weight
+                mine = [c for c in calls if c[0] == id(w.untyped_storage())]
+                assert [flag for _, flag in mine] == [True] * (2 if k == "a" else 1), (step, k, mine)
+                assert torch.equal(ours._lowbit_amax[w].cpu().view(torch.float32),
+                                   w.detach().float().abs().amax(1).cpu()), (step, k)
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):
                 a, b = p.detach().float().cpu(), q.detach().float().cpu()
                 if name.split(".")[0] in ("a", "b") and name.endswith("weight"):  # ours at some step
@@ -624,7 +633,7 @@ def check_lowbit_adamw(device: str) -> int:
                     assert differ <= 0.02 and bool(((a - b).abs() <= 2 * ulp).all()), (step, name, differ)
                 else:
                     assert torch.equal(a, b), (step, name)
-            for k in ("a", "b", "t"):
+            for k in ("a", "b", "t", "c"):
                 layer = model[k]
                 if not layer.weight_cache:
                     continue
@@ -637,6 +646,13 @@ def check_lowbit_adamw(device: str) -> int:
         for i, st in sd["state"].items():
             assert float(st["step"]) == float(sd_ref["state"][i]["step"]) == 4.0, (i, st["step"])
             assert st["step"].device == sd_ref["state"][i]["step"].device and set(st) == set(sd_ref["state"][i])
+        twin = copy.deepcopy({"model": model, "opt": ours})  # pickling keeps the counts (in the state) and steps on
+        assert all(float(st["step"]) == 4.0 for st in twin["opt"].state.values())
+        for q in twin["model"].parameters():  # (a Parameter's deep copy has no .grad)
+            q.grad = torch.full_like(q, 1e-3)
+        twin["opt"].step()  # (the copied layers are not in the cache's registry: torch's step takes them all)
+        assert all(float(st["step"]) == 5.0 for st in twin["opt"].state_dict()["state"].values())
+        # (load_state_dict may share the state's tensors with ours: torch's step last)
         back = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
         back.load_state_dict(sd)
         back.step()  # torch's step from our state
@@ -644,6 +660,12 @@ def check_lowbit_adamw(device: str) -> int:
     finally:
         L.quantize_weight = real
     _refused(lambda: LowBitAdamW.from_optimizer(theirs), "has state already", "from_optimizer of a stepped optimizer")
+    try:
+        LowBitAdamW.from_optimizer(torch.optim.Adam(ref.parameters()))
+    except TypeError as e:
+        assert "a torch.optim.AdamW, got Adam" in str(e), e
+    else:
+        raise AssertionError("from_optimizer accepted an Adam")
     fresh = LowBitAdamW.from_optimizer(torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.8, 0.9), fused=True))
     assert fresh.defaults["betas"] == (0.8, 0.9) and fresh.param_groups[0]["lr"] == 1e-4
     return n + 1

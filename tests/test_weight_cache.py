@@ -241,7 +241,13 @@ def test_trainer_fused_adamw_swaps_the_optimizer_and_refuses_what_it_cannot_do(t
         assert isinstance(trainer.optimizer.optimizer, LowBitAdamW) is bool(fused)  # inside accelerate's wrapper
         losses[fused] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses[True]) == 4 and losses[True] == losses[None]
+    user_optimizer = torch.optim.AdamW(tiny_model(vocab_size=96).parameters())
+    kept = LowBitTrainer(tiny_model(vocab_size=96), args=make("given", lowbit_fused_adamw=True),
+                         train_dataset=arithmetic_blocks(48), optimizers=(user_optimizer, None))
+    assert kept.create_optimizer() is user_optimizer  # one passed in is left as it is
     for kw, match in ((dict(int8_mixed_precision=False), "needs int8_mixed_precision or fp8_mixed_precision"),
+                      (dict(int8_mixed_precision=False, fp8_tensorwise_mixed_precision=True),
+                       "fp8_tensorwise's one scale a weight is not taken"),
                       (dict(lowbit_weight_cache=False), "not with lowbit_weight_cache=False"),
                       (dict(optim="sgd"), "optim must be 'adamw_torch' or 'adamw_torch_fused'"),
                       (dict(lowbit_fused_adamw=1), "must be True, False or None")):

@@ -42,7 +42,8 @@ _CPU_TILES = (4, 16, 1)
 @triton.jit
 def _cast(x, dtype: tl.constexpr):
     """float32 ``x`` to ``dtype`` rounded to nearest even. bf16 by integer ops: Triton's interpreter truncates
-    float32 -> bf16 (the GPU's ``cvt.rn`` rounds to nearest even); NaN becomes torch's 0x7FC0."""
+    float32 -> bf16 (the GPU's ``cvt.rn`` rounds to nearest even); NaN becomes the quiet NaN 0x7FC0 (torch's casts
+    give other NaN payloads: the tests compare NaN as NaN)."""
     if dtype == tl.bfloat16:
         b = x.to(tl.int32, bitcast=True)
         r = tl.where(x != x, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)

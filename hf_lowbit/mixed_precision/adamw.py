@@ -53,15 +53,31 @@ class LowBitAdamW(torch.optim.AdamW):
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
+        # torch's fused AdamW takes GradScaler's scale and inf flag into its step (fp16 AMP); the kernel does not, so
+        # GradScaler is asked to unscale the gradients and to skip a step with an inf itself, as for other optimizers
+        self._step_supports_amp_scaling = False
+        self._lowbit_init()
+
+    def _lowbit_init(self) -> None:
         self._lowbit_steps: dict[Tensor, int] = {}  # this class's step count per weight it updated (host ints)
         self._lowbit_amax: dict[Tensor, Tensor] = {}  # per weight: int32 row absmax bits, reused every step
         # the weights whose cache the last step refreshed itself (the global step post-hook skips them)
         self.lowbit_refreshed: set[int] = set()
 
+    def __getstate__(self):  # pickle / deepcopy: torch keeps defaults, state and groups; the counts go into the state
+        self._sync_steps()
+        return super().__getstate__()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._lowbit_init()
+
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.AdamW) -> "LowBitAdamW":
         """The same parameter groups and options as ``optimizer`` (a ``torch.optim.AdamW`` not yet stepped, as
         ``Trainer.create_optimizer`` makes it)."""
+        if not isinstance(optimizer, torch.optim.AdamW):
+            raise TypeError(f"LowBitAdamW.from_optimizer: a torch.optim.AdamW, got {type(optimizer).__name__}")
         if optimizer.state:
             raise ValueError("LowBitAdamW.from_optimizer: the optimizer has state already; build LowBitAdamW before "
                              "the first step (or load its state_dict into a new LowBitAdamW)")
@@ -70,25 +86,33 @@ class LowBitAdamW(torch.optim.AdamW):
         accepted = inspect.signature(torch.optim.AdamW.__init__).parameters
         return cls(optimizer.param_groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
-    def _owners(self) -> dict[int, object]:
-        """The cached low-bit layers by ``id`` of their weight (the layers' own registry)."""
+    def _owners(self) -> dict[int, list]:
+        """The cached low-bit layers by ``id`` of their weight (the layers' own registry; a tied weight has several)."""
         from .linear import _CACHED_LAYERS
 
-        return {id(layer.weight): layer for layer in list(_CACHED_LAYERS)}
+        owners: dict[int, list] = {}
+        for layer in list(_CACHED_LAYERS):
+            owners.setdefault(id(layer.weight), []).append(layer)
+        return owners
 
-    @staticmethod
-    def _eligible(group: dict, p: Tensor, layer) -> bool:
-        if group["amsgrad"] or group["maximize"] or group.get("capturable") or group.get("differentiable"):
+    def _eligible(self, group: dict, p: Tensor, layers: list) -> bool:
+        if group["amsgrad"] or group["maximize"] or group.get("capturable") or group.get("differentiable") \
+                or not group.get("decoupled_weight_decay", True):
             return False
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            return False  # set by a GradScaler that handles this optimizer's scaling itself: torch's step takes it
         g = p.grad
-        return ((p.is_cuda or _INTERPRETED) and p.dim() == 2 and p.is_contiguous() and p.is_floating_point() and g is not None
-                and not g.is_sparse and g.shape == p.shape and g.is_contiguous() and g.device == p.device
-                and not get_format(layer.lowbit_config.format).tensorwise and layer.weight_cache)
+        return ((p.is_cuda or _INTERPRETED) and p.dim() == 2 and p.is_contiguous() and p.is_floating_point()
+                and g is not None and not g.is_sparse and g.shape == p.shape and g.is_contiguous()
+                and g.device == p.device
+                and all(layer.weight_cache and not get_format(layer.lowbit_config.format).tensorwise
+                        for layer in layers))
 
     def _state(self, group: dict, p: Tensor) -> tuple[dict, int]:
-        """``p``'s state as torch's AdamW initializes it, and the step this update makes. The count is kept on the
-        host (the kernel's bias corrections need it there); the state's ``step`` tensor is written from it when
-        the state is read (:meth:`state_dict`) or the weight goes back to torch's step."""
+        """``p``'s state as torch's AdamW initializes it, and the step this update makes (counted by the caller
+        once the update ran). The count is kept on the host (the kernel's bias corrections need it there); the
+        state's ``step`` tensor is written from it by :meth:`state_dict`, pickling and when the weight goes back
+        to torch's step."""
         state = self.state[p]
         if not state:
             fused = bool(group.get("fused")) or bool(group.get("capturable"))
@@ -99,8 +123,7 @@ class LowBitAdamW(torch.optim.AdamW):
             self._lowbit_steps[p] = 0
         elif p not in self._lowbit_steps:  # taken after torch's steps or a load: its count (one host read)
             self._lowbit_steps[p] = int(state["step"].item())
-        self._lowbit_steps[p] += 1
-        return state, self._lowbit_steps[p]
+        return state, self._lowbit_steps[p] + 1
 
     def _sync_steps(self, release: bool = False, keep: set[int] = frozenset()) -> None:
         """Write the host step counts into the state's ``step`` tensors: all of them, or with ``release`` those of
@@ -121,6 +144,7 @@ class LowBitAdamW(torch.optim.AdamW):
         owners = self._owners()
         taken = [(group, p, owners[id(p)]) for group in self.param_groups for p in group["params"]
                  if id(p) in owners and self._eligible(group, p, owners[id(p)])]
+        self.lowbit_refreshed = set()
         # a weight this class stops taking continues from its true count in torch's step
         self._sync_steps(release=True, keep={id(p) for _, p, _ in taken})
         grads = [p.grad for _, p, _ in taken]
@@ -131,18 +155,19 @@ class LowBitAdamW(torch.optim.AdamW):
         finally:
             for (_, p, _), g in zip(taken, grads):
                 p.grad = g
-        self.lowbit_refreshed = set()
-        for group, p, layer in taken:
+        for group, p, layers in taken:
             state, n = self._state(group, p)
             beta1, beta2 = group["betas"]
             amax = self._lowbit_amax.get(p)
-            if amax is None or amax.shape[0] != p.shape[0]:
+            if amax is None or amax.shape[0] != p.shape[0] or amax.device != p.device:
                 amax = self._lowbit_amax[p] = torch.empty(p.shape[0], dtype=torch.int32, device=p.device)
             adamw_rows_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], n, lr=float(group["lr"]),
                         beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
                         weight_decay=group["weight_decay"], row_amax=amax)
+            self._lowbit_steps[p] = n
             torch.autograd.graph.increment_version(p)  # a raw kernel's write: what an in-place op would record
-            layer.refresh_weight_cache(force=True, row_amax=amax)
+            for layer in layers:  # a tied weight: every layer's cache
+                layer.refresh_weight_cache(force=True, row_amax=amax)
             self.lowbit_refreshed.add(id(p))
         return loss
 
