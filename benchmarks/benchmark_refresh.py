@@ -12,7 +12,8 @@ down 4096x14336), bf16 weights, gradients and moments, INT8 and FP8: the GPU tim
 ``torch.profiler``, per call) and the wall time of the pair (CUDA events around ``--reps`` calls queued back to
 back), torch's path (``torch.optim.AdamW(fused=True).step()`` + ``quantize_weight``) beside ours, and the GB/s of
 each part's least traffic (AdamW: 14 bytes an element; the refresh: 6 with the absmax pass, 4 without). Each of our
-refreshes is checked bit for bit against ``quantize_weight`` of the weight it left. A layer's totals weight each
+refreshes is checked bit for bit against ``quantize_weight`` of the weight it left (on a CPU both are plain torch:
+the kernels' bits are tests/_triton_checks.py's). A layer's totals weight each
 shape by its count; a step of the regimes' 8 layers is 8 of them. ``--device cpu`` with ``--scale`` smoke-tests the
 plumbing under Triton's interpreter (``TRITON_INTERPRET=1``; timings meaningless).
 """

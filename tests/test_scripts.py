@@ -1045,9 +1045,10 @@ def test_benchmark_fp8_softcast_recipe(monkeypatch):
 
 
 def test_benchmark_refresh_smoke_interpreted(tmp_path):
-    """benchmarks/benchmark_refresh.py under Triton's interpreter on shrunk shapes: every part runs, each refresh
-    from LowBitAdamW's kernel's absmax equals quantize_weight's, the table and JSON are written (no timings on a
-    CPU: the GPU columns are NaN)."""
+    """benchmarks/benchmark_refresh.py under Triton's interpreter on shrunk shapes: every part runs (the AdamW
+    kernel in the interpreter; quantize_weight is plain torch on a CPU, so the bit check compares like with like
+    here, the kernels' own are tests/_triton_checks.py's), the table, tile sweep and JSON are written (no timings
+    on a CPU: the GPU columns are NaN)."""
     out = tmp_path / "refresh.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_refresh.py"), "--device", "cpu", "--scale", "256",
