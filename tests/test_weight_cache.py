@@ -256,3 +256,23 @@ def test_trainer_fused_adamw_swaps_the_optimizer_and_refuses_what_it_cannot_do(t
     with pytest.warns(LowBitWarning, match="lowbit_fused_adamw=True does nothing without the weight cache"):
         LowBitTrainer(tiny_model(vocab_size=96), args=make("ga1", lowbit_fused_adamw=True, gradient_accumulation_steps=1),
                       train_dataset=arithmetic_blocks(48))
+
+
+def test_a_copied_cached_layer_is_refreshed_after_optimizer_steps():
+    """copy.deepcopy (or unpickling) of a cached layer: the copy is in the registry the post-step hook refreshes, so
+    its cache follows its own weight after an optimizer step with no forward in between (a compiled loop's forward
+    does not refresh), and the original's is left as it was."""
+    import copy
+
+    from hf_lowbit.mixed_precision import linear as L
+
+    original = _layer("int8")
+    twin = copy.deepcopy(original)
+    assert twin in L._CACHED_LAYERS and original in L._CACHED_LAYERS
+    before = original._wq.clone()
+    twin.weight.grad = torch.randn_like(twin.weight)
+    torch.optim.AdamW(twin.parameters(), lr=0.1).step()
+    q, s, qt = quantize_weight("int8", twin.weight.detach())
+    assert not torch.equal(q, before)  # the step moved the codes
+    assert torch.equal(twin._wq, q) and torch.equal(twin._wq_scale, s) and torch.equal(twin._wq_t, qt)
+    assert torch.equal(original._wq, before)

@@ -256,7 +256,6 @@ class MixedPrecisionLinear(nn.Linear):
 
     def set_weight_cache(self, enabled: bool) -> None:
         """Switch the weight cache on (quantizing the weight now) or off (freeing the copies)."""
-        global _STEP_HOOK
         self.weight_cache = bool(enabled) and (self.lowbit_config.output or self.lowbit_config.grad_input)
         self._cache_key = None
         if not self.weight_cache:
@@ -264,12 +263,25 @@ class MixedPrecisionLinear(nn.Linear):
                 setattr(self, name, None)
             _CACHED_LAYERS.discard(self)
             return
+        self._register_cache()
+        self.refresh_weight_cache()
+
+    def _register_cache(self) -> None:
+        """Into the registry the global optimizer post-step hook refreshes (the hook installed once a process)."""
+        global _STEP_HOOK
         _CACHED_LAYERS.add(self)
         if _STEP_HOOK is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             _STEP_HOOK = register_optimizer_step_post_hook(_refresh_after_step)
-        self.refresh_weight_cache()
+
+    def __setstate__(self, state):
+        # a copy (copy.deepcopy, unpickling) of a cached layer is refreshed after optimizer steps as the original is:
+        # a compiled loop's forward does not refresh, so a copy left out of the registry would compute with the
+        # codes of its weight before the step
+        super().__setstate__(state)
+        if getattr(self, "weight_cache", False):
+            self._register_cache()
 
     def _weight_key(self) -> tuple:
         w = self.weight
