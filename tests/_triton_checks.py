@@ -650,7 +650,8 @@ def check_lowbit_adamw(device: str) -> int:
         assert all(float(st["step"]) == 4.0 for st in twin["opt"].state.values())
         for q in twin["model"].parameters():  # (a Parameter's deep copy has no .grad)
             q.grad = torch.full_like(q, 1e-3)
-        twin["opt"].step()  # (the copied layers are not in the cache's registry: torch's step takes them all)
+        twin["opt"].step()  # the copied layers joined the cache's registry: the kernel takes their weights
+        assert twin["opt"].lowbit_refreshed == {id(twin["model"]["a"].weight)}  # ("b"'s cache was switched off)
         assert all(float(st["step"]) == 5.0 for st in twin["opt"].state_dict()["state"].values())
         # (load_state_dict may share the state's tensors with ours: torch's step last)
         back = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
