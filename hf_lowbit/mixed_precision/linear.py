@@ -229,7 +229,8 @@ class MixedPrecisionLinear(nn.Linear):
     per micro-batch: its codes in both layouts live in non-persistent buffers (+2 bytes per weight element) and
     are recomputed whenever the weight's version counter, storage, dtype or device changed, and
     unconditionally after each optimizer step that holds the weight (a global optimizer hook: fused
-    optimizers do not bump version counters), on ``load_state_dict``, at each eager forward, and by
+    optimizers do not bump version counters; a deep or unpickled copy of the layer is covered too), on
+    ``load_state_dict``, at each eager forward, and by
     :func:`refresh_weight_caches` (which ``LowBitTrainer`` calls before every step; a compiled custom loop
     that modifies weights outside an optimizer or ``load_state_dict`` must call it too).
     """
