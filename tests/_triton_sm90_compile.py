@@ -222,6 +222,10 @@ _ALIGNED_INTS = {"N", "K", "R", "stride_am", "stride_bn", "stride_cm", "stride_w
                  "stride_split", "NP", "KP", "stride_qn", "stride_sg", "stride_xsm"}
 
 
+# compile options a kernel is launched with beyond warps and stages (by the config name's start)
+_LAUNCH_OPTIONS = {"adamw_rows": {"enable_fp_fusion": False}}  # hf_lowbit.kernels.adamw: no fma contraction
+
+
 def _with_hints(configs):
     """Each config twice: as a launch on aligned operands (pointers and the ``_ALIGNED_INTS`` marked divisible by
     16) and without those marks (unaligned strides, e.g. rows of a wider tensor)."""
@@ -247,8 +251,9 @@ def main() -> int:
         full = {a: sig.get(a, "constexpr") for a in fn.arg_names}
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in hints}
         try:
+            extra = next((o for prefix, o in _LAUNCH_OPTIONS.items() if name.startswith(prefix)), {})
             k = triton.compile(ASTSource(fn, full, consts, attrs), target=target,
-                               options=dict(num_warps=warps, num_stages=stages))
+                               options=dict(num_warps=warps, num_stages=stages, **extra))
             if k.metadata.shared > H200_SMEM:
                 raise RuntimeError(f"{k.metadata.shared} bytes of shared memory, over the H200's {H200_SMEM}")
             print(f"ok   {name} (shared {k.metadata.shared} B)", flush=True)
