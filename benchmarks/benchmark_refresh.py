@@ -8,9 +8,9 @@ by torch's fused AdamW and then re-quantized by the rows kernel, which reads it 
 ``LowBitAdamW`` (``lowbit_fused_adamw``) updates it with one Triton kernel that also leaves each row's absmax
 (:func:`hf_lowbit.kernels.adamw.adamw_rows_`), and the refresh reads the weight once (``quantize_weight(...,
 row_amax=...)``). Per weight shape of a Llama-8B decoder layer (q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096,
-down 4096x14336), bf16 weights, gradients and moments, INT8 and FP8: the GPU time of each part (kernel time under
-``torch.profiler``, per call) and the wall time of the pair (CUDA events around ``--reps`` calls queued back to
-back), torch's path (``torch.optim.AdamW(fused=True).step()`` + ``quantize_weight``) beside ours, and the GB/s of
+down 4096x14336), bf16 weights, gradients and moments, INT8 and FP8: the GPU time of each part per call
+(``benchmarks.driver.kernel_us``: replayed from a CUDA graph; torch's AdamW step, which its ``capturable=False``
+keeps out of graphs, by ``triton.testing.do_bench``, said in the table), torch's path (``torch.optim.AdamW(fused=True).step()`` + ``quantize_weight``) beside ours, and the GB/s of
 each part's least traffic (AdamW: 14 bytes an element; the refresh: 6 with the absmax pass, 4 without). Each of our
 refreshes is checked bit for bit against ``quantize_weight`` of the weight it left (on a CPU both are plain torch:
 the kernels' bits are tests/_triton_checks.py's). A layer's totals weight each
@@ -28,45 +28,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 SHAPES = (("q, o", (4096, 4096), 2), ("k, v", (1024, 4096), 2), ("gate, up", (14336, 4096), 2),
           ("down", (4096, 14336), 1))
-PARTS = ("torch_adamw", "rows_refresh", "ours_adamw", "amax_refresh")
-
-
-def _gpu_ms(fn, reps: int, device: str) -> float:
-    """Kernel time per call (ms): the sum of the CUDA kernels' self time over ``reps`` calls under the profiler."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    if device != "cuda":
-        return float("nan")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / reps
-
-
-def _wall_ms(fn, reps: int, device: str) -> float:
-    import time
-
-    import torch
-
-    if device != "cuda":
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) * 1e3 / reps
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def measure(fmt: str, shape: tuple[int, int], a) -> dict:
     import torch
 
+    from benchmarks.driver import kernel_us
     from hf_lowbit.kernels import get_format, quantize_weight
     from hf_lowbit.kernels.adamw import adamw_rows_
 
@@ -101,20 +66,17 @@ def measure(fmt: str, shape: tuple[int, int], a) -> dict:
         for fn in parts.values():
             fn()
     row = {"fmt": fmt, "shape": [R, K], "elements": R * K}
-    for name, fn in parts.items():
-        row[f"{name}_gpu_ms"] = _gpu_ms(fn, a.reps, a.device)
+    for name, fn in parts.items():  # the GPU alone (CUDA graphs; torch's uncapturable step by do_bench, recorded)
+        us, how = kernel_us(fn, a.device)
+        row[f"{name}_gpu_ms"], row[f"{name}_timed_by"] = us / 1e3, how
     sweep = {}
     for tiles in (a.tiles or []):  # the one-pass kernel at other tiles (the same bits: elementwise, then a row max)
         def fn(tiles=tiles):
             steps[0] += 1
             adamw_rows_(p, g, m, v, steps[0], lr=1e-5, row_amax=amax, tiles=tiles)
-        for _ in range(a.warmup):
-            fn()
-        sweep["x".join(map(str, tiles))] = _gpu_ms(fn, a.reps, a.device)
+        sweep["x".join(map(str, tiles))] = kernel_us(fn, a.device)[0] / 1e3
     if sweep:
         row["adamw_tiles_gpu_ms"] = sweep
-    row["torch_path_wall_ms"] = _wall_ms(lambda: (parts["torch_adamw"](), parts["rows_refresh"]()), a.reps, a.device)
-    row["ours_path_wall_ms"] = _wall_ms(lambda: (parts["ours_adamw"](), parts["amax_refresh"]()), a.reps, a.device)
     ours_adamw()
     parts["amax_refresh"]()
     want = quantize_weight(fmt, p)
@@ -135,32 +97,28 @@ def _paths(r: dict) -> tuple[float, float]:
 def table(rows: list[dict]) -> list[str]:
     head = ["format", "weight (count a layer)", "shape", "torch AdamW GPU ms (GB/s)", "rows refresh GPU ms (GB/s)",
             "ours AdamW + absmax GPU ms (GB/s)", "refresh from absmax GPU ms (GB/s)", "GPU: ours / torch's",
-            "wall: torch's pair ms", "wall: ours ms", "refresh bits equal"]
+            "torch AdamW timed by", "refresh bits equal"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cell = lambda k: f"{r[k + '_gpu_ms']:.3f} ({r[k + '_gbs']:,.0f})"  # noqa: E731
         theirs, ours = _paths(r)
         out.append(f"| {r['fmt']} | {r['name']} ({r['count']}) | {r['shape'][0]}x{r['shape'][1]} | "
                    f"{cell('torch_adamw')} | {cell('rows_refresh')} | {cell('ours_adamw')} | {cell('amax_refresh')} | "
-                   f"{ours / theirs:.3f} | {r['torch_path_wall_ms']:.3f} | {r['ours_path_wall_ms']:.3f} | "
-                   f"{r['refresh_bits_equal']} |")
+                   f"{ours / theirs:.3f} | {r['torch_adamw_timed_by']} | {r['refresh_bits_equal']} |")
     for fmt in dict.fromkeys(r["fmt"] for r in rows):
         mine = [r for r in rows if r["fmt"] == fmt]
         total = {k: sum(r[k] * r["count"] for r in mine) for k in
-                 ("torch_adamw_gpu_ms", "rows_refresh_gpu_ms", "ours_adamw_gpu_ms", "amax_refresh_gpu_ms",
-                  "torch_path_wall_ms", "ours_path_wall_ms")}
+                 ("torch_adamw_gpu_ms", "rows_refresh_gpu_ms", "ours_adamw_gpu_ms", "amax_refresh_gpu_ms")}
         theirs, ours = _paths(total)
         out.append(f"| {fmt} | **a layer** | | {total['torch_adamw_gpu_ms']:.3f} | {total['rows_refresh_gpu_ms']:.3f} | "
                    f"{total['ours_adamw_gpu_ms']:.3f} | {total['amax_refresh_gpu_ms']:.3f} | {ours / theirs:.3f} "
-                   f"(8 layers: {8 * theirs:.2f} -> {8 * ours:.2f} ms) | {total['torch_path_wall_ms']:.3f} | "
-                   f"{total['ours_path_wall_ms']:.3f} | |")
+                   f"(8 layers: {8 * theirs:.2f} -> {8 * ours:.2f} ms) | | |")
     return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default="int8,fp8")
-    p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--scale", type=int, default=1, help="divide every shape by this (CPU smoke runs)")
     p.add_argument("--tiles", default="",
@@ -190,11 +148,11 @@ def main():
         for name, shape, count in SHAPES:
             rows.append({"name": name, "count": count, **measure(fmt, shape, a)})
             print(rows[-1], flush=True)
-    data = {"meta": meta(a.device if a.device == "cuda" else "cpu", reps=a.reps, warmup=a.warmup, scale=a.scale),
+    data = {"meta": meta(a.device if a.device == "cuda" else "cpu", warmup=a.warmup, scale=a.scale),
             "rows": rows}
     header = (f"{data['meta'].get('gpu')}, torch {torch.__version__}: AdamW + the weight cache's refresh per weight "
               f"of a Llama-8B layer (bf16), torch's fused AdamW + the rows kernel against LowBitAdamW's kernel + the "
-              f"refresh from its row absmax; GPU ms per call (profiler), {a.reps} calls")
+              f"refresh from its row absmax; GPU ms per call")
     lines = table(rows)
     swept = [r for r in rows if r.get("adamw_tiles_gpu_ms")]
     if swept:

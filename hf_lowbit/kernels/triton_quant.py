@@ -416,7 +416,8 @@ def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, seed_ptr, mul_ptr, qt_ptr, am
     row reduction kept the duplicate and made the tool flag a stale store, so it stays this way).
 
     ``ROW_AMAX``: each row's absmax given, as int32 bits in ``amax_ptr [R]`` (:func:`_abs_bits`; made by the pass
-    that last wrote ``w``, e.g. :func:`hf_lowbit.kernels.adamw.adamw_rows_`), so ``w`` is read once here."""
+    that last wrote ``w``, e.g. :func:`hf_lowbit.kernels.adamw.adamw_rows_`), so ``w`` is read once here (its first
+    ``BLOCK_K`` columns twice: see the branch)."""
     q8_ptr, qt8_ptr = q_ptr.to(tl.pointer_type(tl.int8)), qt_ptr.to(tl.pointer_type(tl.int8))  # int8: the same
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
@@ -531,7 +532,7 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     ``row_amax`` (``variant="rows"`` only, nearest rounding, no ``row_mul``, not ``tensorwise``): the absmax of each
     of ``x``'s columns (``w``'s rows) already known, as int32 bits ``[N]`` (``|x|``'s float32 bits, NaN above inf:
     what :func:`hf_lowbit.kernels.adamw.adamw_rows_` leaves from the optimizer's own pass over the weight), so the
-    rows kernel reads ``x`` once instead of twice. The same bits as computing it here, given the true absmax.
+    rows kernel reads ``x`` once instead of twice (but for its first tile of each row). The same bits as computing it here, given the true absmax.
 
     ``fp8_cast`` (``"atomic"`` / ``"atomic_rcp"``, fp8): how the quotients become e4m3 codes, the same bits either
     way: ``"native"`` (the default on CUDA) the hardware's round-to-nearest-even cast, ``"soft"`` (the default and
