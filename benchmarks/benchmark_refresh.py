@@ -3,19 +3,20 @@
 
     python benchmarks/benchmark_refresh.py --json OUT/refresh_h200.json --markdown OUT/refresh_h200.md
 
-Issue 25: with the weight cache on (gradient accumulation, or ``lowbit_weight_cache``) each low-bit weight is updated
-by torch's fused AdamW and then re-quantized by the rows kernel, which reads it twice (absmax, then encode).
+Issue 25: with the weight cache on (gradient accumulation, or ``lowbit_weight_cache``) each low-bit weight is
+updated by torch's fused AdamW and then re-quantized by the rows kernel, which reads it twice (absmax, then encode).
 ``LowBitAdamW`` (``lowbit_fused_adamw``) updates it with one Triton kernel that also leaves each row's absmax
 (:func:`hf_lowbit.kernels.adamw.adamw_rows_`), and the refresh reads the weight once (``quantize_weight(...,
 row_amax=...)``). Per weight shape of a Llama-8B decoder layer (q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096,
 down 4096x14336), bf16 weights, gradients and moments, INT8 and FP8: the GPU time of each part per call
 (``benchmarks.driver.kernel_us``: replayed from a CUDA graph; torch's AdamW step, which its ``capturable=False``
-keeps out of graphs, by ``triton.testing.do_bench``, said in the table), torch's path (``torch.optim.AdamW(fused=True).step()`` + ``quantize_weight``) beside ours, and the GB/s of
-each part's least traffic (AdamW: 14 bytes an element; the refresh: 6 with the absmax pass, 4 without). Each of our
-refreshes is checked bit for bit against ``quantize_weight`` of the weight it left (on a CPU both are plain torch:
-the kernels' bits are tests/_triton_checks.py's). A layer's totals weight each
-shape by its count; a step of the regimes' 8 layers is 8 of them. ``--device cpu`` with ``--scale`` smoke-tests the
-plumbing under Triton's interpreter (``TRITON_INTERPRET=1``; timings meaningless).
+keeps out of graphs, by ``triton.testing.do_bench``, said in the table), torch's path
+(``torch.optim.AdamW(fused=True).step()`` + ``quantize_weight``) beside ours, and the GB/s of each part's least
+traffic (AdamW: 14 bytes an element; the refresh: 6 with the absmax pass, 4 without). Each of our refreshes is
+checked bit for bit against ``quantize_weight`` of the weight it left (on a CPU both are plain torch: the kernels'
+bits are tests/_triton_checks.py's). A layer's totals weight each shape by its count; a step of the regimes' 8
+layers is 8 of them. ``--device cpu`` with ``--scale`` smoke-tests the plumbing under Triton's interpreter
+(``TRITON_INTERPRET=1``; timings meaningless).
 """
 
 from __future__ import annotations

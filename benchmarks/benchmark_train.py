@@ -38,7 +38,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.driver import (ADAMW_VARIANTS, FGA_VARIANTS, FULL_RECIPES, HEAD_VARIANTS,  # noqa: E402
-                               LORA_RECIPES, MASK_VARIANTS, OURS, OURS_LORA, RECIPES, GpuTelemetry, add_int_flags, build_model,
+                               LORA_RECIPES, MASK_VARIANTS, OURS, OURS_LORA, RECIPES, GpuTelemetry, add_int_flags,
+                               build_model,
                                check_recipe_active, check_recipes, compile_layers, cudagraph_skips, error_cell,
                                load_blocks, meta, plot_results, profile_summary, recipe_args, run_worker, save_json,
                                timed_steps, torchao_version, train_step, write_results)

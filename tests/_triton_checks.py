@@ -469,9 +469,9 @@ def check_adamw_rows(device: str) -> int:
     float32 weights, steps 1 and 7, with and without weight decay, shapes no tile divides, a NaN gradient (its row's
     absmax NaN); several steps from a zero state against ``torch.optim.AdamW``'s fused kernel (at most one step of
     the stored dtype apart, on at most 2% of the weight: on CUDA it forms some products in float64 and contracts
-    fmas, on the CPU its float32 square root is not always correctly rounded); the rows kernel given that absmax (``row_amax``, one read of
-    the weight) against computing it (both layouts, INT8 and FP8, into poisoned buffers); bad arguments refused in
-    one line. Returns the number of checks."""
+    fmas, on the CPU its float32 square root is not always correctly rounded); the rows kernel given that absmax
+    (``row_amax``, one read of the weight) against computing it (both layouts, INT8 and FP8, into poisoned buffers);
+    bad arguments refused in one line. Returns the number of checks."""
     from hf_lowbit.kernels import quantize_weight
     from hf_lowbit.kernels.adamw import adamw_reference, adamw_rows_
     from hf_lowbit.kernels.fp8 import FP8_DTYPE, FP8_MAX

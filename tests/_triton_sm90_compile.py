@@ -177,7 +177,8 @@ def _configs():
                 {"stride_wk": 1, "BLOCK_R": br, "BLOCK_K": bk}, warps, 3))
     for qt, tensorwise, row_amax in (("*i8", False, False), ("*fp8e4nv", False, False), ("*fp8e4nv", True, False),
                                      ("*i8", False, True), ("*fp8e4nv", False, True)):
-        out.append((f"quant_t rows {br}x{bk}w{warps} q={qt} tensorwise={tensorwise}" + (" row_amax" if row_amax else ""),
+        out.append((f"quant_t rows {br}x{bk}w{warps} q={qt} tensorwise={tensorwise}"
+                    + (" row_amax" if row_amax else ""),
                     Q._quantize_rows_kernel,
                     {"w_ptr": "*bf16", "q_ptr": qt, "scale_ptr": "*fp32", "seed_ptr": "*fp32", "mul_ptr": "*fp32",
                      "qt_ptr": qt, "amax_ptr": "*i32", "R": "i32", "K": "i32", "stride_wr": "i32"},

@@ -390,7 +390,8 @@ def test_serve_checkpoint_modes_and_ratios_against_bf16_served_alike():
             serve.checkpoint_modes(bad, ["eager"])
     phase = lambda prefill, decode: {"prefill_ms": prefill, "decode_tok_s_b1": decode}  # noqa: E731
     rows = [{"checkpoint": "bf16", "run": 0, "safetensors_bytes": 4, "compiled_int4k_mma": phase(10.0, 100.0)},
-            {"checkpoint": "qat_int4_tinygemm", "run": 0, "safetensors_bytes": 1, "compiled_int4k_mma": phase(8.0, 250.0)},
+            {"checkpoint": "qat_int4_tinygemm", "run": 0, "safetensors_bytes": 1,
+             "compiled_int4k_mma": phase(8.0, 250.0)},
             {"checkpoint": "ptq_int4_tinygemm", "run": 0, "safetensors_bytes": 1, "compiled_lean": phase(10.0, 150.0),
              "eager": phase(20.0, 50.0)}]
     serve.add_ratios(rows, ["compiled_int4k_mma", "compiled_lean", "eager"])

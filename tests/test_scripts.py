@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_benchmark_train_smoke_on_cpu(tmp_path):
     out = tmp_path / "train.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu", "--no_compile",
-           "--recipes", "bf16,int8,fp8,int8_cache,int8_dual,int8_xcodes,int8_fga,int8_adamw", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+           "--recipes", "bf16,int8,fp8,int8_cache,int8_dual,int8_xcodes,int8_fga,int8_adamw", "--hidden", "64",
+           "--intermediate", "128", "--heads", "4",
            "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--batch", "2", "--seq", "32", "--warmup", "1",
            "--steps", "2", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -1060,5 +1061,6 @@ def test_benchmark_refresh_smoke_interpreted(tmp_path):
     assert [(r["fmt"], r["name"]) for r in rows][:4] == [("int8", "q, o"), ("int8", "k, v"), ("int8", "gate, up"),
                                                           ("int8", "down")] and len(rows) == 8
     assert all(r["refresh_bits_equal"] for r in rows)
-    assert "**a layer**" in (tmp_path / "refresh.md").read_text() and "| 2x16x1 |" in (tmp_path / "refresh.md").read_text()
+    md = (tmp_path / "refresh.md").read_text()
+    assert "**a layer**" in md and "| 2x16x1 |" in md
     assert all(set(r["adamw_tiles_gpu_ms"]) == {"2x16x1"} for r in rows)

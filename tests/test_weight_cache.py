@@ -254,7 +254,8 @@ def test_trainer_fused_adamw_swaps_the_optimizer_and_refuses_what_it_cannot_do(t
         with pytest.raises((ValueError, TypeError), match=match):
             make("bad", **{"lowbit_fused_adamw": True, **kw})
     with pytest.warns(LowBitWarning, match="lowbit_fused_adamw=True does nothing without the weight cache"):
-        LowBitTrainer(tiny_model(vocab_size=96), args=make("ga1", lowbit_fused_adamw=True, gradient_accumulation_steps=1),
+        LowBitTrainer(tiny_model(vocab_size=96),
+                      args=make("ga1", lowbit_fused_adamw=True, gradient_accumulation_steps=1),
                       train_dataset=arithmetic_blocks(48))
 
 

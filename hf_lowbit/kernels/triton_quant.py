@@ -532,7 +532,8 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     ``row_amax`` (``variant="rows"`` only, nearest rounding, no ``row_mul``, not ``tensorwise``): the absmax of each
     of ``x``'s columns (``w``'s rows) already known, as int32 bits ``[N]`` (``|x|``'s float32 bits, NaN above inf:
     what :func:`hf_lowbit.kernels.adamw.adamw_rows_` leaves from the optimizer's own pass over the weight), so the
-    rows kernel reads ``x`` once instead of twice (but for its first tile of each row). The same bits as computing it here, given the true absmax.
+    rows kernel reads ``x`` once instead of twice (but for its first tile of each row). The same bits as computing
+    it here, given the true absmax.
 
     ``fp8_cast`` (``"atomic"`` / ``"atomic_rcp"``, fp8): how the quotients become e4m3 codes, the same bits either
     way: ``"native"`` (the default on CUDA) the hardware's round-to-nearest-even cast, ``"soft"`` (the default and

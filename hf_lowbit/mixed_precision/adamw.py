@@ -7,12 +7,12 @@ every low-bit weight is re-quantized after each optimizer step by the rows kerne
 (:func:`hf_lowbit.kernels.adamw.adamw_rows_`, one Triton kernel) leaves each row's absmax, and the refresh reads the
 weight once (``quantize_weight(..., row_amax=...)``): 4 bytes a weight element of refresh traffic instead of 6.
 
-Everything else is torch's: parameters that are not cached low-bit weights (embeddings, norms, the LM head, a
-weight off CUDA (but under Triton's CPU interpreter), a tensorwise format, groups with ``amsgrad`` / ``maximize`` / ``capturable`` / ``differentiable``)
-take ``torch.optim.AdamW.step`` with the options given (``fused=True`` as the Trainer's ``adamw_torch_fused``); the
-state (``step``, ``exp_avg``, ``exp_avg_sq``) is torch's, so ``state_dict`` / ``load_state_dict`` and checkpoints
-move between the two classes. The update is AdamW's in float32, rounded once when stored, as torch's fused CUDA
-kernel computes it (bits: :mod:`hf_lowbit.kernels.adamw`).
+Everything else is torch's: parameters that are not cached low-bit weights (embeddings, norms, the LM head, a weight
+off CUDA (but under Triton's CPU interpreter), a tensorwise format, groups with ``amsgrad`` / ``maximize`` /
+``capturable`` / ``differentiable``) take ``torch.optim.AdamW.step`` with the options given (``fused=True`` as the
+Trainer's ``adamw_torch_fused``); the state (``step``, ``exp_avg``, ``exp_avg_sq``) is torch's, so ``state_dict`` /
+``load_state_dict`` and checkpoints move between the two classes. The update is AdamW's in float32, rounded once
+when stored, as torch's fused CUDA kernel computes it (bits: :mod:`hf_lowbit.kernels.adamw`).
 """
 
 from __future__ import annotations
