@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .triton_quant import _abs_bits
+
 # (BLOCK_R, BLOCK_K, num_warps) on CUDA: a first guess for an elementwise pass (16 elements a thread at 4 warps),
 # to be swept on the H200 (benchmarks/benchmark_refresh.py); the interpreter (CPU) uses small tiles
 _TILES = (8, 256, 4)
@@ -73,8 +75,7 @@ def _adamw_rows_kernel(p_ptr, g_ptr, m_ptr, v_ptr, amax_ptr, R, K, decay, beta1,
     tl.store(m_ptr + idx, _cast(m, m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + idx, _cast(v, v_ptr.dtype.element_ty), mask=mask)
     if ROW_AMAX:
-        bits = stored.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |p|'s bits: NaN above inf
-        bits = tl.where(mask, bits, 0)
+        bits = tl.where(mask, _abs_bits(stored.to(tl.float32)), 0)  # |p|'s bits: NaN above inf
         tl.atomic_max(amax_ptr + offs_r, tl.max(bits, axis=1), mask=offs_r < R, sem="relaxed")
 
 
