@@ -112,10 +112,12 @@ TENSORWISE = "bf16,fp8,fp8_tensorwise,torchao_float8,torchao_float8_tensorwise"
 HEAD = "bf16,int8,int8_head,fp8,fp8_head"
 # each format's weight gradient accumulated by autograd's add (the default) and by its matmul (lowbit_fused_grad_accum)
 FGA = "bf16,int8,int8_fga,fp8,fp8_fga"
-# each format's weight cache refreshed after torch's AdamW (the default with accumulation) and from LowBitAdamW's row
-# absmax (lowbit_fused_adamw); at GA 1 beside the cache-less default and the cache forced on
-ADAMW = "bf16,int8,int8_adamw,fp8,fp8_adamw"
-ADAMW_B1 = "bf16,int8,int8_cache,int8_adamw,fp8,fp8_cache,fp8_adamw"
+# torch's fused AdamW (the default) against LowBitAdamW (lowbit_fused_adamw: one Triton pass a large parameter, which
+# also refreshes a cached weight's codes from its row absmax), bf16 with it too (its share apart from the low-bit
+# compute's); at GA 1 also with the weight cache forced on (<fmt>_cache_adamw: the fused refresh's case)
+ADAMW = "bf16,bf16_adamw,int8,int8_adamw,fp8,fp8_adamw"
+ADAMW_B1 = "bf16,bf16_adamw,int8,int8_adamw,int8_cache_adamw,fp8,fp8_adamw,fp8_cache_adamw"
+ADAMW_TRAINER = "bf16,int8,int8_adamw,fp8,fp8_adamw"  # (a Trainer block of 6 recipes may outrun a 10-minute call)
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -131,7 +133,9 @@ BLOCKS = {
     # issue 25: lowbit_fused_adamw (LowBitAdamW) against torch's AdamW + the rows refresh, in the same run
     "layers_b1_adamw": ("layers", 1, 1, "default", ADAMW_B1, ["--profile"]),
     "layers_b1_ga8_adamw": ("layers", 1, 8, "default", ADAMW, []),
-    "trainer_b1_ga8_adamw": ("trainer", 1, 8, "default", ADAMW, []),
+    "trainer_b1_ga8_adamw": ("trainer", 1, 8, "default", ADAMW_TRAINER, []),
+    "layers_b8_adamw": ("layers", 8, 1, "default", ADAMW, []),
+    "trainer_b8_adamw": ("trainer", 8, 1, "default", ADAMW_TRAINER, []),
     "trainer_b1": ("trainer", 1, 1, "default", "bf16,int8,fp8", []),
     "trainer_b8": ("trainer", 8, 1, "default", "bf16,int8,fp8", []),
     # + a kernel profile, and bf16 through LowBitTrainer (bf16_lbt): what bounds the 8x2048 rows (issue 25)

@@ -113,10 +113,13 @@ SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
 # against autograd's separate add: the layers path's hand loop calls FusedGradAccumulation.prepare before each
 # micro-batch, LowBitTrainer does it itself
 FGA_VARIANTS = {f"{fmt}_fga": fmt for fmt in ("int8", "fp8")}
-# INT8 / FP8 with the weight cache on and LowBitAdamW (lowbit_fused_adamw, issue 25; off by default): AdamW's pass over
-# each cached weight leaves its row absmax, so the refresh reads the weight once; against <fmt> (GA > 1: the cache
-# on) or <fmt>_cache (GA 1) in the same run
-ADAMW_VARIANTS = {f"{fmt}_adamw": fmt for fmt in ("int8", "fp8")}
+# LowBitAdamW (lowbit_fused_adamw, issue 25; off by default): AdamW in one Triton pass for each parameter of >= 2**20
+# elements, a pass that for a cached per-row weight also leaves its row absmax (the refresh then reads the weight
+# once); against bf16 / <fmt> in the same run. recipe -> (format, None for bf16; the weight cache forced on: with
+# gradient accumulation LowBitTrainer turns it on anyway, at GA 1 <fmt>_cache_adamw is the cache's and the fused
+# refresh's case, <fmt>_adamw the optimizer's alone)
+ADAMW_VARIANTS = {"bf16_adamw": (None, False), **{f"{fmt}_adamw": (fmt, False) for fmt in ("int8", "fp8")},
+                  **{f"{fmt}_cache_adamw": (fmt, True) for fmt in ("int8", "fp8")}}
 # the trainer path only: the layers path keeps the LM head bf16 and compiles only the decoder layers (apply_recipe)
 HEAD_VARIANTS = tuple(r for r, (_, field) in SWITCH_VARIANTS.items() if field == "include_lm_head")
 # bf16 / INT8 / FP8 with Inductor's partitioner free to recompute, in the backward, activations that a matmul or a
@@ -250,7 +253,8 @@ def mixed_precision_args(recipe: str) -> dict:
     if recipe in FGA_VARIANTS:
         return {f"{FGA_VARIANTS[recipe]}_mixed_precision": True, "lowbit_fused_grad_accum": True}
     if recipe in ADAMW_VARIANTS:
-        return {f"{ADAMW_VARIANTS[recipe]}_mixed_precision": True, "lowbit_weight_cache": True,
+        fmt, cache = ADAMW_VARIANTS[recipe]
+        return {**({f"{fmt}_mixed_precision": True} if fmt else {}), **({"lowbit_weight_cache": True} if cache else {}),
                 "lowbit_fused_adamw": True}
     return {f"{recipe}_mixed_precision": True}
 
@@ -368,7 +372,7 @@ def apply_recipe(model, recipe: str, min_features: int, weight_cache: bool = Fal
     if recipe in HEAD_VARIANTS:
         raise ValueError(f"apply_recipe: {recipe!r} swaps the LM head, which this path keeps bf16 outside its compiled "
                          "decoder layers; it runs through LowBitTrainer (benchmark_train.py --path trainer)")
-    if recipe == "bf16":
+    if recipe in ("bf16", "bf16_adamw"):  # (bf16_adamw: the loop's LowBitAdamW alone)
         return
     if recipe in OURS:
         from hf_lowbit import LowBitTrainingArguments, prepare_model
@@ -424,7 +428,7 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
             if not is_set():
                 raise RuntimeError(f"recipe {recipe!r} is not active: {unset} (apply_process_setting was not called)")
             recipe = family[recipe]
-    if recipe == "bf16":
+    if recipe in ("bf16", "bf16_adamw"):  # (bf16_adamw: LowBitAdamW, made by the loop, swaps nothing)
         return
     if recipe in LORA_RECIPES:
         from hf_lowbit import Int8Linear, LoraLinear, Nf4Linear
@@ -441,7 +445,7 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
             raise RuntimeError(f"recipe {recipe!r} is not active: up_proj is {type(mod).__name__} over {type(base).__name__}")
         return
     mod = model.model.layers[0].mlp.up_proj
-    if (recipe.endswith("_cache") or recipe in ADAMW_VARIANTS) and not getattr(mod, "weight_cache", False):
+    if recipe.endswith(("_cache", "_cache_adamw")) and not getattr(mod, "weight_cache", False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")
     if recipe in SWITCH_VARIANTS and not getattr(getattr(mod, "lowbit_config", None), SWITCH_VARIANTS[recipe][1], False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's {SWITCH_VARIANTS[recipe][1]} is off")

@@ -91,9 +91,10 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
     "adamw_refresh": ("issue 25: LowBitAdamW (lowbit_fused_adamw) on the GPU: its CUDA tests (the kernel's bits against "
                       "the float32 reference and torch's fused AdamW, the optimizer beside torch's), then AdamW + the "
                       "weight cache's refresh per Llama-8B layer weight, torch's fused AdamW + the rows kernel against "
-                      "the one-pass kernel + the refresh from its row absmax (GPU ms, GB/s, bits checked). Then, "
-                      "a call each: regimes with BLOCKS=layers_b1_adamw (profiled), layers_b1_ga8_adamw, "
-                      "trainer_b1_ga8_adamw", "~2 min (estimate; not yet run)", [
+                      "the one-pass kernel + the refresh from its row absmax, the kernel alone on every weight and the "
+                      "embedding / LM head (GPU ms, GB/s, bits checked). Then, a call each: regimes with "
+                      "BLOCKS=layers_b1_adamw (profiled), layers_b1_ga8_adamw, trainer_b1_ga8_adamw (and "
+                      "layers_b8_adamw, trainer_b8_adamw)", "~2 min (estimate; not yet run)", [
         "python3 -m pytest -q -rfEs -p no:cacheprovider -v tests/test_triton_int8.py -k 'adamw and cuda' 2>&1 "
         "| tee $OUT/pytest_cuda_adamw.txt",
         B + "benchmark_refresh.py --tiles 4x256x4,16x256x8,8x512x8,8x1024x8 --json $OUT/refresh_h200.json "

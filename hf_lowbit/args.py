@@ -81,8 +81,9 @@ class LowBitArgumentsMixin:
         "Gradient accumulation: add low-bit weight gradients into .grad in their matmul, not by a separate add; one "
         "process only. Unset: off (not yet faster on the H200; docs/usage.md).")})
     lowbit_fused_adamw: bool | None = field(default=None, metadata={"help": (
-        "Weight cache: AdamW's pass over each cached weight (LowBitAdamW) yields its row absmax, so the refresh "
-        "reads it once. Unset: off (unmeasured; docs/usage.md).")})
+        "AdamW in one Triton pass for each parameter of >= 2**20 elements (LowBitAdamW); with the weight cache, "
+        "that pass also yields each cached weight's row absmax, so the refresh reads it once. Unset: off "
+        "(unmeasured; docs/usage.md).")})
     lowbit_stochastic_rounding: bool = field(default=False, metadata={"help": (
         "INT8 mixed precision: round the backward's operands stochastically (the output gradient in both "
         "gradient matmuls, the input in the weight gradient) instead of to nearest, so their rounding is "
@@ -169,13 +170,6 @@ class LowBitArgumentsMixin:
                              ".grad: it needs int8_mixed_precision or fp8_mixed_precision (or "
                              "fp8_tensorwise_mixed_precision) with lowbit_grad_weight=True")
         if self.lowbit_fused_adamw:
-            if not (self.int8_mixed_precision or self.fp8_mixed_precision):
-                raise ValueError(f"{cls}.lowbit_fused_adamw=True updates cached INT8/FP8 weights scaled per row: it "
-                                 "needs int8_mixed_precision or fp8_mixed_precision (fp8_tensorwise's one scale a "
-                                 "weight is not taken)")
-            if self.lowbit_weight_cache is False:
-                raise ValueError(f"{cls}.lowbit_fused_adamw=True refreshes the weight cache from AdamW's pass: not "
-                                 "with lowbit_weight_cache=False")
             optim = getattr(self.optim, "value", self.optim)
             if optim not in ("adamw_torch", "adamw_torch_fused"):
                 raise ValueError(f"{cls}.lowbit_fused_adamw=True replaces torch's AdamW: optim must be 'adamw_torch' "

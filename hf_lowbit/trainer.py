@@ -89,12 +89,12 @@ class LowBitTrainerMixin:
         self.lowbit_weight_cache = bool(args.lowbit_recipes) and not sharded and (
             cache if cache is not None else args.gradient_accumulation_steps > 1)
         self._lowbit_cached_layers: list[MixedPrecisionLinear] | None = None  # found on the first step
-        # AdamW's pass over each cached weight refreshes its cache (LowBitAdamW, made in create_optimizer)
-        self.lowbit_fused_adamw = bool(args.lowbit_fused_adamw) and self.lowbit_weight_cache
-        if args.lowbit_fused_adamw and not self.lowbit_weight_cache:
-            warnings.warn(f"{args_name}.lowbit_fused_adamw=True does nothing without the weight cache (off here: "
-                          "gradient_accumulation_steps=1 or a sharded model); pass lowbit_weight_cache=True to use "
-                          "it", LowBitWarning, stacklevel=2)
+        # AdamW in one Triton pass a large parameter, which refreshes a cached weight's cache too (LowBitAdamW, made
+        # in create_optimizer)
+        self.lowbit_fused_adamw = bool(args.lowbit_fused_adamw)
+        if self.lowbit_fused_adamw and sharded:
+            raise ValueError(f"{args_name}.lowbit_fused_adamw=True: not with FSDP or DeepSpeed, whose sharded "
+                             "parameters and optimizers it does not take; leave it unset")
         fused = args.lowbit_fused_grad_accum
         # several processes or devices: DDP / FSDP / DeepSpeed hooks, DataParallel's replicas (several GPUs in one
         # process), SageMaker's and XLA's wrappers take each gradient from autograd. One process launched by torchrun

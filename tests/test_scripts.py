@@ -13,7 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_benchmark_train_smoke_on_cpu(tmp_path):
     out = tmp_path / "train.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_train.py"), "--device", "cpu", "--no_compile",
-           "--recipes", "bf16,int8,fp8,int8_cache,int8_dual,int8_xcodes,int8_fga,int8_adamw", "--hidden", "64",
+           "--recipes",
+           "bf16,int8,fp8,int8_cache,int8_dual,int8_xcodes,int8_fga,int8_adamw,int8_cache_adamw,bf16_adamw",
+           "--hidden", "64",
            "--intermediate", "128", "--heads", "4",
            "--kv_heads", "2", "--vocab", "96", "--layers", "2", "--batch", "2", "--seq", "32", "--warmup", "1",
            "--steps", "2", "--json", str(out)]
@@ -21,12 +23,12 @@ def test_benchmark_train_smoke_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["recipe"] for r in rows] == ["bf16", "int8", "fp8", "int8_cache", "int8_dual", "int8_xcodes", "int8_fga",
-                                           "int8_adamw"]
+                                           "int8_adamw", "int8_cache_adamw", "bf16_adamw"]
     # the weight cache, the dual quantization of dY and X's codes kept from the forward change where the codes are
     # computed, not which; the fused accumulation of one micro-batch rounds the same product once, as autograd does;
     # LowBitAdamW leaves every parameter to torch's step on a CPU (no Triton kernel there): the same losses as INT8
-    # without them
-    assert all(r["losses"] == rows[1]["losses"] for r in rows[3:])
+    # without them (and bf16's with bf16_adamw)
+    assert all(r["losses"] == rows[1]["losses"] for r in rows[3:-1]) and rows[-1]["losses"] == rows[0]["losses"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     # same init and data: the low-bit recipes start from bf16's loss
     assert all(abs(r["first_loss"] - rows[0]["first_loss"]) < 0.05 for r in rows)
@@ -1058,9 +1060,10 @@ def test_benchmark_refresh_smoke_interpreted(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["fmt"], r["name"]) for r in rows][:4] == [("int8", "q, o"), ("int8", "k, v"), ("int8", "gate, up"),
-                                                          ("int8", "down")] and len(rows) == 8
-    assert all(r["refresh_bits_equal"] for r in rows)
+    assert [(r["fmt"], r["name"], r["per"]) for r in rows][:5] == [
+        ("int8", "q, o", "layer"), ("int8", "k, v", "layer"), ("int8", "gate, up", "layer"), ("int8", "down", "layer"),
+        ("int8", "embedding, LM head", "model")] and len(rows) == 10
+    assert all(r["refresh_bits_equal"] and r["plain_adamw_gpu_ms"] > 0 for r in rows)
     md = (tmp_path / "refresh.md").read_text()
-    assert "**a layer**" in md and "| 2x16x1 |" in md
+    assert "**a layer**" in md and "| 2x16x1 |" in md and "**AdamW a step of the regimes' model** (8 layers" in md
     assert all(set(r["adamw_tiles_gpu_ms"]) == {"2x16x1"} for r in rows)

@@ -217,14 +217,15 @@ def test_cache_survives_module_dtype_casts(fmt, cast):
         assert torch.equal(g, r), name
 
 
-def test_trainer_fused_adamw_swaps_the_optimizer_and_refuses_what_it_cannot_do(tmp_path):
-    """lowbit_fused_adamw: LowBitTrainer's AdamW becomes LowBitAdamW with the same groups and options; on a CPU
-    (no Triton kernel) every parameter takes torch's step, so training is the same bit for bit; refused in one line
-    without a low-bit recipe, with the cache off or another optimizer; a warning where the cache is off by default
-    (no accumulation). The kernel's own path is tests/test_triton_int8.py's (interpreter, CUDA)."""
+def test_trainer_fused_adamw_swaps_the_optimizer_and_refuses_what_it_cannot_do(tmp_path, monkeypatch):
+    """lowbit_fused_adamw: LowBitTrainer's AdamW becomes LowBitAdamW with the same groups and options, with a low-bit
+    recipe or none, with accumulation or without; on a CPU (no Triton kernel) every parameter takes torch's step, so
+    training is the same bit for bit; refused in one line with another optimizer and with FSDP or DeepSpeed. The
+    kernel's own path is tests/test_triton_int8.py's (interpreter, CUDA)."""
+    import transformers
     from conftest import arithmetic_blocks, tiny_model
 
-    from hf_lowbit import LowBitAdamW, LowBitTrainer, LowBitTrainingArguments, LowBitWarning
+    from hf_lowbit import LowBitAdamW, LowBitTrainer, LowBitTrainingArguments
 
     def make(out, **kw):
         base = dict(output_dir=str(tmp_path / out), max_steps=4, per_device_train_batch_size=4,
@@ -241,21 +242,28 @@ def test_trainer_fused_adamw_swaps_the_optimizer_and_refuses_what_it_cannot_do(t
         assert isinstance(trainer.optimizer.optimizer, LowBitAdamW) is bool(fused)  # inside accelerate's wrapper
         losses[fused] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses[True]) == 4 and losses[True] == losses[None]
+    for kw in (dict(int8_mixed_precision=False), dict(gradient_accumulation_steps=1),
+               dict(lowbit_weight_cache=False)):  # no recipe, no cache: the kernel for the large parameters alone
+        trainer = LowBitTrainer(tiny_model(vocab_size=96), args=make("any", lowbit_fused_adamw=True, **kw),
+                                train_dataset=arithmetic_blocks(48))
+        assert trainer.lowbit_fused_adamw and isinstance(trainer.create_optimizer(), LowBitAdamW), kw
     user_optimizer = torch.optim.AdamW(tiny_model(vocab_size=96).parameters())
     kept = LowBitTrainer(tiny_model(vocab_size=96), args=make("given", lowbit_fused_adamw=True),
                          train_dataset=arithmetic_blocks(48), optimizers=(user_optimizer, None))
     assert kept.create_optimizer() is user_optimizer  # one passed in is left as it is
-    for kw, match in ((dict(int8_mixed_precision=False), "needs int8_mixed_precision or fp8_mixed_precision"),
-                      (dict(int8_mixed_precision=False, fp8_tensorwise_mixed_precision=True),
-                       "fp8_tensorwise's one scale a weight is not taken"),
-                      (dict(lowbit_weight_cache=False), "not with lowbit_weight_cache=False"),
-                      (dict(optim="sgd"), "optim must be 'adamw_torch' or 'adamw_torch_fused'"),
+    for kw, match in ((dict(optim="sgd"), "optim must be 'adamw_torch' or 'adamw_torch_fused'"),
                       (dict(lowbit_fused_adamw=1), "must be True, False or None")):
         with pytest.raises((ValueError, TypeError), match=match):
             make("bad", **{"lowbit_fused_adamw": True, **kw})
-    with pytest.warns(LowBitWarning, match="lowbit_fused_adamw=True does nothing without the weight cache"):
-        LowBitTrainer(tiny_model(vocab_size=96),
-                      args=make("ga1", lowbit_fused_adamw=True, gradient_accumulation_steps=1),
+    made = transformers.Trainer.create_accelerator_and_postprocess
+
+    def as_if_sharded(self):  # what accelerate's FSDP plugin makes the Trainer say
+        made(self)
+        self.is_fsdp_enabled = True
+
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", as_if_sharded)
+    with pytest.raises(ValueError, match="lowbit_fused_adamw=True: not with FSDP or DeepSpeed"):
+        LowBitTrainer(tiny_model(vocab_size=96), args=make("fsdp", lowbit_fused_adamw=True),
                       train_dataset=arithmetic_blocks(48))
 
 

@@ -16,8 +16,8 @@ precision").
   stock transformers.
 * gradient accumulation (``lowbit_fused_grad_accum``): :mod:`.grad_accum`, each weight's ``.grad`` added into by its
   weight-gradient matmul (:class:`FusedGradAccumulation`).
-* the optimizer (``lowbit_fused_adamw``): :mod:`.adamw`, :class:`LowBitAdamW`, AdamW whose pass over each cached
-  weight leaves its row absmax, so that the cache refresh reads the weight once.
+* the optimizer (``lowbit_fused_adamw``): :mod:`.adamw`, :class:`LowBitAdamW`, AdamW in one Triton pass for each
+  large parameter, a pass that leaves a cached weight's row absmax, so that the cache refresh reads it once.
 * FSDP2 (``lowbit_fsdp_lowbit_all_gather``): :mod:`.fsdp_all_gather`, the weight that FSDP2 all-gathers as
   codes + row scales and the layer computes with.
 

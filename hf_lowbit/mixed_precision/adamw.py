@@ -1,16 +1,23 @@
-"""``LowBitAdamW``: ``torch.optim.AdamW`` whose pass over each cached low-bit weight also refreshes its cache.
+"""``LowBitAdamW``: ``torch.optim.AdamW`` whose large parameters take one Triton pass each, which for a cached
+low-bit weight also refreshes its cache.
 
-With the weight cache on (``MixedPrecisionLinear.set_weight_cache``, ``LowBitTrainingArguments.lowbit_weight_cache``)
-every low-bit weight is re-quantized after each optimizer step by the rows kernel, which reads the weight twice
-(absmax, then encode) right after AdamW read and wrote it: ~5 ms a step for 8 Llama-8B layers on the H200
-(docs/benchmarks.md, "Issue 25 at c62cf15"). Here AdamW's own pass over such a weight
-(:func:`hf_lowbit.kernels.adamw.adamw_rows_`, one Triton kernel) leaves each row's absmax, and the refresh reads the
-weight once (``quantize_weight(..., row_amax=...)``): 4 bytes a weight element of refresh traffic instead of 6.
+Two costs it goes after (issue 25; docs/benchmarks.md, "Issue 25 at 6b81e90" and after):
 
-Everything else is torch's: parameters that are not cached low-bit weights (embeddings, norms, the LM head, a weight
-off CUDA (but under Triton's CPU interpreter), a tensorwise format, groups with ``amsgrad`` / ``maximize`` /
-``capturable`` / ``differentiable``) take ``torch.optim.AdamW.step`` with the options given (``fused=True`` as the
-Trainer's ``adamw_torch_fused``); the state (``step``, ``exp_avg``, ``exp_avg_sq``) is torch's, so ``state_dict`` /
+* torch's fused AdamW spent 10.5 ms a step on 8 Llama-8B layers and their embeddings (2.0 B bf16 parameters) on
+  the H200: ~2.7 TB/s of its least traffic (14 bytes an element), 22% of a 1x2048 step in every recipe. Every
+  parameter of at least ``kernel_min_numel`` elements (default 2**20: the weights, embeddings, the LM head; not
+  norms, biases or LoRA adapters, whose launches would cost more than they move) is updated by
+  :func:`hf_lowbit.kernels.adamw.adamw_rows_` instead: one elementwise pass, 16-byte accesses.
+* With the weight cache on (``MixedPrecisionLinear.set_weight_cache``, ``LowBitTrainingArguments.lowbit_weight_cache``)
+  every low-bit weight is re-quantized after each step by the rows kernel, which reads the weight twice (absmax,
+  then encode) right after AdamW read and wrote it: ~5 ms a step for those 8 layers. For a cached weight scaled per
+  row the kernel's pass also leaves each row's absmax, and the refresh reads the weight once
+  (``quantize_weight(..., row_amax=...)``): 4 bytes a weight element of refresh traffic instead of 6.
+
+Everything else is torch's: the other parameters (small ones, a weight off CUDA (but under Triton's CPU
+interpreter), a tensor subclass such as FSDP2's ``DTensor``, groups with ``amsgrad`` / ``maximize`` / ``capturable``
+/ ``differentiable``) take ``torch.optim.AdamW.step`` with the options given (``fused=True`` as the Trainer's
+``adamw_torch_fused``); the state (``step``, ``exp_avg``, ``exp_avg_sq``) is torch's, so ``state_dict`` /
 ``load_state_dict`` and checkpoints move between the two classes. The update is AdamW's in float32, rounded once
 when stored, as torch's fused CUDA kernel computes it (bits: :mod:`hf_lowbit.kernels.adamw`).
 """
@@ -46,36 +53,51 @@ def _torch_step(optimizer: torch.optim.AdamW) -> None:
     fn(optimizer)
 
 
-class LowBitAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` (same arguments, same state) that updates each cached low-bit weight with hf_lowbit's
-    one-pass kernel and refreshes that weight's cache from the row absmax it leaves (the weight read once); see
-    the module docstring. ``LowBitTrainingArguments(lowbit_fused_adamw=True)`` makes ``LowBitTrainer`` use it."""
+def _pieces(t: Tensor) -> list[Tensor]:
+    """A contiguous tensor as the kernel's ``[R, K]`` operands (the update is elementwise: any split of the same
+    elements will do): rows of 1024 elements, and the rest, if any, as one more row."""
+    flat = t.view(-1)
+    whole = flat.numel() - flat.numel() % 1024
+    return [x for x in (flat[:whole].view(-1, 1024), flat[whole:].view(1, -1)) if x.numel()]
 
-    def __init__(self, params, *args, **kwargs):
+
+class LowBitAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` (same arguments, same state) that updates each parameter of at least
+    ``kernel_min_numel`` elements, and each cached low-bit weight scaled per row whatever its size, with hf_lowbit's
+    one-pass kernel, and refreshes such a weight's cache from the row absmax that pass leaves (the weight read
+    once); see the module docstring. ``kernel_min_numel=None``: the cached weights only.
+    ``LowBitTrainingArguments(lowbit_fused_adamw=True)`` makes ``LowBitTrainer`` use it."""
+
+    def __init__(self, params, *args, kernel_min_numel: int | None = 1 << 20, **kwargs):
+        if kernel_min_numel is not None and (isinstance(kernel_min_numel, bool) or not isinstance(kernel_min_numel, int)
+                                             or kernel_min_numel < 0):
+            raise ValueError(f"LowBitAdamW: kernel_min_numel must be an int >= 0 or None, got {kernel_min_numel!r}")
         super().__init__(params, *args, **kwargs)
+        self.kernel_min_numel = kernel_min_numel
         # torch's fused AdamW takes GradScaler's scale and inf flag into its step (fp16 AMP); the kernel does not, so
         # GradScaler is asked to unscale the gradients and to skip a step with an inf itself, as for other optimizers
         self._step_supports_amp_scaling = False
         self._lowbit_init()
 
     def _lowbit_init(self) -> None:
-        self._lowbit_steps: dict[Tensor, int] = {}  # this class's step count per weight it updated (host ints)
-        self._lowbit_amax: dict[Tensor, Tensor] = {}  # per weight: int32 row absmax bits, reused every step
+        self._lowbit_steps: dict[Tensor, int] = {}  # this class's step count per parameter it updated (host ints)
+        self._lowbit_amax: dict[Tensor, Tensor] = {}  # per cached weight: int32 row absmax bits, reused every step
         # the weights whose cache the last step refreshed itself (the global step post-hook skips them)
         self.lowbit_refreshed: set[int] = set()
 
     def __getstate__(self):  # pickle / deepcopy: torch keeps defaults, state and groups; the counts go into the state
         self._sync_steps()
-        return super().__getstate__()
+        return {**super().__getstate__(), "kernel_min_numel": self.kernel_min_numel}
 
     def __setstate__(self, state):
-        super().__setstate__(state)
+        super().__setstate__(state)  # (torch's: the dict's entries become attributes)
+        self.__dict__.setdefault("kernel_min_numel", 1 << 20)
         self._lowbit_init()
 
     @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.AdamW) -> "LowBitAdamW":
+    def from_optimizer(cls, optimizer: torch.optim.AdamW, **kwargs) -> "LowBitAdamW":
         """The same parameter groups and options as ``optimizer`` (a ``torch.optim.AdamW`` not yet stepped, as
-        ``Trainer.create_optimizer`` makes it)."""
+        ``Trainer.create_optimizer`` makes it); ``kwargs``: this class's own (``kernel_min_numel``)."""
         if not isinstance(optimizer, torch.optim.AdamW):
             raise TypeError(f"LowBitAdamW.from_optimizer: a torch.optim.AdamW, got {type(optimizer).__name__}")
         if optimizer.state:
@@ -84,7 +106,7 @@ class LowBitAdamW(torch.optim.AdamW):
         import inspect
 
         accepted = inspect.signature(torch.optim.AdamW.__init__).parameters
-        return cls(optimizer.param_groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        return cls(optimizer.param_groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted}, **kwargs)
 
     def _owners(self) -> dict[int, list]:
         """The cached low-bit layers by ``id`` of their weight (the layers' own registry; a tied weight has several)."""
@@ -95,18 +117,28 @@ class LowBitAdamW(torch.optim.AdamW):
             owners.setdefault(id(layer.weight), []).append(layer)
         return owners
 
-    def _eligible(self, group: dict, p: Tensor, layers: list) -> bool:
+    def _takes(self, group: dict, p: Tensor, layers: list) -> tuple[bool, bool]:
+        """``(the kernel updates p, its pass refreshes p's cache)``: ``p`` a cached weight scaled per row (in every
+        layer that holds it), or at least ``kernel_min_numel`` elements; a plain dense tensor on CUDA (or under the
+        interpreter) with a gradient of its shape, both contiguous; the group's options the kernel's."""
         if group["amsgrad"] or group["maximize"] or group.get("capturable") or group.get("differentiable") \
                 or not group.get("decoupled_weight_decay", True):
-            return False
+            return False, False
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            return False  # set by a GradScaler that handles this optimizer's scaling itself: torch's step takes it
+            return False, False  # set by a GradScaler that handles this optimizer's scaling itself: torch's step
         g = p.grad
-        return ((p.is_cuda or _INTERPRETED) and p.dim() == 2 and p.is_contiguous() and p.is_floating_point()
-                and g is not None and not g.is_sparse and g.shape == p.shape and g.is_contiguous()
-                and g.device == p.device
-                and all(layer.weight_cache and not get_format(layer.lowbit_config.format).tensorwise
-                        for layer in layers))
+        if not (type(p) in (torch.Tensor, torch.nn.Parameter) and (p.is_cuda or _INTERPRETED) and p.dim() >= 1
+                and p.is_contiguous() and p.is_floating_point() and g is not None and type(g) is torch.Tensor
+                and not g.is_sparse and g.shape == p.shape and g.is_contiguous() and g.device == p.device):
+            return False, False
+        st = self.state.get(p)
+        if st and not all(isinstance(st.get(k), torch.Tensor) and st[k].shape == p.shape and st[k].is_contiguous()
+                          and st[k].device == p.device for k in ("exp_avg", "exp_avg_sq")):
+            return False, False  # a loaded state in another layout: torch's step takes it as it is
+        cached = bool(layers) and p.dim() == 2 and all(
+            layer.weight_cache and not get_format(layer.lowbit_config.format).tensorwise for layer in layers)
+        large = self.kernel_min_numel is not None and p.numel() >= self.kernel_min_numel
+        return cached or large, cached
 
     def _state(self, group: dict, p: Tensor) -> tuple[dict, int]:
         """``p``'s state as torch's AdamW initializes it, and the step this update makes (counted by the caller
@@ -142,10 +174,14 @@ class LowBitAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         owners = self._owners()
-        taken = [(group, p, owners[id(p)]) for group in self.param_groups for p in group["params"]
-                 if id(p) in owners and self._eligible(group, p, owners[id(p)])]
+        taken = []  # (group, p, its cached layers or None)
+        for group in self.param_groups:
+            for p in group["params"]:
+                kernel, cached = self._takes(group, p, owners.get(id(p), []))
+                if kernel:
+                    taken.append((group, p, owners[id(p)] if cached else None))
         self.lowbit_refreshed = set()
-        # a weight this class stops taking continues from its true count in torch's step
+        # a parameter this class stops taking continues from its true count in torch's step
         self._sync_steps(release=True, keep={id(p) for _, p, _ in taken})
         grads = [p.grad for _, p, _ in taken]
         for _, p, _ in taken:  # torch's step skips parameters without a gradient
@@ -158,17 +194,25 @@ class LowBitAdamW(torch.optim.AdamW):
         for group, p, layers in taken:
             state, n = self._state(group, p)
             beta1, beta2 = group["betas"]
-            amax = self._lowbit_amax.get(p)
-            if amax is None or amax.shape[0] != p.shape[0] or amax.device != p.device:
-                amax = self._lowbit_amax[p] = torch.empty(p.shape[0], dtype=torch.int32, device=p.device)
-            adamw_rows_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], n, lr=float(group["lr"]),
-                        beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
-                        weight_decay=group["weight_decay"], row_amax=amax)
+            amax = None
+            if layers is not None:
+                amax = self._lowbit_amax.get(p)
+                if amax is None or amax.shape[0] != p.shape[0] or amax.device != p.device:
+                    amax = self._lowbit_amax[p] = torch.empty(p.shape[0], dtype=torch.int32, device=p.device)
+            hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+                         weight_decay=group["weight_decay"])
+            tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+            if layers is not None:  # a cached weight: its rows are the cache's, their absmax the refresh's
+                adamw_rows_(*tensors, n, row_amax=amax, **hyper)
+            else:
+                for parts in zip(*(_pieces(t) for t in tensors)):
+                    adamw_rows_(*parts, n, **hyper)
             self._lowbit_steps[p] = n
             torch.autograd.graph.increment_version(p)  # a raw kernel's write: what an in-place op would record
-            for layer in layers:  # a tied weight: every layer's cache
-                layer.refresh_weight_cache(force=True, row_amax=amax)
-            self.lowbit_refreshed.add(id(p))
+            if layers is not None:
+                for layer in layers:  # a tied weight: every layer's cache
+                    layer.refresh_weight_cache(force=True, row_amax=amax)
+                self.lowbit_refreshed.add(id(p))
         return loss
 
     def state_dict(self):
