@@ -220,6 +220,9 @@ def test_a_deferred_models_copies_threads_and_pickles_defer_themselves():
 def test_prepare_for_serving_defers_where_transformers_can_and_says_where_not(monkeypatch):
     from transformers.generation import utils as generation
 
+    from hf_lowbit.qat import has_deferred_stop_check  # public: a serving script can ask before it relies on it
+
+    assert has_deferred_stop_check()  # transformers 5.17 (CI's and the device's) has it
     with_it = tiny_model()
     prepare_for_serving(with_it, backend="aot_eager")  # the default: deferred where transformers can
     assert getattr(vars(with_it).get("generate"), "_hf_lowbit_deferred", False)
@@ -227,6 +230,7 @@ def test_prepare_for_serving_defers_where_transformers_can_and_says_where_not(mo
     prepare_for_serving(off, backend="aot_eager", defer_stop=False)
     assert "generate" not in vars(off)
     monkeypatch.delattr(generation, "DeferredStopCheck")
+    assert not has_deferred_stop_check()
     model = tiny_model()
     with pytest.raises(RuntimeError, match="transformers .* has no DeferredStopCheck.*serve without defer_stop_check"):
         prepare_for_serving(model, backend="aot_eager", defer_stop=True)
