@@ -114,9 +114,11 @@ HEAD = "bf16,int8,int8_head,fp8,fp8_head"
 FGA = "bf16,int8,int8_fga,fp8,fp8_fga"
 # torch's fused AdamW (the default) against LowBitAdamW (lowbit_fused_adamw: one Triton pass a large parameter, which
 # also refreshes a cached weight's codes from its row absmax), bf16 with it too (its share apart from the low-bit
-# compute's); at GA 1 also with the weight cache forced on (<fmt>_cache_adamw: the fused refresh's case)
+# compute's); at GA 1 also with the weight cache forced on, after torch's AdamW (<fmt>_cache: the rows refresh) and
+# LowBitAdamW's (<fmt>_cache_adamw: the refresh from its absmax)
 ADAMW = "bf16,bf16_adamw,int8,int8_adamw,fp8,fp8_adamw"
-ADAMW_B1 = "bf16,bf16_adamw,int8,int8_adamw,int8_cache_adamw,fp8,fp8_adamw,fp8_cache_adamw"
+ADAMW_B1 = ("bf16,bf16_adamw,int8,int8_cache,int8_adamw,int8_cache_adamw,fp8,fp8_cache,fp8_adamw,"
+            "fp8_cache_adamw")
 ADAMW_TRAINER = "bf16,int8,int8_adamw,fp8,fp8_adamw"  # (a Trainer block of 6 recipes may outrun a 10-minute call)
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
@@ -130,7 +132,8 @@ BLOCKS = {
     "layers_b8": ("layers", 8, 1, "default", FULL, []),
     "layers_b8_ro": ("layers", 8, 1, "reduce-overhead", "bf16,int8,fp8", []),
     "trainer_b1_ga8": ("trainer", 1, 8, "default", "bf16,int8,fp8", []),
-    # issue 25: lowbit_fused_adamw (LowBitAdamW) against torch's AdamW + the rows refresh, in the same run
+    # issue 25: lowbit_fused_adamw (LowBitAdamW) against torch's AdamW (+ the rows refresh where the cache is on), in
+    # the same run
     "layers_b1_adamw": ("layers", 1, 1, "default", ADAMW_B1, ["--profile"]),
     "layers_b1_ga8_adamw": ("layers", 1, 8, "default", ADAMW, []),
     "trainer_b1_ga8_adamw": ("trainer", 1, 8, "default", ADAMW_TRAINER, []),

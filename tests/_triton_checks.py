@@ -562,7 +562,7 @@ def check_adamw_rows(device: str) -> int:
 
 def check_lowbit_adamw(device: str) -> int:
     """``LowBitAdamW`` on a model with cached INT8 and FP8 low-bit linears (one with a bias), an embedding, a
-    tensorwise FP8 linear and a convolution (a 3-D weight), against ``torch.optim.AdamW`` (fused) on a copy, the
+    tensorwise FP8 linear, a convolution (a 3-D weight) and a float64 embedding, against ``torch.optim.AdamW`` (fused) on a copy, the
     same gradients, 3 steps, once with the kernel on the cached weights only (``kernel_min_numel=None``) and once on
     every parameter of at least 1040 elements too: what the kernel updates (and only that) within a step of the
     dtype on at most 2% (its arithmetic is torch's fused kernel's), every other
@@ -571,7 +571,7 @@ def check_lowbit_adamw(device: str) -> int:
     ``state_dict`` equal in structure and step counts; a weight whose cache is switched off goes back to torch's step
     and counts on (cached only); the state loads into ``torch.optim.AdamW``; a layer tied to a cached weight gets
     its cache refreshed too; the absmax handed to the refresh is the weight's; a deep copy of the optimizer keeps
-    its counts, its ``kernel_min_numel`` and steps on; GradScaler is asked to unscale for it (no fused scaling);
+    its counts, its ``kernel_min_numel`` and steps on, and one loading its state counts on from it; GradScaler is asked to unscale for it (no fused scaling);
     ``from_optimizer`` refuses what is not an AdamW and passes ``kernel_min_numel`` on. Returns the number of
     checks."""
     return sum(_check_lowbit_adamw(device, min_numel) for min_numel in (None, 1040))
@@ -597,6 +597,7 @@ def _check_lowbit_adamw(device: str, min_numel) -> int:
         "conv": torch.nn.Conv1d(4, 260, 1),  # a 3-D weight of 1040 elements (a row of 1024 and one of 16), its bias
     }).to(device=device, dtype=torch.bfloat16)
     model["c"].weight = model["a"].weight  # tied: one parameter, two layers' caches
+    model["wide"] = torch.nn.Embedding(40, 52).to(device, torch.float64)  # 2080 elements: float64 stays torch's
     ref = copy.deepcopy(model)
     for m in (model, ref):
         for layer in m.values():
@@ -629,8 +630,9 @@ def _check_lowbit_adamw(device: str, min_numel) -> int:
             assert ours.lowbit_refreshed == {id(model[k].weight) for k in taken}, step
             # what the kernel updated (counted on the host): the cached per-row weights and, with a threshold, every
             # parameter of at least that many elements (the 1040-element conv weight: a row of 1024 and one of 16)
-            kernel = {id(model[k].weight) for k in taken} | {id(p) for p in model.parameters()
-                                                             if min_numel is not None and p.numel() >= min_numel}
+            kernel = {id(model[k].weight) for k in taken} | {
+                id(p) for p in model.parameters()
+                if min_numel is not None and p.numel() >= min_numel and p.dtype != torch.float64}
             assert set(map(id, ours._lowbit_steps)) == kernel and (min_numel is None or len(kernel) > 3), step
             ever |= kernel  # (a weight the kernel updated once stays a step of the dtype apart at most)
             for k in taken:  # the optimizer's refreshes from the absmax (a's weight: a's and c's), and no other
@@ -669,6 +671,13 @@ def _check_lowbit_adamw(device: str, min_numel) -> int:
         twin["opt"].step()  # the copied layers joined the cache's registry: the kernel takes their weights
         assert twin["opt"].lowbit_refreshed == {id(twin["model"]["a"].weight)}  # ("b"'s cache was switched off)
         assert all(float(st["step"]) == 5.0 for st in twin["opt"].state_dict()["state"].values())
+        # a state loaded into a new LowBitAdamW: its counts read back, the kernel steps on from them
+        again = LowBitAdamW(twin["model"].parameters(), lr=3e-3, weight_decay=0.01, fused=True,
+                            kernel_min_numel=min_numel)
+        again.load_state_dict(twin["opt"].state_dict())
+        again.step()
+        assert again._lowbit_steps and set(again._lowbit_steps.values()) == {6}
+        assert all(float(st["step"]) == 6.0 for st in again.state_dict()["state"].values())
         # (load_state_dict may share the state's tensors with ours: torch's step last)
         back = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
         back.load_state_dict(sd)

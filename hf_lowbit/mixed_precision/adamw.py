@@ -24,6 +24,7 @@ when stored, as torch's fused CUDA kernel computes it (bits: :mod:`hf_lowbit.ker
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -41,6 +42,8 @@ except ImportError:  # pragma: no cover - older torch
 
 # Triton's CPU interpreter (the tests): the kernel runs on CPU tensors too
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# what the kernel computes exactly as torch's fused AdamW does (in float32); float64 stays torch's
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _torch_step(optimizer: torch.optim.AdamW) -> None:
@@ -91,7 +94,7 @@ class LowBitAdamW(torch.optim.AdamW):
 
     def __setstate__(self, state):
         super().__setstate__(state)  # (torch's: the dict's entries become attributes)
-        self.__dict__.setdefault("kernel_min_numel", 1 << 20)
+        self.__dict__.setdefault("kernel_min_numel", None)  # pickled before it existed: the cached weights only
         self._lowbit_init()
 
     @classmethod
@@ -128,12 +131,14 @@ class LowBitAdamW(torch.optim.AdamW):
             return False, False  # set by a GradScaler that handles this optimizer's scaling itself: torch's step
         g = p.grad
         if not (type(p) in (torch.Tensor, torch.nn.Parameter) and (p.is_cuda or _INTERPRETED) and p.dim() >= 1
-                and p.is_contiguous() and p.is_floating_point() and g is not None and type(g) is torch.Tensor
-                and not g.is_sparse and g.shape == p.shape and g.is_contiguous() and g.device == p.device):
-            return False, False
+                and p.is_contiguous() and p.dtype in _KERNEL_DTYPES and g is not None and type(g) is torch.Tensor
+                and not g.is_sparse and g.shape == p.shape and g.is_contiguous() and g.device == p.device
+                and g.dtype in _KERNEL_DTYPES):
+            return False, False  # (float64 too: the kernel computes in float32, torch's step in float64)
         st = self.state.get(p)
         if st and not all(isinstance(st.get(k), torch.Tensor) and st[k].shape == p.shape and st[k].is_contiguous()
-                          and st[k].device == p.device for k in ("exp_avg", "exp_avg_sq")):
+                          and st[k].device == p.device and st[k].dtype in _KERNEL_DTYPES
+                          for k in ("exp_avg", "exp_avg_sq")):
             return False, False  # a loaded state in another layout: torch's step takes it as it is
         cached = bool(layers) and p.dim() == 2 and all(
             layer.weight_cache and not get_format(layer.lowbit_config.format).tensorwise for layer in layers)
@@ -175,14 +180,17 @@ class LowBitAdamW(torch.optim.AdamW):
                 loss = closure()
         owners = self._owners()
         taken = []  # (group, p, its cached layers or None)
+        idle = set()  # no gradient this step: nobody's step counts it (its host count kept: no re-read later)
         for group in self.param_groups:
             for p in group["params"]:
                 kernel, cached = self._takes(group, p, owners.get(id(p), []))
                 if kernel:
                     taken.append((group, p, owners[id(p)] if cached else None))
+                elif p.grad is None:
+                    idle.add(id(p))
         self.lowbit_refreshed = set()
         # a parameter this class stops taking continues from its true count in torch's step
-        self._sync_steps(release=True, keep={id(p) for _, p, _ in taken})
+        self._sync_steps(release=True, keep={id(p) for _, p, _ in taken} | idle)
         grads = [p.grad for _, p, _ in taken]
         for _, p, _ in taken:  # torch's step skips parameters without a gradient
             p.grad = None
@@ -191,28 +199,32 @@ class LowBitAdamW(torch.optim.AdamW):
         finally:
             for (_, p, _), g in zip(taken, grads):
                 p.grad = g
+        lrs = {}  # a group's lr read once (a tensor lr would sync the host per parameter)
         for group, p, layers in taken:
             state, n = self._state(group, p)
             beta1, beta2 = group["betas"]
+            lr = lrs.setdefault(id(group), float(group["lr"]))
             amax = None
             if layers is not None:
                 amax = self._lowbit_amax.get(p)
                 if amax is None or amax.shape[0] != p.shape[0] or amax.device != p.device:
                     amax = self._lowbit_amax[p] = torch.empty(p.shape[0], dtype=torch.int32, device=p.device)
-            hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+            hyper = dict(lr=lr, beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
                          weight_decay=group["weight_decay"])
             tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
-            if layers is not None:  # a cached weight: its rows are the cache's, their absmax the refresh's
-                adamw_rows_(*tensors, n, row_amax=amax, **hyper)
-            else:
-                for parts in zip(*(_pieces(t) for t in tensors)):
-                    adamw_rows_(*parts, n, **hyper)
-            self._lowbit_steps[p] = n
-            torch.autograd.graph.increment_version(p)  # a raw kernel's write: what an in-place op would record
-            if layers is not None:
-                for layer in layers:  # a tied weight: every layer's cache
-                    layer.refresh_weight_cache(force=True, row_amax=amax)
-                self.lowbit_refreshed.add(id(p))
+            # Triton launches on the current device: the parameter's (a model spread over GPUs by device_map)
+            with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():
+                if layers is not None:  # a cached weight: its rows are the cache's, their absmax the refresh's
+                    adamw_rows_(*tensors, n, row_amax=amax, **hyper)
+                else:
+                    for parts in zip(*(_pieces(t) for t in tensors)):
+                        adamw_rows_(*parts, n, **hyper)
+                self._lowbit_steps[p] = n
+                torch.autograd.graph.increment_version(p)  # a raw kernel's write: what an in-place op would record
+                if layers is not None:
+                    for layer in layers:  # a tied weight: every layer's cache
+                        layer.refresh_weight_cache(force=True, row_amax=amax)
+                    self.lowbit_refreshed.add(id(p))
         return loss
 
     def state_dict(self):
