@@ -59,6 +59,14 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
   (``lowbit_skip_causal_mask=False``: the mask transformers materializes when compiled, every block computed), bf16
   through ``LowBitTrainer`` (``bf16_lbt``, ``bf16_lbt_mask``) beside the stock ``Trainer``: how much of a Trainer row is
   the attention's and how much the low-bit compute's;
+* ``layers_b1_adamw`` (profiled), ``layers_b1_ga8_adamw``, ``layers_b8_adamw``, ``trainer_b1_ga8_adamw``,
+  ``trainer_b8_adamw`` (issue 25): torch's fused AdamW against ``LowBitAdamW`` (``lowbit_fused_adamw``: one Triton
+  pass a large parameter, which also refreshes a cached weight's codes from its row absmax): ``bf16_adamw`` (the
+  layers blocks), ``int8_adamw``, ``fp8_adamw`` and at 1x2048 the weight cache forced on with either optimizer
+  (``<fmt>_cache``, ``<fmt>_cache_adamw``);
+* ``layers_b8_multikernel``, ``layers_b1_multikernel`` (profiled; issue 25): bf16, int8, fp8 beside
+  ``*_multikernel`` (Inductor's ``config.triton.multi_kernel = 1``: reductions up to 16x wider than usual also get a
+  persistent variant, picked by timing; the quantizing SwiGLU kernels reduce over 14,336-wide rows);
 * ``layers_b1_ga8_fga`` (profiled), ``trainer_b1_ga8_fga``: int8 and fp8 beside ``int8_fga`` / ``fp8_fga``
   (``lowbit_fused_grad_accum``: the weight gradient added into ``.grad`` in its matmul's epilogue);
   ``layers_b1_ga8_sync``: the layers path at accumulation 8 with ``--mask_sync`` (transformers' packed-sequence check
@@ -120,6 +128,8 @@ ADAMW = "bf16,bf16_adamw,int8,int8_adamw,fp8,fp8_adamw"
 ADAMW_B1 = ("bf16,bf16_adamw,int8,int8_cache,int8_adamw,int8_cache_adamw,fp8,fp8_cache,fp8_adamw,"
             "fp8_cache_adamw")
 ADAMW_TRAINER = "bf16,int8,int8_adamw,fp8,fp8_adamw"  # (a Trainer block of 6 recipes may outrun a 10-minute call)
+# each recipe with Inductor's multi-kernel (persistent variants of wide reductions, picked by timing) and without
+MULTIKERNEL = "bf16,bf16_multikernel,int8,int8_multikernel,fp8,fp8_multikernel"
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -139,6 +149,9 @@ BLOCKS = {
     "trainer_b1_ga8_adamw": ("trainer", 1, 8, "default", ADAMW_TRAINER, []),
     "layers_b8_adamw": ("layers", 8, 1, "default", ADAMW, []),
     "trainer_b8_adamw": ("trainer", 8, 1, "default", ADAMW_TRAINER, []),
+    # issue 25: Inductor's multi-kernel for the quantizing reductions (SwiGLU's 14,336-wide rows), profiled
+    "layers_b8_multikernel": ("layers", 8, 1, "default", MULTIKERNEL, ["--profile"]),
+    "layers_b1_multikernel": ("layers", 1, 1, "default", MULTIKERNEL, ["--profile"]),
     "trainer_b1": ("trainer", 1, 1, "default", "bf16,int8,fp8", []),
     "trainer_b8": ("trainer", 8, 1, "default", "bf16,int8,fp8", []),
     # + a kernel profile, and bf16 through LowBitTrainer (bf16_lbt): what bounds the 8x2048 rows (issue 25)

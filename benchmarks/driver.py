@@ -142,8 +142,16 @@ QUANT_VARIANTS = {f"{fmt}_{variant}": fmt for fmt in ("int8", "fp8") for variant
 # FP8 with its activation codes rounded in float32 before the cast (hf_lowbit.kernels.quantize_t.FP8_CAST = "soft",
 # the only way before 2026-12-03) against the hardware cast, the default on CUDA: the same bits
 CAST_VARIANTS = {"fp8_softcast": "fp8"}
+# bf16 / INT8 / FP8 with Inductor's multi-kernel on (torch._inductor.config.triton.multi_kernel = 1 for the process):
+# a reduction up to 16x wider than its usual 1024 (INNER) also gets a persistent variant, the faster of the two
+# picked by timing at the first call (issue 25: the quantizing SwiGLU kernels reduce over 14,336-wide rows in
+# Inductor's looped form, ~2x their traffic floor in the 8x2048 profile; RMSNorm's 4,096-wide rows too, in bf16 as
+# well). bf16_multikernel is the stock bf16 recipe (Trainer) with the same setting
+MULTIKERNEL_VARIANTS = {f"{base}_multikernel": base for base in ("bf16", "int8", "fp8")}
 PROCESS_VARIANTS = {**RECOMPUTE_VARIANTS, **UNSHARED_VARIANTS, **SHARED_VARIANTS,
-                    **QUANT_VARIANTS, **CAST_VARIANTS}  # a base recipe + a process setting
+                    **QUANT_VARIANTS, **CAST_VARIANTS, **MULTIKERNEL_VARIANTS}  # a base recipe + a process setting
+# bf16 as a stock user runs it (no hf_lowbit), alone or with a process setting
+STOCK_BF16 = ("bf16", "bf16_recompute", "bf16_multikernel")
 # the trainer path only: LowBitTrainer with lowbit_skip_causal_mask=False, i.e. with the causal mask that transformers
 # materializes under torch.compile (SDPA then computes every block; the default lets SDPA skip them as it does
 # eagerly: hf_lowbit.integrations.causal_mask), to tell that gain from the low-bit compute's in the same run
@@ -153,11 +161,11 @@ OURS = ("int8", "fp8", "fp8_tensorwise", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITC
         *ADAMW_VARIANTS, "bf16_lbt",
         "int8_recompute",
         "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *QUANT_VARIANTS, *CAST_VARIANTS,
-        *MASK_VARIANTS)  # full fine-tunes, LowBitTrainer
+        "int8_multikernel", "fp8_multikernel", *MASK_VARIANTS)  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS) + tuple(FGA_VARIANTS)
                 + tuple(ADAMW_VARIANTS)
                 + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS)
-                + tuple(SHARED_VARIANTS) + tuple(QUANT_VARIANTS) + tuple(CAST_VARIANTS)
+                + tuple(SHARED_VARIANTS) + tuple(QUANT_VARIANTS) + tuple(CAST_VARIANTS) + tuple(MULTIKERNEL_VARIANTS)
                 + tuple(MASK_VARIANTS))  # compared with bf16
 QAT_GROUP_SIZE = 256  # the seed recipe's 8da4w group
 # LoRA (r = --lora_r on every decoder linear, PEFT) over: a bf16 base; our NF4 base with bf16 compute, with
@@ -332,6 +340,18 @@ def _quantize_t_setting(attr: str, value, key: str | None = None):
     return apply, is_set
 
 
+def _multi_kernel_on() -> None:
+    import torch._inductor.config as inductor_config
+
+    inductor_config.triton.multi_kernel = 1
+
+
+def _multi_kernel_is_on() -> bool:
+    import torch._inductor.config as inductor_config
+
+    return bool(inductor_config.triton.multi_kernel)
+
+
 # PROCESS_VARIANTS' settings, by family: (set it, whether it is set, what "not active" means)
 _PROCESS_SETTINGS = (
     (RECOMPUTE_VARIANTS, _lift_recompute_ban, _recompute_ban_lifted,
@@ -341,6 +361,7 @@ _PROCESS_SETTINGS = (
     *(({recipe: base}, *_quantize_t_setting("ACTIVATION_VARIANT", recipe.split("_", 1)[1], key=base),
        "activations are quantized by another quantize_t variant") for recipe, base in QUANT_VARIANTS.items()),
     (CAST_VARIANTS, *_quantize_t_setting("FP8_CAST", "soft"), "FP8's activation codes still come from the hardware cast"),
+    (MULTIKERNEL_VARIANTS, _multi_kernel_on, _multi_kernel_is_on, "Inductor's multi-kernel is off"),
 )
 
 
@@ -352,7 +373,8 @@ def apply_process_setting(recipe: str) -> bool:
     always False: no ``hf_lowbit::quantize_t_shared``); SHARED_VARIANTS: siblings share X's column codes on CUDA at
     any number of rows (``shares_codes`` true on CUDA, not only from ``SHARE_MIN_ROWS`` rows); QUANT_VARIANTS
     (``{fmt}_{variant}``): ``hf_lowbit.kernels.quantize_t.ACTIVATION_VARIANT[fmt] = variant``; CAST_VARIANTS
-    (``fp8_softcast``): ``quantize_t.FP8_CAST = "soft"``."""
+    (``fp8_softcast``): ``quantize_t.FP8_CAST = "soft"``; MULTIKERNEL_VARIANTS: Inductor's
+    ``config.triton.multi_kernel = 1``."""
     for family, apply, _, _ in _PROCESS_SETTINGS:
         if recipe in family:
             apply()
@@ -483,7 +505,7 @@ def build_model(a, device: str, weight_cache: bool = False):
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(llama_config(a), dtype=torch.bfloat16, attn_implementation="sdpa")
-    if getattr(a, "path", "layers") == "trainer" and a.recipe in ("bf16", "bf16_recompute", *OURS, *OURS_LORA):
+    if getattr(a, "path", "layers") == "trainer" and a.recipe in (*STOCK_BF16, *OURS, *OURS_LORA):
         return model  # the Trainer path: LowBitTrainer swaps and wraps (stock Trainer for bf16)
     if getattr(a, "path", "layers") == "trainer" and a.recipe == "lora_bf16":
         from peft import LoraConfig, get_peft_model  # what a stock Trainer user runs: PEFT's own LoRA
@@ -551,7 +573,7 @@ def recipe_args(recipe: str) -> dict:
         return dict(_LORA_ARGS[recipe])
     if recipe in MASK_VARIANTS:
         return {**recipe_args(MASK_VARIANTS[recipe]), "lowbit_skip_causal_mask": False}
-    return {} if recipe in ("bf16", "bf16_lbt", "bf16_recompute") else mixed_precision_args(recipe)
+    return {} if recipe in (*STOCK_BF16, "bf16_lbt") else mixed_precision_args(recipe)
 
 
 # -------------------------------------------------------------------------------------- a training step, timed

@@ -416,6 +416,40 @@ def _check_recompute_recipes(bench, functorch_config, tiny_model):
         assert swapped[0] == swapped[1], recipe
 
 
+def test_benchmark_multikernel_recipes():
+    """bf16_multikernel / int8_multikernel / fp8_multikernel (issue 25): their base recipe's swap and arguments (bf16
+    through the stock Trainer), with Inductor's multi-kernel switched on for the process before anything compiles
+    (refused as not active without it); the regimes blocks that compare them."""
+    import torch._inductor.config as inductor_config
+    from conftest import tiny_model
+
+    from benchmarks import driver as bench
+    from benchmarks.benchmark_regimes import BLOCKS
+
+    with inductor_config.patch({"triton.multi_kernel": 0}):  # torch's own patch: restored after
+        model = tiny_model().bfloat16()
+        bench.apply_recipe(model, "int8_multikernel", min_features=16)
+        with pytest.raises(RuntimeError, match="not active: Inductor's multi-kernel is off"):
+            bench.check_recipe_active(model, "int8_multikernel", "cpu")
+        assert not bench.apply_process_setting("int8") and not inductor_config.triton.multi_kernel
+        assert bench.apply_process_setting("int8_multikernel") and inductor_config.triton.multi_kernel == 1
+        bench.check_recipe_active(model, "int8_multikernel", "cpu")
+        for recipe, base in (("bf16_multikernel", "bf16"), ("int8_multikernel", "int8"), ("fp8_multikernel", "fp8")):
+            assert recipe in bench.FULL_RECIPES and (recipe in bench.OURS) is (base in bench.OURS)
+            assert bench.recipe_args(recipe) == bench.recipe_args(base)
+            swapped = []
+            for name in (recipe, base):
+                model = tiny_model().bfloat16()
+                bench.apply_recipe(model, name, min_features=16)
+                bench.check_recipe_active(model, name, "cpu")
+                swapped.append([type(m).__name__ for m in model.modules()])
+            assert swapped[0] == swapped[1], recipe
+    assert not inductor_config.triton.multi_kernel  # the default is back
+    recipes = "bf16,bf16_multikernel,int8,int8_multikernel,fp8,fp8_multikernel"
+    assert BLOCKS["layers_b8_multikernel"][:5] == ("layers", 8, 1, "default", recipes)
+    assert BLOCKS["layers_b1_multikernel"][:5] == ("layers", 1, 1, "default", recipes)
+
+
 def test_benchmark_unshared_recipes(monkeypatch):
     """int8_unshared / fp8_unshared (issue 25): their base recipe's swap and arguments, with X's column codes no longer
     shared (hf_lowbit.kernels.shares_codes always False, set by build_model; refused as not active without it); the
