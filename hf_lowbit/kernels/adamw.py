@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._launch import on_operand_device
 from .triton_quant import _abs_bits
 
 # (BLOCK_R, BLOCK_K, num_warps) on CUDA: a first guess for an elementwise pass (16 elements a thread at 4 warps),
@@ -89,6 +90,7 @@ def _scalars(step: int, lr: float, beta1: float, beta2: float, weight_decay: flo
 
 
 @torch.no_grad()
+@on_operand_device
 def adamw_rows_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, *, lr: float,
                 beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.01,
                 row_amax: Tensor | None = None, tiles: tuple[int, int, int] | None = None) -> Tensor | None:

@@ -57,6 +57,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._launch import on_operand_device
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # FP8_MAX (448) is written literally in the jit functions: compiled Triton reads no non-constexpr global
 BLOCK_M = 16  # rows of x a program holds (M <= 16; the dot's smallest tile)
@@ -354,6 +356,7 @@ def _recip(x: torch.Tensor, recip: bool | None) -> bool:
     return x.device.type == "cuda" if recip is None else recip
 
 
+@on_operand_device
 def act_quant_triton(x: torch.Tensor, write_codes: bool = True, block_k: int | None = None,
                      soft: bool | None = None, recip: bool | None = None, rows: bool | None = None):
     """``(codes [M, K] e4m3 or None, scales [M] float32)`` of the rows of ``x`` [M, K] (any strides): the
@@ -381,6 +384,7 @@ def act_quant_triton(x: torch.Tensor, write_codes: bool = True, block_k: int | N
     return (q if write_codes else None), scale
 
 
+@on_operand_device
 def _split_k_reduce(ws, bias, out, split, soft):
     M, N = out.shape
     block = 1024 if not _INTERPRET else 64
@@ -390,6 +394,7 @@ def _split_k_reduce(ws, bias, out, split, soft):
         SOFT=soft, BLOCK=block)
 
 
+@on_operand_device
 def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                     design: str | None = None, block_n: int | None = None, block_k: int | None = None,
                     split_k: int | None = None, pre_scale: bool | None = None, num_warps: int | None = None,

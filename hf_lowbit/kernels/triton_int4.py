@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._launch import on_operand_device
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # 0x4B000000 is 2**23 as float32: OR-ing a 4-bit code into its mantissa gives 2**23 + q exactly, and subtracting
@@ -210,6 +212,7 @@ def _decode_tiles(M: int, group_size: int, tiles: tuple[int, int, int] | None):
     return bn, min(bk, group_size), warps
 
 
+@on_operand_device
 def int4_decode_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        group_size: int, split_k: int | None = None,
                        tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -238,6 +241,7 @@ def int4_decode_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     return out
 
 
+@on_operand_device
 def int4_dequant_triton(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                         tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The bf16 weight ``[N, K]`` of the packed codes (bit for bit :func:`hf_lowbit.kernels.int4.int4_dequantize`)."""
@@ -650,6 +654,7 @@ def _traced(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or torch._guards.detect_fake_mode((t,)) is not None
 
 
+@on_operand_device
 def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
                             out_features: int, split_k: int | None = None,
                             tiles: tuple[int, int, int, int] | None = None, kernel: str = "tile") -> torch.Tensor:
@@ -714,6 +719,7 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     return out
 
 
+@on_operand_device
 def int4_tile_dequant_triton(qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
                              shape: tuple[int, int], tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The bf16 weight ``shape = (N, K)`` of tinygemm's tile layout, bit for bit

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._launch import on_operand_device
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -158,6 +160,7 @@ def _scaled_mm_accumulate_kernel(
     tl.store(c_ptrs, out.to(acc_ptr.dtype.element_ty), mask=mask)
 
 
+@on_operand_device
 def int8_scaled_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
                           b_scale: torch.Tensor, out_dtype: torch.dtype, c: torch.Tensor | None = None,
                           d: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,6 +188,7 @@ def int8_scaled_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tenso
     return out
 
 
+@on_operand_device
 def scaled_mm_accumulate_triton(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
                                 b_scale: torch.Tensor) -> None:
     """Launch the accumulating kernel: the scaled product of ``a [M, K]`` and ``b [N, K]`` (both int8 or both

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
+
+from ._launch import on_operand_device
 from triton.language.extra import libdevice
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -86,6 +88,7 @@ def _nf4_to_int8_kernel(codes_ptr, mul_ptr, lut_ptr, q_ptr, N, K, TRANSPOSED: tl
         tl.store(q_ptr.to(tl.pointer_type(tl.int16)) + n3 * (K // 2) + b3, pair, mask=mask)
 
 
+@on_operand_device
 def nf4_to_int8_triton(codes: torch.Tensor, mul: torch.Tensor, lut: torch.Tensor, transposed: bool) -> torch.Tensor:
     """``codes`` uint8 ``[N, K/2]``, ``mul`` float32 ``[N, K/64]``, ``lut`` float32 ``[16]`` -> int8 ``[N, K]``
     (``[K, N]`` if ``transposed``), contiguous."""

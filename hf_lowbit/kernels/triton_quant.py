@@ -93,6 +93,8 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.library import wrap_triton
 
+from ._launch import on_operand_device
+
 _CHUNK_M = 1024  # rows per partial absmax
 VARIANTS = ("two_kernel", "fused", "rows", "atomic", "atomic_rcp")
 _TWO_PASS = ("two_kernel", "atomic", "atomic_rcp")  # take amax_tiles, quant_tiles, chunk_m
@@ -492,6 +494,7 @@ def _check_32bit_offsets(fn: str, x: torch.Tensor) -> None:
                          "gradient_accumulation_steps), or leave this layer out of the low-bit recipe")
 
 
+@on_operand_device
 def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m: int | None = None,
                       out: tuple[torch.Tensor, ...] | None = None, stochastic: bool = False,
                       row_mul: torch.Tensor | None = None, both_layouts: bool = False, *, variant: str = "two_kernel",
@@ -724,6 +727,7 @@ def _dual_quantize_kernel(x_ptr, mul_ptr, sr_ptr, sc_ptr, qr_ptr, qc_ptr, M, N, 
     tl.store(qc_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(qc), mask=mask_n[:, None] & mask_m[None, :])
 
 
+@on_operand_device
 def quantize_dual_triton(g: torch.Tensor, qdtype: torch.dtype, qmax: float, col_mul: torch.Tensor | None = None,
                          stochastic: bool = False, *, chunk_m: int | None = None,
                          amax_tiles: tuple[int, int, int] | None = None,

@@ -24,7 +24,6 @@ when stored, as torch's fused CUDA kernel computes it (bits: :mod:`hf_lowbit.ker
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -212,19 +211,18 @@ class LowBitAdamW(torch.optim.AdamW):
             hyper = dict(lr=lr, beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
                          weight_decay=group["weight_decay"])
             tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
-            # Triton launches on the current device: the parameter's (a model spread over GPUs by device_map)
-            with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():
-                if layers is not None:  # a cached weight: its rows are the cache's, their absmax the refresh's
-                    adamw_rows_(*tensors, n, row_amax=amax, **hyper)
-                else:
-                    for parts in zip(*(_pieces(t) for t in tensors)):
-                        adamw_rows_(*parts, n, **hyper)
-                self._lowbit_steps[p] = n
-                torch.autograd.graph.increment_version(p)  # a raw kernel's write: what an in-place op would record
-                if layers is not None:
-                    for layer in layers:  # a tied weight: every layer's cache
-                        layer.refresh_weight_cache(force=True, row_amax=amax)
-                    self.lowbit_refreshed.add(id(p))
+            # (each launch on the parameter's GPU: hf_lowbit.kernels._launch, for a model spread over GPUs)
+            if layers is not None:  # a cached weight: its rows are the cache's, their absmax the refresh's
+                adamw_rows_(*tensors, n, row_amax=amax, **hyper)
+            else:
+                for parts in zip(*(_pieces(t) for t in tensors)):
+                    adamw_rows_(*parts, n, **hyper)
+            self._lowbit_steps[p] = n
+            torch.autograd.graph.increment_version(p)  # a raw kernel's write: what an in-place op would record
+            if layers is not None:
+                for layer in layers:  # a tied weight: every layer's cache
+                    layer.refresh_weight_cache(force=True, row_amax=amax)
+                self.lowbit_refreshed.add(id(p))
         return loss
 
     def state_dict(self):
