@@ -330,15 +330,15 @@ def test_lowbit_adamw_interpreted():
     """LowBitAdamW beside torch's fused AdamW on the same gradients, with the kernel on the cached INT8/FP8 weights
     only and on every parameter: what the kernel updates within a step of the dtype, everything else torch's bits,
     caches refreshed from the kernel's absmax and by nothing else, the state torch's (a weight handed back counts
-    on; the state loads into AdamW)."""
-    assert "checked 12 LowBitAdamW steps against torch's AdamW" in run_interpreted("lowbit_adamw")
+    on; the state loads into AdamW); two parameter groups of their own options."""
+    assert "checked 15 LowBitAdamW steps against torch's AdamW" in run_interpreted("lowbit_adamw")
 
 
 @pytest.mark.cuda
 def test_lowbit_adamw_cuda():
-    from _triton_checks import check_lowbit_adamw
+    from _triton_checks import check_lowbit_adamw, check_lowbit_adamw_groups
 
-    assert check_lowbit_adamw("cuda") == 12
+    assert check_lowbit_adamw("cuda") == 12 and check_lowbit_adamw_groups("cuda") == 3
 
 
 @pytest.mark.cuda

@@ -84,6 +84,7 @@ class LowBitAdamW(torch.optim.AdamW):
     def _lowbit_init(self) -> None:
         self._lowbit_steps: dict[Tensor, int] = {}  # this class's step count per parameter it updated (host ints)
         self._lowbit_amax: dict[Tensor, Tensor] = {}  # per cached weight: int32 row absmax bits, reused every step
+        self._lowbit_views: dict[Tensor, tuple] = {}  # per other parameter: its and its moments' kernel operands
         # the weights whose cache the last step refreshed itself (the global step post-hook skips them)
         self.lowbit_refreshed: set[int] = set()
 
@@ -161,6 +162,16 @@ class LowBitAdamW(torch.optim.AdamW):
             self._lowbit_steps[p] = int(state["step"].item())
         return state, self._lowbit_steps[p] + 1
 
+    def _views(self, p: Tensor, state: dict) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """:func:`_pieces` of ``p`` and its moments, kept while they are the same tensors (the optimizer's own
+        host time a step is mostly such bookkeeping: ~46 us a parameter in Python)."""
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        key = (p.data_ptr(), m.data_ptr(), v.data_ptr(), p.shape, p.dtype, m.dtype, v.dtype)
+        cached = self._lowbit_views.get(p)
+        if cached is None or cached[0] != key:
+            cached = self._lowbit_views[p] = (key, _pieces(p), _pieces(m), _pieces(v))
+        return cached[1:]
+
     def _sync_steps(self, release: bool = False, keep: set[int] = frozenset()) -> None:
         """Write the host step counts into the state's ``step`` tensors: all of them, or with ``release`` those of
         the weights not in ``keep`` (handed back to torch's step, which counts in the tensor)."""
@@ -198,25 +209,23 @@ class LowBitAdamW(torch.optim.AdamW):
         finally:
             for (_, p, _), g in zip(taken, grads):
                 p.grad = g
-        lrs = {}  # a group's lr read once (a tensor lr would sync the host per parameter)
+        hyper = {}  # per group, read once (a tensor lr would otherwise sync the host for every parameter)
         for group, p, layers in taken:
             state, n = self._state(group, p)
-            beta1, beta2 = group["betas"]
-            lr = lrs.setdefault(id(group), float(group["lr"]))
-            amax = None
-            if layers is not None:
+            if id(group) not in hyper:
+                (beta1, beta2), lr = group["betas"], float(group["lr"])
+                hyper[id(group)] = dict(lr=lr, beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+                                        weight_decay=group["weight_decay"])
+            # (each launch on the parameter's GPU: hf_lowbit.kernels._launch, for a model spread over GPUs)
+            if layers is not None:  # a cached weight: its rows are the cache's, their absmax the refresh's
                 amax = self._lowbit_amax.get(p)
                 if amax is None or amax.shape[0] != p.shape[0] or amax.device != p.device:
                     amax = self._lowbit_amax[p] = torch.empty(p.shape[0], dtype=torch.int32, device=p.device)
-            hyper = dict(lr=lr, beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
-                         weight_decay=group["weight_decay"])
-            tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
-            # (each launch on the parameter's GPU: hf_lowbit.kernels._launch, for a model spread over GPUs)
-            if layers is not None:  # a cached weight: its rows are the cache's, their absmax the refresh's
-                adamw_rows_(*tensors, n, row_amax=amax, **hyper)
+                adamw_rows_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], n, row_amax=amax, **hyper[id(group)])
             else:
-                for parts in zip(*(_pieces(t) for t in tensors)):
-                    adamw_rows_(*parts, n, **hyper)
+                ps, ms, vs = self._views(p, state)
+                for pp, gp, mp, vp in zip(ps, _pieces(p.grad), ms, vs):
+                    adamw_rows_(pp, gp, mp, vp, n, **hyper[id(group)])
             self._lowbit_steps[p] = n
             torch.autograd.graph.increment_version(p)  # a raw kernel's write: what an in-place op would record
             if layers is not None:
@@ -232,3 +241,4 @@ class LowBitAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         self._lowbit_steps.clear()  # re-read from the loaded state at the next step
+        self._lowbit_views.clear()  # (they would keep the replaced moments alive until then)
