@@ -582,8 +582,9 @@ def check_lowbit_adamw_groups(device: str) -> int:
     weights, every one through the kernel: ``kernel_min_numel=0``) against ``torch.optim.AdamW`` (fused), 3 steps:
     each element within 4 steps of its dtype of ``|w| + lr`` (the size of what an update adds: a last-bit difference
     in the moments shows as several steps of a weight near zero; measured up to 1.9 after 3 steps), bf16 weights
-    apart on at most 2% of their elements (float32 keeps the last-bit differences: 6-14% of the elements here).
-    Returns the number of steps."""
+    apart on at most 2% of their elements (float32 keeps the last-bit differences: 6-14% of the elements here); a
+    weight and a moment replaced by copies before the last step are the ones it updates. Returns the number of
+    steps."""
     from hf_lowbit.mixed_precision import LowBitAdamW
 
     gen = torch.Generator().manual_seed(1)
@@ -600,6 +601,10 @@ def check_lowbit_adamw_groups(device: str) -> int:
             for p, q in zip(g, r):
                 p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(device, p.dtype)
                 q.grad = p.grad.clone()
+        if step == 2:  # a weight and a moment replaced by copies (a load, an offload): the kernel takes the new ones
+            w = ours[1][0]
+            w.data = w.data.clone()
+            opt.state[w]["exp_avg"] = opt.state[w]["exp_avg"].clone()
         opt.step()
         theirs.step()
         assert len(opt._lowbit_steps) == 4, step  # every parameter through the kernel

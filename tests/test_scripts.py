@@ -426,6 +426,7 @@ def test_benchmark_multikernel_recipes():
     from benchmarks import driver as bench
     from benchmarks.benchmark_regimes import BLOCKS
 
+    before = inductor_config.triton.multi_kernel
     with inductor_config.patch({"triton.multi_kernel": 0}):  # torch's own patch: restored after
         model = tiny_model().bfloat16()
         bench.apply_recipe(model, "int8_multikernel", min_features=16)
@@ -444,7 +445,7 @@ def test_benchmark_multikernel_recipes():
                 bench.check_recipe_active(model, name, "cpu")
                 swapped.append([type(m).__name__ for m in model.modules()])
             assert swapped[0] == swapped[1], recipe
-    assert not inductor_config.triton.multi_kernel  # the default is back
+    assert inductor_config.triton.multi_kernel == before  # the setting is back
     recipes = "bf16,bf16_multikernel,int8,int8_multikernel,fp8,fp8_multikernel"
     assert BLOCKS["layers_b8_multikernel"][:5] == ("layers", 8, 1, "default", recipes)
     assert BLOCKS["layers_b1_multikernel"][:5] == ("layers", 1, 1, "default", recipes)

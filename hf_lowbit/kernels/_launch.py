@@ -8,20 +8,23 @@ import torch
 
 
 def on_operand_device(fn):
-    """``fn``, a function that launches Triton kernels, run with its first tensor argument's CUDA device current.
+    """``fn``, a function that launches Triton kernels, run with the CUDA device of its first CUDA tensor argument
+    (positional, then keyword) current.
 
     Why: Triton launches on the current CUDA device and its current stream, not on the tensors' device. A model
     spread over GPUs (``device_map="auto"``) runs a layer on ``cuda:1`` while ``cuda:0`` is current, and the kernel
     then faults or reads across devices, unordered with that device's stream (the same issue as Liger-Kernel #1303).
-    Compiled code sets the device itself (Inductor's device guards), so this acts on eager calls only; a call whose
-    operand is on the current device costs one ``current_device()``."""
+    Code Dynamo traces skips the check (Inductor sets the device of what it compiles); where a ``triton_op``'s body
+    is traced on fake tensors (torch 2.11 does so outside Dynamo's flag) it may switch the device while tracing,
+    which records nothing; without a GPU it does nothing. A call on the current device costs a ``current_device()``."""
 
     @functools.wraps(fn)
     def launch(*args, **kwargs):
         if not torch.compiler.is_compiling():  # (traced by Dynamo: nothing to decide here)
-            for t in args:
-                if isinstance(t, torch.Tensor):
-                    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    if (t.device.index is not None and torch.cuda.is_available()
+                            and t.device.index != torch.cuda.current_device()):
                         with torch.cuda.device(t.device):
                             return fn(*args, **kwargs)
                     break

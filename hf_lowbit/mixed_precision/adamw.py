@@ -201,6 +201,9 @@ class LowBitAdamW(torch.optim.AdamW):
         self.lowbit_refreshed = set()
         # a parameter this class stops taking continues from its true count in torch's step
         self._sync_steps(release=True, keep={id(p) for _, p, _ in taken} | idle)
+        kept = {id(p) for _, p, layers in taken if layers is None}
+        for p in [p for p in self._lowbit_views if id(p) not in kept]:  # nor keep its tensors (a moved model's) alive
+            del self._lowbit_views[p]
         grads = [p.grad for _, p, _ in taken]
         for _, p, _ in taken:  # torch's step skips parameters without a gradient
             p.grad = None
