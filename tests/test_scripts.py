@@ -404,7 +404,14 @@ def _check_recompute_recipes(bench, functorch_config, tiny_model):
     assert not bench.apply_process_setting("int8") and functorch_config.ban_recompute_materialized_backward
     assert bench.apply_process_setting("int8_recompute") and not functorch_config.ban_recompute_materialized_backward
     bench.check_recipe_active(model, "int8_recompute", "cpu")
-    for recipe, base in (("bf16_recompute", "bf16"), ("int8_recompute", "int8"), ("fp8_recompute", "fp8")):
+    _same_as_base(bench, tiny_model, "recompute")
+
+
+def _same_as_base(bench, tiny_model, suffix: str) -> None:
+    """bf16_<suffix>, int8_<suffix>, fp8_<suffix> (a process setting on a base recipe): listed, the base's arguments,
+    the base's swap (checked active, the setting being on)."""
+    for base in ("bf16", "int8", "fp8"):
+        recipe = f"{base}_{suffix}"
         assert recipe in bench.FULL_RECIPES and (recipe in bench.OURS) is (base in bench.OURS)
         assert bench.recipe_args(recipe) == bench.recipe_args(base)
         swapped = []
@@ -435,16 +442,7 @@ def test_benchmark_multikernel_recipes():
         assert not bench.apply_process_setting("int8") and not inductor_config.triton.multi_kernel
         assert bench.apply_process_setting("int8_multikernel") and inductor_config.triton.multi_kernel == 1
         bench.check_recipe_active(model, "int8_multikernel", "cpu")
-        for recipe, base in (("bf16_multikernel", "bf16"), ("int8_multikernel", "int8"), ("fp8_multikernel", "fp8")):
-            assert recipe in bench.FULL_RECIPES and (recipe in bench.OURS) is (base in bench.OURS)
-            assert bench.recipe_args(recipe) == bench.recipe_args(base)
-            swapped = []
-            for name in (recipe, base):
-                model = tiny_model().bfloat16()
-                bench.apply_recipe(model, name, min_features=16)
-                bench.check_recipe_active(model, name, "cpu")
-                swapped.append([type(m).__name__ for m in model.modules()])
-            assert swapped[0] == swapped[1], recipe
+        _same_as_base(bench, tiny_model, "multikernel")
     assert inductor_config.triton.multi_kernel == before  # the setting is back
     recipes = "bf16,bf16_multikernel,int8,int8_multikernel,fp8,fp8_multikernel"
     assert BLOCKS["layers_b8_multikernel"][:5] == ("layers", 8, 1, "default", recipes)
