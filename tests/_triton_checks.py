@@ -532,8 +532,8 @@ def check_adamw_rows(device: str) -> int:
                 opt.step()
             a, b = ours[0].float().cpu(), theirs.detach().float().cpu()
             differ = (a != b).float().mean().item()
-            ulp = torch.finfo(dtype).eps * b.abs().clamp(min=torch.finfo(dtype).tiny)
-            assert differ <= 0.02 and bool(((a - b).abs() <= 2 * ulp).all()), (
+            eps = torch.finfo(dtype).eps  # two steps of |w|, plus 4 of lr: a weight near zero (check_lowbit_adamw)
+            assert differ <= 0.02 and bool(((a - b).abs() <= 2 * eps * b.abs() + 4 * eps * 3e-3).all()), (
                 f"adamw {(R, K)} {dtype}: {differ:.2%} differ from torch's fused AdamW")
             print(f"adamw {(R, K)} {dtype}: {differ:.4%} of the weight differs from torch's fused AdamW after 3 steps")
             n += 1
@@ -580,7 +580,7 @@ def check_lowbit_adamw(device: str) -> int:
 def check_lowbit_adamw_groups(device: str) -> int:
     """``LowBitAdamW`` with two parameter groups of their own lr, betas, eps and weight decay (float32 and bf16
     weights, every one through the kernel: ``kernel_min_numel=0``) against ``torch.optim.AdamW`` (fused), 3 steps:
-    each element within 4 steps of its dtype of ``|w| + lr`` (the size of what an update adds: a last-bit difference
+    each element within 8 steps of its dtype of ``|w| + lr`` (the size of what an update adds: a last-bit difference
     in the moments shows as several steps of a weight near zero; measured up to 1.9 after 3 steps), bf16 weights
     apart on at most 2% of their elements (float32 keeps the last-bit differences: 6-14% of the elements here); a
     weight and a moment replaced by copies before the last step are the ones it updates. Returns the number of
@@ -611,7 +611,7 @@ def check_lowbit_adamw_groups(device: str) -> int:
         for g, r, o in zip(ours, ref, options):
             for p, q in zip(g, r):
                 a, b = p.detach().float().cpu(), q.detach().float().cpu()
-                bound = 4 * torch.finfo(p.dtype).eps * (b.abs() + o["lr"])
+                bound = 8 * torch.finfo(p.dtype).eps * (b.abs() + o["lr"])  # (measured up to 1.9 on the CPU)
                 assert bool(((a - b).abs() <= bound).all()), (step, p.dtype, o["lr"])
                 assert p.dtype == torch.float32 or int((a != b).sum()) <= 0.02 * a.numel(), (step, p.dtype)
     return 3
@@ -684,10 +684,12 @@ def _check_lowbit_adamw(device: str, min_numel) -> int:
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):
                 a, b = p.detach().float().cpu(), q.detach().float().cpu()
                 if id(p) in ever:  # the kernel's at some step
-                    ulp = torch.finfo(p.dtype).eps * b.abs().clamp(min=torch.finfo(p.dtype).tiny)
+                    # two steps of the dtype of |w|, plus 4 of lr (what an update adds: a weight near zero shows a
+                    # last-bit difference of the moments as several of its own steps; check_lowbit_adamw_groups)
+                    eps = torch.finfo(p.dtype).eps
                     differ = int((a != b).sum())  # (a few elements of a small tensor may be more than 2%)
-                    assert differ <= max(2, 0.02 * a.numel()) and bool(((a - b).abs() <= 2 * ulp).all()), \
-                        (step, name, differ)
+                    assert differ <= max(2, 0.02 * a.numel()) and bool(
+                        ((a - b).abs() <= 2 * eps * b.abs() + 4 * eps * 3e-3).all()), (step, name, differ)
                 else:
                     assert torch.equal(a, b), (step, name)
             for k in ("a", "b", "t", "c"):
