@@ -21,7 +21,7 @@ def test_a_launcher_runs_on_its_operands_device(monkeypatch):
     device, or on the CPU (the interpreter), nothing is switched (fake CUDA tensors: no GPU here)."""
     switched, seen = [], []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 
     @contextlib.contextmanager
     def device(d):

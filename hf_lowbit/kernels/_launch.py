@@ -16,14 +16,14 @@ def on_operand_device(fn):
     then faults or reads across devices, unordered with that device's stream (the same issue as Liger-Kernel #1303).
     Code Dynamo traces skips the check (Inductor sets the device of what it compiles); where a ``triton_op``'s body
     is traced on fake tensors (torch 2.11 does so outside Dynamo's flag) it may switch the device while tracing,
-    which records nothing; without a GPU it does nothing. A call on the current device costs a ``current_device()``."""
+    which records nothing; with fewer than two GPUs it does nothing (one cached ``device_count()`` a launch)."""
 
     @functools.wraps(fn)
     def launch(*args, **kwargs):
         if not torch.compiler.is_compiling():  # (traced by Dynamo: nothing to decide here)
             for t in (*args, *kwargs.values()):
                 if isinstance(t, torch.Tensor) and t.is_cuda:
-                    if (t.device.index is not None and torch.cuda.is_available()
+                    if (t.device.index is not None and torch.cuda.device_count() > 1  # (cached: one GPU, no switch)
                             and t.device.index != torch.cuda.current_device()):
                         with torch.cuda.device(t.device):
                             return fn(*args, **kwargs)
