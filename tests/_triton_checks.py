@@ -961,6 +961,143 @@ def check_quantize_dual(device: str) -> int:
     return n
 
 
+def swiglu_tiles(device: str) -> list:
+    """``(BLOCK_R, BLOCK_N, num_warps)`` the SwiGLU kernels are checked at beside their defaults (None): a row in one
+    tile and rows looped over, one row a program and several (on CUDA the sweep's shapes)."""
+    if device == "cuda":
+        return [None, (1, 16384, 16), (4, 1024, 8), (16, 256, 8)]
+    return [None, (1, 8, 1), (4, 64, 4), (8, 16, 2)]
+
+
+def check_swiglu(device: str) -> int:
+    """``swiglu_quant_triton`` and ``swiglu_backward_quant_triton`` (a Llama MLP's SwiGLU and its gradient, each with
+    its row codes) against :mod:`hf_lowbit.kernels.swiglu`'s plain-torch references. The bf16 SwiGLU values: on the
+    CPU bit for bit, on CUDA within one step of bf16 (the GPU's ``exp``); the codes and scales bit for bit given
+    the kernel's own values (as ``Format.quantize`` of them, times the weights' row scales in the backward), the
+    column absmax (``col_amax``) as the values' own. Shapes no tile divides, ``g`` and ``u`` as the halves of one
+    ``[M, 2N]`` tensor (rows strided) and apart, bf16 and float32, a zero row, a NaN (its row's scale NaN), a row of
+    tiny values (fp8 codes of -0), every tile option; outputs allocated as poison. Then ``quantize_t_triton``'s
+    encode pass from the backward's column absmax against ``quantize_t``, the ops (on CUDA also compiled, fullgraph),
+    and the argument checks. Returns the number of checks."""
+    from hf_lowbit.kernels import FORMATS, quantize_t
+    from hf_lowbit.kernels.swiglu import (swiglu_backward_quant, swiglu_backward_quant_reference, swiglu_quant,
+                                          swiglu_quant_reference)
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
+    from hf_lowbit.kernels.triton_swiglu import swiglu_backward_quant_triton, swiglu_quant_triton
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(5, 40), (3, 17)] if device != "cuda" else [(37, 24), (1030, 700), (64, 14336)]
+    n = 0
+
+    def values_close(got, ref, what):
+        if device != "cuda" and ref.dtype != torch.float32:  # float32's exp and sigmoid: numpy's against torch's
+            torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0, equal_nan=True, msg=what)
+            return
+        steps = 4 if ref.dtype == torch.float32 else 1  # float32: a few roundings apart (sigmoid, products)
+        step = steps * torch.finfo(ref.dtype).eps * ref.float().abs().clamp(min=torch.finfo(ref.dtype).tiny)
+        ok = ((got.cpu().float() - ref.float()).abs() <= step) | (got.cpu().isnan() & ref.isnan())
+        assert ok.all(), f"{what}: {(~ok).sum().item()} values more than a step from the reference"
+
+    def codes_of(vals, mul, f):
+        x = vals.cpu().float() if mul is None else vals.cpu().float() * mul.cpu().reshape(1, -1)
+        q, sc = f.quantize(x, dim=1)
+        return x, q, sc.reshape(-1)
+
+    def col_bits(vals):
+        return (vals.cpu().float().view(torch.int32) & 0x7FFFFFFF).amax(0)
+
+    for M, N in shapes:
+        base = torch.randn(M, 2 * N, generator=gen) * 3
+        base[0] *= 1e-6  # tiny: fp8 codes of -0
+        base[min(2, M - 1)] = 0
+        base[M // 2, N // 3] = float("nan")
+        dh = torch.randn(M, N, generator=gen) * 1e-2
+        mul = torch.logspace(-3, 1, N)
+        for dtype in (torch.bfloat16, torch.float32):
+            gu = base.to(dtype).to(device)
+            for halves in (True, False):
+                g, u = (gu[:, :N], gu[:, N:]) if halves else (gu[:, :N].contiguous(), gu[:, N:].contiguous())
+                d = dh.to(dtype).to(device)
+                h_ref = swiglu_quant_reference(g.cpu(), u.cpu(), "int8")[0]
+                dg_ref, du_ref = swiglu_backward_quant_reference(d.cpu(), g.cpu(), u.cpu(), "int8")[:2]
+                for fmt in ("int8", "fp8"):
+                    f = FORMATS[fmt]
+                    for tiles in swiglu_tiles(device):
+                        for col in (False, True):
+                            what = f"{(M, N)} {dtype} halves={halves} {fmt} tiles={tiles} col_amax={col}"
+                            with PoisonedAllocations():
+                                h, q, sc, amax = swiglu_quant_triton(g, u, f.dtype, f.qmax, col_amax=col, tiles=tiles)
+                            values_close(h, h_ref, what + " h")
+                            x, rq, rs = codes_of(h, None, f)
+                            torch.testing.assert_close(sc.cpu(), rs, rtol=0, atol=0, equal_nan=True, msg=what)
+                            _assert_codes(q, rq, x, rs[:, None], what + " codes")
+                            assert torch.isnan(sc[M // 2]) and (not col or torch.equal(amax.cpu(), col_bits(h)))
+                            with PoisonedAllocations():
+                                out = swiglu_backward_quant_triton(d, g, u, f.dtype, f.qmax, mul.to(device),
+                                                                   (mul * 2).to(device), col_amax=col, tiles=tiles)
+                            values_close(out[0], dg_ref, what + " dg")
+                            values_close(out[1], du_ref, what + " du")
+                            for vals, m, qq, ss in ((out[0], mul, out[2], out[3]), (out[1], mul * 2, out[4], out[5])):
+                                x, rq, rs = codes_of(vals, m, f)
+                                torch.testing.assert_close(ss.cpu(), rs, rtol=0, atol=0, equal_nan=True, msg=what)
+                                _assert_codes(qq, rq, x, rs[:, None], what + " grad codes")
+                            if col:
+                                assert torch.equal(out[6].cpu(), col_bits(out[0])) and \
+                                    torch.equal(out[7].cpu(), col_bits(out[1])), what
+                                # the weight gradient's column codes from that absmax: quantize_t's bits, one read
+                                kq, ks = quantize_t_triton(out[0], f.dtype, f.qmax, variant="atomic_rcp",
+                                                           col_amax=out[6])
+                                tq, ts = quantize_t(out[0].cpu(), fmt)
+                                torch.testing.assert_close(ks.cpu(), ts, rtol=0, atol=0, equal_nan=True, msg=what)
+                                _assert_codes(kq, tq, out[0].cpu().float().T, ts[:, None], what + " column codes")
+                            n += 1
+                        if tiles is None and not halves:  # without the row multipliers: dg, du themselves
+                            out = swiglu_backward_quant_triton(d, g, u, f.dtype, f.qmax)
+                            for vals, qq, ss in ((out[0], out[2], out[3]), (out[1], out[4], out[5])):
+                                x, rq, rs = codes_of(vals, None, f)
+                                torch.testing.assert_close(ss.cpu(), rs, rtol=0, atol=0, equal_nan=True)
+                                _assert_codes(qq, rq, x, rs[:, None], f"{(M, N)} {dtype} {fmt} no mul")
+                            n += 1
+    # the ops: the kernels on CUDA, the references elsewhere (on CUDA also compiled, fullgraph)
+    gu = (torch.randn(70, 96, generator=gen) * 2).to(torch.bfloat16).to(device)
+    g, u = gu[:, :48], gu[:, 48:]
+    d = (torch.randn(70, 48, generator=gen) * 1e-2).to(torch.bfloat16).to(device)
+    mg, mu = (torch.rand(48, generator=gen) + 0.5).to(device), (torch.rand(48, generator=gen) + 0.5).to(device)
+    for fmt in ("int8", "fp8"):
+        f = FORMATS[fmt]
+        runs = [(swiglu_quant(g, u, fmt, True), swiglu_backward_quant(d, g, u, fmt, mg, mu, True))]
+        if device == "cuda":
+            torch._dynamo.reset()
+            fwd = torch.compile(lambda g, u: swiglu_quant(g, u, fmt, True), fullgraph=True)
+            bwd = torch.compile(lambda d, g, u, a, b: swiglu_backward_quant(d, g, u, fmt, a, b, True), fullgraph=True)
+            runs.append((fwd(g, u), bwd(d, g, u, mg, mu)))
+        for fo, bo in runs:
+            x, rq, rs = codes_of(fo[0], None, f)
+            assert torch.equal(fo[2].cpu(), rs) and torch.equal(fo[1].cpu().view(torch.uint8), rq.view(torch.uint8))
+            assert torch.equal(fo[3].cpu(), col_bits(fo[0])) and torch.equal(bo[6].cpu(), col_bits(bo[0]))
+            x, rq, rs = codes_of(bo[0], mg, f)
+            assert torch.equal(bo[3].cpu(), rs) and torch.equal(bo[2].cpu().view(torch.uint8), rq.view(torch.uint8))
+            n += 1
+    _refused(lambda: swiglu_quant(g, u, "fp8_tensorwise"), "scaled per row", "swiglu_quant(fp8_tensorwise)")
+    _refused(lambda: swiglu_quant_triton(g, u[:, :40], torch.int8, 127.0), "shaped and placed like",
+             "swiglu_quant_triton with u of another shape")
+    _refused(lambda: swiglu_quant_triton(g.T, u.T, torch.int8, 127.0), "rows must be contiguous",
+             "swiglu_quant_triton on transposed views")
+    _refused(lambda: swiglu_backward_quant_triton(d, g, u, torch.int8, 127.0, mg), "both mul_g and mul_u",
+             "swiglu_backward_quant_triton with one multiplier")
+    _refused(lambda: swiglu_backward_quant_triton(d, g, u, torch.int8, 127.0, mg.double(), mu), "mul_g must be",
+             "swiglu_backward_quant_triton with a float64 multiplier")
+    _refused(lambda: swiglu_quant_triton(g, u, torch.int8, 127.0, tiles=(3, 16, 4)), "powers of two",
+             "swiglu_quant_triton tiles (3, 16, 4)")
+    _refused(lambda: quantize_t_triton(d, torch.int8, 127.0, variant="two_kernel",
+                                       col_amax=torch.zeros(48, dtype=torch.int32, device=device)),
+             "col_amax is implemented", "quantize_t_triton(variant='two_kernel', col_amax=...)")
+    _refused(lambda: quantize_t_triton(d, torch.int8, 127.0, variant="atomic",
+                                       col_amax=torch.zeros(47, dtype=torch.int32, device=device)),
+             "col_amax must be 48 int32", "quantize_t_triton with a short col_amax")
+    return n
+
+
 def check_quant_dual_bench(device: str) -> int:
     """``benchmark_mm.py --dual``'s code path on tiny shapes with its real tile grid: every candidate runs and equals
     today's outputs, and the summary comes out (with made-up times). Returns the number of dual candidates."""
@@ -1407,6 +1544,7 @@ MODES = {
                             "quant_sweep candidates"),
     "dual": lambda: ("checked", check_quantize_dual("cpu"), "dual quantizations and", check_quant_dual_bench("cpu"),
                      "quant_dual candidates"),
+    "swiglu": lambda: ("checked", check_swiglu("cpu"), "SwiGLU quantizations"),
     "nf4": lambda: ("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes"),
     "int4": lambda: ("checked", check_int4("cpu"), "int4 dequantizations and matmuls"),
     "int4_tile": lambda: ("checked", check_int4_tile("cpu"), "int4 tile-layout dequantizations and GEMVs"),

@@ -196,6 +196,28 @@ def _configs():
                          "K": "i32", **{a: "fp32" for a in ("decay", "beta1", "one_minus_beta1", "beta2",
                                                             "one_minus_beta2", "step_size", "bc2_sqrt", "eps")}},
                         {"ROW_AMAX": row_amax, "BLOCK_R": br, "BLOCK_K": bk}, warps, 3))
+    # the SwiGLU kernels with their row codes (issue 25): the defaults and benchmark_swiglu.py's sweep (a row in one
+    # tile or looped over, the column absmax or not), INT8 and FP8 (the hardware cast), bf16 operands
+    from benchmarks.benchmark_swiglu import COL_TILES, DEFAULT_TILES
+    from hf_lowbit.kernels import triton_swiglu as SW
+
+    sw_tiles = {SW._FWD_TILES, SW._BWD_TILES, *(tuple(int(x) for x in t.split("x")) for t in DEFAULT_TILES.split(","))}
+    col_tiles = {tuple(int(x) for x in t.split("x")) for t in COL_TILES.split(",")}
+    for qt in ("*i8", "*fp8e4nv"):
+        for (br, bn, warps), col in [(t, False) for t in sorted(sw_tiles)] + [(t, True) for t in sorted(col_tiles)]:
+            consts = {"QMAX": 127.0 if qt == "*i8" else 448.0, "IS_INT8": qt == "*i8", "NATIVE_FP8": qt != "*i8",
+                      "COL_AMAX": col, "ONE_TILE": bn >= 14336, "SOFT": False, "BLOCK_R": br, "BLOCK_N": bn}
+            out.append((f"swiglu_quant {br}x{bn}w{warps} q={qt} col_amax={col}", SW._swiglu_quant_kernel,
+                        {"g_ptr": "*bf16", "u_ptr": "*bf16", "h_ptr": "*bf16", "q_ptr": qt, "s_ptr": "*fp32",
+                         "camax_ptr": "*i32", "M": "i32", "N": "i32", "stride_gm": "i32", "stride_um": "i32",
+                         "stride_hm": "i32"}, consts, warps, 1))
+            out.append((f"swiglu_backward_quant {br}x{bn}w{warps} q={qt} col_amax={col}",
+                        SW._swiglu_backward_quant_kernel,
+                        {"dh_ptr": "*bf16", "g_ptr": "*bf16", "u_ptr": "*bf16", "mg_ptr": "*fp32", "mu_ptr": "*fp32",
+                         "dg_ptr": "*bf16", "du_ptr": "*bf16", "qg_ptr": qt, "qu_ptr": qt, "sg_ptr": "*fp32",
+                         "su_ptr": "*fp32", "cg_ptr": "*i32", "cu_ptr": "*i32", "M": "i32", "N": "i32",
+                         "stride_dhm": "i32", "stride_gm": "i32", "stride_um": "i32", "stride_dgm": "i32",
+                         "stride_dum": "i32"}, {**consts, "HAS_MUL": True}, warps, 1))
     # the training matmuls: INT8 (with the LoRA addend or not) and the accumulating kernel (INT8, FP8), at a tile of
     # their autotuning (their row offsets 64-bit since session 29)
     from hf_lowbit.kernels import triton_int8 as T8

@@ -1080,6 +1080,32 @@ def test_benchmark_fp8_softcast_recipe(monkeypatch):
         "trainer_b1_ga8_cast": ("trainer", 1, 8, "default", cast)}
 
 
+def test_benchmark_swiglu_smoke_interpreted(tmp_path):
+    """benchmarks/benchmark_swiglu.py under Triton's interpreter on shrunk shapes: every path runs (Inductor's
+    eagerly: no compile on a CPU), ours at a looped and a one-tile config and with the column absmax, each checked
+    against the reference's codes; the table and JSON are written (timings meaningless)."""
+    out = tmp_path / "swiglu.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark_swiglu.py"), "--device", "cpu", "--scale", "256",
+           "--tokens", "2048", "--tiles", "2x16x4,1x64x4", "--col_tiles", "4x16x4", "--json", str(out), "--markdown",
+           str(tmp_path / "swiglu.md")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    for fmt in ("int8", "fp8"):
+        mine = {(r["direction"], r["impl"], r["tiles"]) for r in rows if r["fmt"] == fmt and r["tokens"] == 8}
+        assert mine == {("forward", "bf16", ""), ("forward", "inductor", ""), ("backward", "bf16", ""),
+                        ("backward", "inductor", ""), ("forward", "ours", "2x16x4"), ("forward", "ours", "1x64x4"),
+                        ("backward", "ours", "2x16x4"), ("backward", "ours", "1x64x4"), ("columns", "quantize_t", ""),
+                        ("backward", "ours_col_amax", "4x16x4"), ("columns", "encode_only", "4x16x4")}, mine
+    assert all(r["codes_exact"] for r in rows if "codes_exact" in r) and all(r["gpu_ms"] > 0 for r in rows)
+    md = (tmp_path / "swiglu.md").read_text()
+    assert "| int8 | 8 | backward |" in md and "| fp8 | 8 | forward |" in md and "| 4x16x4 |" in md
+    bad = subprocess.run(cmd[:2] + ["--device", "cpu", "--tiles", "2x16"], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=120)
+    assert bad.returncode != 0 and "--tiles '2x16': give BLOCK_RxBLOCK_NxWARPS triples" in bad.stderr
+
+
 def test_benchmark_refresh_smoke_interpreted(tmp_path):
     """benchmarks/benchmark_refresh.py under Triton's interpreter on shrunk shapes: every part runs (the AdamW
     kernel in the interpreter; quantize_weight is plain torch on a CPU, so the bit check compares like with like

@@ -413,6 +413,20 @@ def test_quant_dual_bench_cuda():
     assert check_quant_dual_bench("cuda") == 32  # the whole grid on both formats
 
 
+def test_swiglu_quant_interpreted():
+    """The SwiGLU kernels (forward: h and its row codes; backward: dg, du and their row codes times the weights' row
+    scales, the column absmax) against the plain-torch references, every tile option, and quantize_t's encode pass
+    from a given column absmax."""
+    assert "checked 138 SwiGLU quantizations" in run_interpreted("swiglu")
+
+
+@pytest.mark.cuda
+def test_swiglu_quant_cuda():
+    from _triton_checks import check_swiglu
+
+    assert check_swiglu("cuda") == 206
+
+
 def test_triton_nf4_to_int8_interpreted():
     assert "checked 27 NF4 -> INT8 decodes" in run_interpreted("nf4")
 

@@ -500,7 +500,8 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
                       row_mul: torch.Tensor | None = None, both_layouts: bool = False, *, variant: str = "two_kernel",
                       amax_tiles: tuple[int, int, int] | None = None, quant_tiles: tuple[int, int, int] | None = None,
                       tiles: tuple[int, int, int] | None = None, tensorwise: bool = False,
-                      fp8_cast: str | None = None, row_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                      fp8_cast: str | None = None, row_amax: torch.Tensor | None = None,
+                      col_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``x`` [M, N] (any strides) -> ``q`` [N, M] contiguous in ``qdtype``, ``scale`` [N] float32.
 
     ``chunk_m``: rows per partial absmax (a multiple of the row tile; default: sized to the shape). ``out``:
@@ -538,6 +539,10 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     rows kernel reads ``x`` once instead of twice (but for its first tile of each row). The same bits as computing
     it here, given the true absmax.
 
+    ``col_amax`` (``"atomic"`` / ``"atomic_rcp"`` only, no ``row_mul``): each column's absmax of ``x`` already known,
+    int32 float bits ``[N]`` (e.g. left by :func:`hf_lowbit.kernels.triton_swiglu.swiglu_backward_quant_triton`, the
+    pass that wrote ``x``): the absmax pass is skipped and ``x`` read once. The same bits, given the true absmax.
+
     ``fp8_cast`` (``"atomic"`` / ``"atomic_rcp"``, fp8): how the quotients become e4m3 codes, the same bits either
     way: ``"native"`` (the default on CUDA) the hardware's round-to-nearest-even cast, ``"soft"`` (the default and
     the only choice in the interpreter, whose cast rounds ties up) rounding in float32 arithmetic first. On the
@@ -564,6 +569,9 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         raise ValueError("quantize_t_triton: row_amax is implemented for variant 'rows' with nearest rounding, no "
                          f"row_mul and not tensorwise, got variant={variant!r}, stochastic={stochastic}, "
                          f"row_mul={'given' if row_mul is not None else None}, tensorwise={tensorwise}")
+    if col_amax is not None and (variant not in FP8_CAST_VARIANTS or row_mul is not None):
+        raise ValueError(f"quantize_t_triton: col_amax is implemented for the 'atomic' and 'atomic_rcp' variants "
+                         f"without row_mul, got variant={variant!r}, row_mul={'given' if row_mul is not None else None}")
     if fp8_cast not in (None, "native", "soft"):
         raise ValueError(f"quantize_t_triton: fp8_cast must be 'native', 'soft' or None, got {fp8_cast!r}")
     if fp8_cast is not None and variant not in FP8_CAST_VARIANTS:
@@ -580,6 +588,10 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
                                  or row_amax.device != x.device):
         raise ValueError(f"quantize_t_triton: row_amax must be {N} int32 values (float32 bits) on {x.device}, got "
                          f"{tuple(row_amax.shape)} {row_amax.dtype} on {row_amax.device}")
+    if col_amax is not None and (col_amax.shape != (N,) or col_amax.dtype != torch.int32
+                                 or col_amax.device != x.device):
+        raise ValueError(f"quantize_t_triton: col_amax must be {N} int32 values (float32 bits) on {x.device}, got "
+                         f"{tuple(col_amax.shape)} {col_amax.dtype} on {col_amax.device}")
     small = x.device.type == "cpu"  # the interpreter: small tiles
     if out is None:
         q = torch.empty((N, M), dtype=qdtype, device=x.device)
@@ -631,11 +643,13 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
             wrap_triton(_quantize_t_kernel)[(triton.cdiv(M, qbm), triton.cdiv(N, qbn))](
                 x, part, q, scale, seed, mul, qx_arg, M, N, n_chunks, x.stride(0), x.stride(1), **consts,
                 BLOCK_M=qbm, BLOCK_N=qbn, num_warps=qwarps)
-        else:  # atomic, atomic_rcp
-            amax_bits = torch.zeros((N,), dtype=torch.int32, device=x.device)  # |x| >= +0: the max's identity
-            wrap_triton(_col_amax_atomic_kernel)[(n_chunks, triton.cdiv(N, bn))](
-                x, amax_bits, mul, M, N, x.stride(0), x.stride(1), HAS_MUL=row_mul is not None, CHUNK_M=chunk_m,
-                BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=1 if small else _AMAX_STAGES, num_warps=warps)
+        else:  # atomic, atomic_rcp; with col_amax given, the encode pass alone
+            amax_bits = col_amax
+            if amax_bits is None:
+                amax_bits = torch.zeros((N,), dtype=torch.int32, device=x.device)  # |x| >= +0: the max's identity
+                wrap_triton(_col_amax_atomic_kernel)[(n_chunks, triton.cdiv(N, bn))](
+                    x, amax_bits, mul, M, N, x.stride(0), x.stride(1), HAS_MUL=row_mul is not None, CHUNK_M=chunk_m,
+                    BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=1 if small else _AMAX_STAGES, num_warps=warps)
             wrap_triton(_quantize_t_amax_kernel)[(triton.cdiv(M, qbm), triton.cdiv(N, qbn))](
                 x, amax_bits, q, scale, seed, mul, qx_arg, M, N, x.stride(0), x.stride(1), **consts,
                 RCP=variant == "atomic_rcp", NATIVE_FP8=native_fp8, BLOCK_M=qbm, BLOCK_N=qbn, num_warps=qwarps)

@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""A Llama-8B MLP's SwiGLU with its row quantizations: Inductor's fusion against hf_lowbit's Triton kernels.
+
+    python benchmarks/benchmark_swiglu.py --json OUT/swiglu_h200.json --markdown OUT/swiglu_h200.md
+
+Issue 25: in the recorded 8x2048 profile (``layers_b8_cast``) Inductor's SwiGLU kernels that also quantize their
+outputs per token ran at ~2x their traffic floor (backward 1.40 ms a call against bf16's 0.54 and a floor of 0.65;
+forward 0.69 against 0.32 / 0.38). Here, at 2048 and 16384 tokens x 14,336 (bf16), GPU time per call
+(``benchmarks.driver.kernel_us``: replayed from a CUDA graph) of:
+
+- forward, ``h = silu(g) * u`` and ``h``'s row codes: ``bf16`` (the SwiGLU alone, compiled: no quantization),
+  ``inductor`` (the recipe's plain torch, compiled: what the low-bit layers run today), ``inductor_mk`` (the same
+  with ``triton.multi_kernel=1``: Inductor's persistent variant of the reduction, picked by timing), ``ours`` (the
+  op ``hf_lowbit::swiglu_quant``'s kernel at each ``--tiles``);
+- backward, ``dg``, ``du`` and the row codes of ``dg·diag(s_g)``, ``du·diag(s_u)`` (the gate / up input gradients'
+  operands): the same four;
+- the column side of the weight gradients (``dg``, ``du`` quantized per column for ``dW``): today
+  ``quantize_t`` of each (an absmax pass + an encode pass) after ``ours``' backward, against ``ours`` with
+  ``col_amax`` (the column absmax taken in the backward kernel by atomics) + the encode pass alone.
+
+Each of ours is checked against the plain-torch reference: codes and scales bit for bit given its own SwiGLU values,
+and those values against Inductor's (the count of elements that differ, by one step of bf16 where the GPU's ``exp``
+does). GB/s: each path's least traffic (forward 7 bytes an element, backward 12). ``--device cpu --scale 256`` under
+``TRITON_INTERPRET=1`` smoke-tests the plumbing (timings meaningless; no ``torch.compile`` there: Inductor's paths
+run eagerly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+N = 14336  # a Llama-8B MLP's intermediate size
+FWD_BYTES, BWD_BYTES = 7, 12  # least traffic an element: g, u in, h and codes out; dh, g, u in, dg, du, 2 codes out
+DEFAULT_TILES = "1x1024x4,1x2048x8,2x2048x8,4x1024x8,1x16384x16,1x16384x32"
+COL_TILES = "8x512x8,16x256x8,32x128x8"  # ours with col_amax: many rows a program (one atomic per column per program)
+
+
+def _inputs(M: int, n: int, device: str):
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    make = lambda s: (torch.randn(M, n, generator=gen) * s).to(device, torch.bfloat16)  # noqa: E731
+    g, u, dh = make(2.0), make(1.0), make(1e-3)
+    mg = (torch.rand(n, generator=gen) * 1e-3 + 1e-4).to(device)  # a weight's row scales: absmax / qmax
+    mu = (torch.rand(n, generator=gen) * 1e-3 + 1e-4).to(device)
+    return g, u, dh, mg, mu
+
+
+def _torch_paths(fmt: str, compile_: bool, multi_kernel: bool):
+    """The recipe's plain torch of both directions (as the decoder layer and its autograd compute them)."""
+    import torch
+    import torch.nn.functional as F
+
+    from hf_lowbit.kernels import FORMATS
+
+    f = FORMATS[fmt]
+
+    def fwd_bf16(g, u):
+        return F.silu(g) * u
+
+    def fwd_q(g, u):
+        h = F.silu(g) * u
+        q, s = f.quantize(h, dim=1)
+        return h, q, s
+
+    def bwd_bf16(dh, g, u):
+        return torch.ops.aten.silu_backward(dh * u, g), dh * F.silu(g)
+
+    def bwd_q(dh, g, u, mg, mu):
+        dg, du = bwd_bf16(dh, g, u)
+        qg, sg = f.quantize(dg.float() * mg, dim=1)
+        qu, su = f.quantize(du.float() * mu, dim=1)
+        return dg, du, qg, sg, qu, su
+
+    fns = dict(fwd_bf16=fwd_bf16, fwd_q=fwd_q, bwd_bf16=bwd_bf16, bwd_q=bwd_q)
+    if not compile_:
+        return fns
+    opts = {"triton.multi_kernel": 1} if multi_kernel else None
+    return {k: torch.compile(fn, dynamic=False, options=opts) for k, fn in fns.items()}
+
+
+def _bits(t):
+    import torch
+
+    return t.view(torch.uint8) if t.dtype not in (torch.int8, torch.float32, torch.int32) else t
+
+
+def measure(fmt: str, M: int, a) -> list[dict]:
+    import torch
+
+    from benchmarks.driver import kernel_us
+    from hf_lowbit.kernels import FORMATS, quantize_t
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
+    from hf_lowbit.kernels.triton_swiglu import swiglu_backward_quant_triton, swiglu_quant_triton
+
+    f = FORMATS[fmt]
+    n = max(16, N // a.scale)
+    g, u, dh, mg, mu = _inputs(M, n, a.device)
+    cuda = a.device == "cuda"
+    base = {"fmt": fmt, "tokens": M, "width": n}
+    rows = []
+
+    def time(direction: str, impl: str, fn, tiles: str = "", **more):
+        us, how = kernel_us(fn, a.device)
+        per = FWD_BYTES if direction == "forward" else BWD_BYTES
+        rows.append({**base, "direction": direction, "impl": impl, "tiles": tiles, "gpu_ms": us / 1e3,
+                     "timed_by": how, "floor_gbs": per * M * n / (us * 1e3), **more})
+        print(rows[-1], flush=True)
+
+    inductor = _torch_paths(fmt, cuda, False)
+    h_ind = inductor["fwd_q"](g, u)[0]
+    dg_ind = inductor["bwd_q"](dh, g, u, mg, mu)[0]
+    time("forward", "bf16", lambda: inductor["fwd_bf16"](g, u))
+    time("forward", "inductor", lambda: inductor["fwd_q"](g, u))
+    time("backward", "bf16", lambda: inductor["bwd_bf16"](dh, g, u))
+    time("backward", "inductor", lambda: inductor["bwd_q"](dh, g, u, mg, mu))
+    if cuda and not a.no_multi_kernel:
+        mk = _torch_paths(fmt, True, True)
+        time("forward", "inductor_mk", lambda: mk["fwd_q"](g, u))
+        time("backward", "inductor_mk", lambda: mk["bwd_q"](dh, g, u, mg, mu))
+    for t in a.tiles:
+        name = "x".join(map(str, t))
+        out = swiglu_quant_triton(g, u, f.dtype, f.qmax, tiles=t)
+        want = f.quantize(out[0], dim=1)  # the codes of our own h
+        exact = torch.equal(_bits(out[1]), _bits(want[0])) and torch.equal(out[2], want[1].reshape(-1))
+        time("forward", "ours", lambda t=t: swiglu_quant_triton(g, u, f.dtype, f.qmax, tiles=t), name,
+             codes_exact=exact, values_differ_from_inductor=int((out[0] != h_ind).sum()))
+        out = swiglu_backward_quant_triton(dh, g, u, f.dtype, f.qmax, mg, mu, tiles=t)
+        exact = all(torch.equal(_bits(x), _bits(y.reshape(x.shape))) for x, y in zip(
+            out[2:6], (*f.quantize(out[0].float() * mg, dim=1), *f.quantize(out[1].float() * mu, dim=1))))
+        time("backward", "ours", lambda t=t: swiglu_backward_quant_triton(dh, g, u, f.dtype, f.qmax, mg, mu, tiles=t),
+             name, codes_exact=exact, values_differ_from_inductor=int((out[0] != dg_ind).sum()))
+    # the column side: today quantize_t of dg and du after the backward; or the absmax taken in it, then encode only
+    kw = {"variant": "atomic_rcp"}
+    dg, du = swiglu_backward_quant_triton(dh, g, u, f.dtype, f.qmax, mg, mu)[:2]
+    time("columns", "quantize_t", lambda: (quantize_t(dg, fmt), quantize_t(du, fmt)))
+    for t in a.col_tiles:
+        name = "x".join(map(str, t))
+        out = swiglu_backward_quant_triton(dh, g, u, f.dtype, f.qmax, mg, mu, col_amax=True, tiles=t)
+        exact = torch.equal(out[6], (out[0].float().view(torch.int32) & 0x7FFFFFFF).amax(0)) and \
+            torch.equal(out[7], (out[1].float().view(torch.int32) & 0x7FFFFFFF).amax(0))
+        enc = quantize_t_triton(out[0], f.dtype, f.qmax, col_amax=out[6], **kw)
+        exact = exact and all(torch.equal(_bits(x), _bits(y)) for x, y in zip(enc, quantize_t(out[0], fmt)))
+        time("backward", "ours_col_amax", lambda t=t: swiglu_backward_quant_triton(
+            dh, g, u, f.dtype, f.qmax, mg, mu, col_amax=True, tiles=t), name, codes_exact=exact)
+        time("columns", "encode_only", lambda o=out: (quantize_t_triton(o[0], f.dtype, f.qmax, col_amax=o[6], **kw),
+                                                       quantize_t_triton(o[1], f.dtype, f.qmax, col_amax=o[7], **kw)),
+             name)
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    head = ["format", "tokens", "direction", "bf16 (no quant) ms", "inductor ms", "inductor multi-kernel ms",
+            "ours best ms (tiles)", "ours / inductor", "ours GB/s of floor", "codes exact", "values differing"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    key = lambda r: (r["fmt"], r["tokens"])  # noqa: E731
+    for k in dict.fromkeys(key(r) for r in rows):
+        mine = [r for r in rows if key(r) == k]
+        for d in ("forward", "backward"):
+            by = {r["impl"]: r for r in mine if r["direction"] == d and r["impl"] != "ours"}
+            ours = [r for r in mine if r["direction"] == d and r["impl"] == "ours"]
+            best = min(ours, key=lambda r: r["gpu_ms"])
+            cell = lambda i: f"{by[i]['gpu_ms']:.3f}" if i in by else "–"  # noqa: E731
+            out.append(f"| {k[0]} | {k[1]} | {d} | {cell('bf16')} | {cell('inductor')} | {cell('inductor_mk')} | "
+                       f"{best['gpu_ms']:.3f} ({best['tiles']}) | {best['gpu_ms'] / by['inductor']['gpu_ms']:.2f} | "
+                       f"{best['floor_gbs']:,.0f} | {all(r['codes_exact'] for r in ours)} | "
+                       f"{max(r['values_differ_from_inductor'] for r in ours):,} |")
+    out += ["", "Column side of the weight gradients (dg and du per column): quantize_t of each after our backward, "
+            "against our backward with the column absmax + the encode pass alone (ms per layer call):", "",
+            "| format | tokens | ours backward + quantize_t x2 | tiles | ours backward with col_amax + encode x2 | "
+            "codes exact |", "|---|---|---|---|---|---|"]
+    for k in dict.fromkeys(key(r) for r in rows):
+        mine = [r for r in rows if key(r) == k]
+        best = min((r for r in mine if r["direction"] == "backward" and r["impl"] == "ours"), key=lambda r: r["gpu_ms"])
+        qt = next(r for r in mine if r["impl"] == "quantize_t")
+        for r in (r for r in mine if r["impl"] == "ours_col_amax"):
+            enc = next(e for e in mine if e["impl"] == "encode_only" and e["tiles"] == r["tiles"])
+            out.append(f"| {k[0]} | {k[1]} | {best['gpu_ms'] + qt['gpu_ms']:.3f} | {r['tiles']} | "
+                       f"{r['gpu_ms'] + enc['gpu_ms']:.3f} | {r['codes_exact']} |")
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", default="int8,fp8")
+    p.add_argument("--tokens", default="2048,16384")
+    p.add_argument("--tiles", default=DEFAULT_TILES, help="ours at these BLOCK_RxBLOCK_NxWARPS")
+    p.add_argument("--col_tiles", default=COL_TILES, help="ours with col_amax at these")
+    p.add_argument("--no_multi_kernel", action="store_true", help="skip Inductor's multi-kernel paths")
+    p.add_argument("--scale", type=int, default=1, help="divide the width by this (CPU smoke runs)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    a = p.parse_args()
+    for flag in ("tiles", "col_tiles"):
+        try:
+            tiles = [tuple(int(x) for x in t.split("x")) for t in getattr(a, flag).split(",") if t]
+        except ValueError:
+            tiles = []
+        if not tiles or any(len(t) != 3 for t in tiles):
+            raise SystemExit(f"--{flag} {getattr(a, flag)!r}: give BLOCK_RxBLOCK_NxWARPS triples, e.g. 1x2048x8")
+        setattr(a, flag, tiles)
+    import torch
+
+    from benchmarks.driver import meta, write_results
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmark_swiglu.py needs a CUDA GPU (--device cpu --scale 256 under TRITON_INTERPRET=1 "
+                         "smoke-tests it)")
+    if a.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1")
+    rows = []
+    for fmt in a.formats.split(","):
+        for M in (int(t) // (a.scale if a.device == "cpu" else 1) for t in a.tokens.split(",")):
+            rows += measure(fmt, max(M, 4), a)
+    data = {"meta": meta(a.device if a.device == "cuda" else "cpu", scale=a.scale), "rows": rows}
+    header = (f"{data['meta'].get('gpu')}, torch {torch.__version__}: a Llama-8B MLP's SwiGLU with its row "
+              f"quantizations (bf16, width {max(16, N // a.scale)}), Inductor's fusion against hf_lowbit's kernels; "
+              f"GPU ms per call")
+    write_results(data, table(rows), header, a.json, a.markdown)
+    if not all(r.get("codes_exact", True) for r in rows):
+        raise SystemExit("a kernel's codes differ from the reference's: see the table")
+
+
+if __name__ == "__main__":
+    main()
