@@ -67,6 +67,10 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
 * ``layers_b8_multikernel``, ``layers_b1_multikernel`` (profiled; issue 25): bf16, int8, fp8 beside
   ``*_multikernel`` (Inductor's ``config.triton.multi_kernel = 1``: reductions up to 16x wider than usual also get a
   persistent variant, picked by timing; the quantizing SwiGLU kernels reduce over 14,336-wide rows);
+* ``layers_b8_swiglu``, ``layers_b1_swiglu`` (profiled), ``layers_b1_ga8_swiglu``, ``trainer_b1_ga8_swiglu``,
+  ``trainer_b8_swiglu`` (issue 25): int8 and fp8 beside ``int8_swiglu`` / ``fp8_swiglu`` (``lowbit_fused_swiglu``:
+  each Llama MLP one autograd function whose SwiGLU and its row codes are one Triton kernel each way,
+  ``LowBitSwiGLUMLP``);
 * ``layers_b1_ga8_fga`` (profiled), ``trainer_b1_ga8_fga``: int8 and fp8 beside ``int8_fga`` / ``fp8_fga``
   (``lowbit_fused_grad_accum``: the weight gradient added into ``.grad`` in its matmul's epilogue);
   ``layers_b1_ga8_sync``: the layers path at accumulation 8 with ``--mask_sync`` (transformers' packed-sequence check
@@ -130,6 +134,8 @@ ADAMW_B1 = ("bf16,bf16_adamw,int8,int8_cache,int8_adamw,int8_cache_adamw,fp8,fp8
 ADAMW_TRAINER = "bf16,int8,int8_adamw,fp8,fp8_adamw"  # (a Trainer block of 6 recipes may outrun a 10-minute call)
 # each recipe with Inductor's multi-kernel (persistent variants of wide reductions, picked by timing) and without
 MULTIKERNEL = "bf16,bf16_multikernel,int8,int8_multikernel,fp8,fp8_multikernel"
+# each format with the MLP per linear (Inductor's SwiGLU fusion) and as one function around hf_lowbit's SwiGLU kernels
+SWIGLU = "bf16,int8,int8_swiglu,fp8,fp8_swiglu"
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -152,6 +158,12 @@ BLOCKS = {
     # issue 25: Inductor's multi-kernel for the quantizing reductions (SwiGLU's 14,336-wide rows), profiled
     "layers_b8_multikernel": ("layers", 8, 1, "default", MULTIKERNEL, ["--profile"]),
     "layers_b1_multikernel": ("layers", 1, 1, "default", MULTIKERNEL, ["--profile"]),
+    # issue 25: the MLP as one function with hf_lowbit's SwiGLU kernels (lowbit_fused_swiglu) against per linear
+    "layers_b8_swiglu": ("layers", 8, 1, "default", SWIGLU, ["--profile"]),
+    "layers_b1_swiglu": ("layers", 1, 1, "default", SWIGLU, ["--profile"]),
+    "layers_b1_ga8_swiglu": ("layers", 1, 8, "default", SWIGLU, []),
+    "trainer_b1_ga8_swiglu": ("trainer", 1, 8, "default", SWIGLU, []),
+    "trainer_b8_swiglu": ("trainer", 8, 1, "default", SWIGLU, []),
     "trainer_b1": ("trainer", 1, 1, "default", "bf16,int8,fp8", []),
     "trainer_b8": ("trainer", 8, 1, "default", "bf16,int8,fp8", []),
     # + a kernel profile, and bf16 through LowBitTrainer (bf16_lbt): what bounds the 8x2048 rows (issue 25)

@@ -105,10 +105,11 @@ CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
 # INT8 / FP8 with one of MixedPrecisionConfig's backward switches on (its LowBitTrainingArguments flag is
 # lowbit_<field>), to measure against int8 / fp8 in the same run (issue 25): dY quantized for both gradient matmuls by
 # one op (hf_lowbit::quantize_dual); X's weight-gradient codes made in the forward and kept instead of X; the LM head's
-# three matmuls in the format too (issue 25's directions: the largest matmul at 32k-128k vocab)
+# three matmuls in the format too (issue 25's directions: the largest matmul at 32k-128k vocab); each MLP as one
+# function whose SwiGLU and its row codes are one Triton kernel each way (LowBitSwiGLUMLP)
 SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
                    for suffix, field in (("dual", "dual_grad_quant"), ("xcodes", "save_x_codes"),
-                                         ("head", "include_lm_head"))}
+                                         ("head", "include_lm_head"), ("swiglu", "fused_swiglu"))}
 # INT8 / FP8 with the weight gradient accumulated by its matmul (lowbit_fused_grad_accum, issue 25; off by default)
 # against autograd's separate add: the layers path's hand loop calls FusedGradAccumulation.prepare before each
 # micro-batch, LowBitTrainer does it itself
@@ -466,7 +467,10 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
                                      and type(base) is want and (("int8" in recipe[5:]) == (getattr(base, "compute", None) is not None))):
             raise RuntimeError(f"recipe {recipe!r} is not active: up_proj is {type(mod).__name__} over {type(base).__name__}")
         return
-    mod = model.model.layers[0].mlp.up_proj
+    mlp = model.model.layers[0].mlp
+    mod = mlp.up_proj
+    if SWITCH_VARIANTS.get(recipe, (None, None))[1] == "fused_swiglu" and type(mlp).__name__ != "LowBitSwiGLUMLP":
+        raise RuntimeError(f"recipe {recipe!r} is not active: the MLP is a {type(mlp).__name__}")
     if recipe.endswith(("_cache", "_cache_adamw")) and not getattr(mod, "weight_cache", False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")
     if recipe in SWITCH_VARIANTS and not getattr(getattr(mod, "lowbit_config", None), SWITCH_VARIANTS[recipe][1], False):

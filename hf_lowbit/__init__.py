@@ -7,8 +7,9 @@ _moved.install()  # old module paths (hf_lowbit.quantized_base, hf_lowbit.ops, .
 
 from .args import LowBitArgumentsMixin, LowBitTrainingArguments  # noqa: E402
 from .compute import compute_dtype  # noqa: E402
-from .mixed_precision import (FusedGradAccumulation, LowBitAdamW, LowBitLinear, MixedPrecisionConfig,  # noqa: E402
-                              MixedPrecisionLinear, convert_to_mixed_precision, enable_fused_grad_accumulation,
+from .mixed_precision import (FusedGradAccumulation, LowBitAdamW, LowBitLinear, LowBitSwiGLUMLP,  # noqa: E402
+                              MixedPrecisionConfig, MixedPrecisionLinear, convert_to_mixed_precision,
+                              enable_fused_grad_accumulation,
                               mixed_precision_linear, refresh_weight_caches, set_weight_cache)
 from .prepare import prepare_model  # noqa: E402
 from .qat import (QATConfig, QATLinear, convert_qat, convert_to_qat, prepare_qat, push_quantized_to_hub,  # noqa: E402
@@ -49,7 +50,7 @@ __all__ = [
     "compute_dtype",
     "MixedPrecisionConfig", "MixedPrecisionLinear", "LowBitLinear", "mixed_precision_linear",
     "convert_to_mixed_precision", "set_weight_cache", "refresh_weight_caches", "FusedGradAccumulation",
-    "enable_fused_grad_accumulation", "LowBitAdamW",
+    "enable_fused_grad_accumulation", "LowBitAdamW", "LowBitSwiGLUMLP",
     "QATConfig", "QATLinear", "convert_to_qat", "prepare_qat", "convert_qat", "set_fake_quant_enabled",
     "save_quantized", "push_quantized_to_hub",
     "LoraLinear", "register_with_peft", "Nf4Linear", "Int8Linear", "QuantizedBaseConfig",

@@ -92,6 +92,9 @@ class LowBitArgumentsMixin:
         "did not improve the loss (docs/benchmarks.md, 'The seed table').")})
     lowbit_dual_grad_quant: bool | None = field(default=None, metadata={"help": (
         "INT8/FP8: dY quantized for dX and dW by one op, same bits; slower on the H200 (docs/usage.md). Unset: off.")})
+    lowbit_fused_swiglu: bool | None = field(default=None, metadata={"help": (
+        "INT8/FP8: each Llama-style MLP as one autograd function whose SwiGLU and its row codes are one Triton kernel "
+        "each way (LowBitSwiGLUMLP). Unset: off (unmeasured; docs/usage.md).")})
     lowbit_save_x_codes: bool | None = field(default=None, metadata={"help": (
         "INT8/FP8: linears keep their input's weight-gradient codes (1 byte, same bits), not the input; eager "
         "only (compiled, the partitioner already decides; docs/usage.md). Unset: off.")})
@@ -161,7 +164,7 @@ class LowBitArgumentsMixin:
             raise ValueError(f"{cls}.lowbit_stochastic_rounding=True needs int8_mixed_precision=True "
                              "(it is implemented for INT8 operands only)")
         for name in ("lowbit_weight_cache", "lowbit_cuda_graphs", "lowbit_dual_grad_quant", "lowbit_save_x_codes",
-                     "lowbit_fused_grad_accum", "lowbit_fused_adamw"):
+                     "lowbit_fused_grad_accum", "lowbit_fused_adamw", "lowbit_fused_swiglu"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{cls}.{name} must be True, False or None (automatic), got {value!r}")
@@ -182,7 +185,9 @@ class LowBitArgumentsMixin:
         for name, what, needs in (
                 ("lowbit_dual_grad_quant", "quantizes the output gradient for both gradient matmuls at once",
                  ("lowbit_grad_input", "lowbit_grad_weight")),
-                ("lowbit_save_x_codes", "keeps the weight gradient's codes of each input", ("lowbit_grad_weight",))):
+                ("lowbit_save_x_codes", "keeps the weight gradient's codes of each input", ("lowbit_grad_weight",)),
+                ("lowbit_fused_swiglu", "computes each Llama-style MLP as one function",
+                 ("lowbit_output", "lowbit_grad_input", "lowbit_grad_weight"))):
             if not getattr(self, name):
                 continue
             flag = f"{cls}.{name}=True"
@@ -194,6 +199,9 @@ class LowBitArgumentsMixin:
                                  "off")
             if not all(getattr(self, n) for n in needs):
                 raise ValueError(f"{flag} {what}: it needs {' and '.join(needs)} True")
+        if self.lowbit_fused_swiglu and self.fp8_tensorwise_mixed_precision:
+            raise ValueError(f"{cls}.lowbit_fused_swiglu=True quantizes the SwiGLU per row: it needs "
+                             "int8_mixed_precision or fp8_mixed_precision, not fp8_tensorwise_mixed_precision")
         if self.lowbit_include_lm_head:
             flag = f"{cls}.lowbit_include_lm_head=True"
             if not self.lowbit_recipes:

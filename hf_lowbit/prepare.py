@@ -53,7 +53,8 @@ def recipes_from_args(args: LowBitArgumentsMixin) -> list[tuple[Callable, object
             grad_weight=args.lowbit_grad_weight,
             # None (automatic) is LowBitTrainer's to decide: it knows the gradient accumulation
             weight_cache=bool(args.lowbit_weight_cache), stochastic_rounding=args.lowbit_stochastic_rounding,
-            dual_grad_quant=dual, save_x_codes=x_codes, include_lm_head=args.lowbit_include_lm_head)))
+            dual_grad_quant=dual, save_x_codes=x_codes, include_lm_head=args.lowbit_include_lm_head,
+            fused_swiglu=bool(args.lowbit_fused_swiglu))))
     if args.qat_scheme is not None:
         recipes.append((convert_to_qat, QATConfig(
             scheme=args.qat_scheme, group_size=args.qat_group_size, include_lm_head=args.qat_include_lm_head,

@@ -449,6 +449,34 @@ def test_benchmark_multikernel_recipes():
     assert BLOCKS["layers_b1_multikernel"][:5] == ("layers", 1, 1, "default", recipes)
 
 
+def test_benchmark_swiglu_recipes():
+    """int8_swiglu / fp8_swiglu (issue 25, lowbit_fused_swiglu): their arguments, the swap (each decoder MLP a
+    LowBitSwiGLUMLP; refused as not active where it is not), and the regimes blocks that compare them."""
+    from conftest import tiny_model
+
+    from benchmarks import driver as bench
+    from benchmarks.benchmark_regimes import BLOCKS
+
+    for fmt in ("int8", "fp8"):
+        recipe = f"{fmt}_swiglu"
+        assert recipe in bench.OURS and recipe in bench.FULL_RECIPES
+        assert bench.mixed_precision_args(recipe) == {f"{fmt}_mixed_precision": True, "lowbit_fused_swiglu": True}
+        model = tiny_model().bfloat16()
+        bench.apply_recipe(model, recipe, min_features=16)
+        assert all(type(layer.mlp).__name__ == "LowBitSwiGLUMLP" for layer in model.model.layers)
+        bench.check_recipe_active(model, recipe, "cpu")
+        plain = tiny_model().bfloat16()
+        bench.apply_recipe(plain, fmt, min_features=16)
+        with pytest.raises(RuntimeError, match="not active: the MLP is a LlamaMLP"):
+            bench.check_recipe_active(plain, recipe, "cpu")
+    recipes = "bf16,int8,int8_swiglu,fp8,fp8_swiglu"
+    assert {k: BLOCKS[k][:5] for k in BLOCKS if k.endswith("_swiglu")} == {
+        "layers_b8_swiglu": ("layers", 8, 1, "default", recipes), "layers_b1_swiglu": ("layers", 1, 1, "default", recipes),
+        "layers_b1_ga8_swiglu": ("layers", 1, 8, "default", recipes),
+        "trainer_b1_ga8_swiglu": ("trainer", 1, 8, "default", recipes),
+        "trainer_b8_swiglu": ("trainer", 8, 1, "default", recipes)}
+
+
 def test_benchmark_unshared_recipes(monkeypatch):
     """int8_unshared / fp8_unshared (issue 25): their base recipe's swap and arguments, with X's column codes no longer
     shared (hf_lowbit.kernels.shares_codes always False, set by build_model; refused as not active without it); the

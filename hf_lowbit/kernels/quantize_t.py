@@ -59,7 +59,8 @@ def _check(x: Tensor, fmt: str) -> None:
 
 
 @torch.library.triton_op("hf_lowbit::quantize_t", mutates_args=())
-def quantize_t(x: Tensor, fmt: str, stochastic: bool = False, row_mul: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def quantize_t(x: Tensor, fmt: str, stochastic: bool = False, row_mul: Tensor | None = None,
+               col_amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``x`` [M, N] -> (``q`` [N, M] contiguous, ``scale`` [N] float32) with ``x.T ≈ q * scale[:, None]``.
 
     A ``triton_op`` (Inductor launches the two Triton kernels from its generated code); the plain-torch
@@ -69,7 +70,10 @@ def quantize_t(x: Tensor, fmt: str, stochastic: bool = False, row_mul: Tensor | 
     but the rounding line is shared, and so is the scale (bit for bit). ``row_mul`` [M] (float32): quantize
     ``x * row_mul[:, None]`` instead, the product formed in registers (the input gradient's ``dY·diag(s)``). A
     tensorwise format takes the plain-torch path on CUDA too (the kernels compute one scale per column);
-    :func:`hf_lowbit.kernels.quantize_operand` does not call this op for one."""
+    :func:`hf_lowbit.kernels.quantize_operand` does not call this op for one. ``col_amax`` [N] (int32 float bits):
+    each column's absmax of ``x`` already known (the pass that wrote ``x`` took it:
+    :func:`hf_lowbit.kernels.swiglu.swiglu_backward_quant`), so that on CUDA the encode pass alone reads ``x``
+    (nearest rounding with the atomic variants; otherwise, and off CUDA, computed here: the same bits)."""
     _check(x, fmt)
     f = FORMATS[fmt]
     if stochastic and fmt != "int8":
@@ -77,8 +81,12 @@ def quantize_t(x: Tensor, fmt: str, stochastic: bool = False, row_mul: Tensor | 
     if x.device.type == "cuda" and not f.tensorwise:  # the kernels compute one scale per column
         from .triton_quant import quantize_t_triton
 
-        return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic, row_mul=row_mul,
-                                 **_triton_kwargs(fmt, stochastic))
+        from .triton_quant import FP8_CAST_VARIANTS
+
+        kw = _triton_kwargs(fmt, stochastic)
+        if col_amax is not None and row_mul is None and kw["variant"] in FP8_CAST_VARIANTS:
+            kw["col_amax"] = col_amax
+        return quantize_t_triton(x, f.dtype, f.qmax, stochastic=stochastic, row_mul=row_mul, **kw)
     if row_mul is not None:
         x = x.float() * row_mul.reshape(-1, 1)
     q, scale = f.quantize(x, dim=0, stochastic=True) if stochastic else f.quantize(x, dim=0)

@@ -8,7 +8,7 @@ precision").
 
 * config: :class:`MixedPrecisionConfig`: the format (a record of :mod:`hf_lowbit.kernels.formats`), which
   matmuls are low-bit, the weight cache, stochastic rounding; ``filter(base)`` adds the format's alignment.
-* convert: :func:`convert_to_mixed_precision` ``(model, config, filter) -> SwapReport``, in place.
+* convert: :func:`convert_to_mixed_precision` ``(model, config, filter) -> SwapReport``, in place (:mod:`.convert`).
 * module: :class:`MixedPrecisionLinear` (alias ``LowBitLinear``) and its ``autograd.Function``
   (:func:`mixed_precision_linear`); :func:`set_weight_cache`, :func:`refresh_weight_caches`.
 * saves: what ``nn.Linear`` saves. The layer shares the original ``weight`` / ``bias`` and its cached codes
@@ -18,6 +18,8 @@ precision").
   weight-gradient matmul (:class:`FusedGradAccumulation`).
 * the optimizer (``lowbit_fused_adamw``): :mod:`.adamw`, :class:`LowBitAdamW`, AdamW in one Triton pass for each
   large parameter, a pass that leaves a cached weight's row absmax, so that the cache refresh reads it once.
+* the MLP (``lowbit_fused_swiglu``): :mod:`.swiglu`, :class:`LowBitSwiGLUMLP`, a Llama-style MLP as one autograd
+  function whose SwiGLU and its row codes are one Triton kernel each way.
 * FSDP2 (``lowbit_fsdp_lowbit_all_gather``): :mod:`.fsdp_all_gather`, the weight that FSDP2 all-gathers as
   codes + row scales and the layer computes with.
 
@@ -27,9 +29,12 @@ Imports: :mod:`hf_lowbit.kernels` and the core (``swap``, ``compute``, ``warning
 from .adamw import LowBitAdamW
 from .fsdp_all_gather import GatheredLowBitWeight, LowBitAllGatherWeight
 from .grad_accum import FusedGradAccumulation, enable_fused_grad_accumulation
-from .linear import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear, convert_to_mixed_precision,
-                     mixed_precision_linear, refresh_weight_caches, set_weight_cache)
+from .convert import convert_to_mixed_precision
+from .linear import (LowBitLinear, MixedPrecisionConfig, MixedPrecisionLinear, mixed_precision_linear,
+                     refresh_weight_caches, set_weight_cache)
+from .swiglu import LowBitSwiGLUMLP, fuse_swiglu_mlps
 
 __all__ = ["MixedPrecisionConfig", "MixedPrecisionLinear", "LowBitLinear", "mixed_precision_linear",
            "convert_to_mixed_precision", "set_weight_cache", "refresh_weight_caches", "LowBitAllGatherWeight",
-           "GatheredLowBitWeight", "FusedGradAccumulation", "enable_fused_grad_accumulation", "LowBitAdamW"]
+           "GatheredLowBitWeight", "FusedGradAccumulation", "enable_fused_grad_accumulation", "LowBitAdamW",
+           "LowBitSwiGLUMLP", "fuse_swiglu_mlps"]

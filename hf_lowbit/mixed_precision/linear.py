@@ -14,9 +14,8 @@ Each can be switched off (it then runs in the compute dtype). The quantization i
 inside an ``autograd.Function`` that ``torch.compile`` traces (no ``allow_in_graph``), so Inductor
 fuses it; the matmul is the format's op (``hf_lowbit::int8_scaled_mm``, a ``triton_op``; FP8: ``torch._scaled_mm``).
 
-The recipe: :class:`MixedPrecisionConfig` (knows its format's alignment), :func:`convert_to_mixed_precision`
-(swaps eligible ``nn.Linear`` for :class:`MixedPrecisionLinear`, returns the swap report), the layer
-and its ``autograd.Function``.
+The recipe: :class:`MixedPrecisionConfig` (knows its format's alignment), the layer and its ``autograd.Function``
+(:mod:`.convert` swaps eligible ``nn.Linear`` for :class:`MixedPrecisionLinear` and returns the swap report).
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ from torch import Tensor, nn
 from ..compute import compute_dtype as _compute_dtype  # the name the Function body below uses
 from ..kernels import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t, scaled_matmul_accumulate,
                        scaled_matmul_grads, scaled_matmul_input_grad, scaled_matmul_quantized)
+from ..swap import LinearFilter
 from .fsdp_all_gather import GatheredLowBitWeight, gathered_operands
-from ..swap import LinearFilter, SwapReport, including_output_embeddings, swap_linears
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,11 @@ class MixedPrecisionConfig:
     # also swap the model's output embedding (LM head): the logits' matmul and both its gradients in the format; it is
     # excluded by default because the logits' precision is the risk (not yet measured for speed and loss at scale)
     include_lm_head: bool = False
+    # a Llama-style MLP (gate / up / down low-bit linears around a SiLU-gated product) as one autograd function
+    # whose SwiGLU and its row codes are one Triton kernel each way (hf_lowbit::swiglu_quant, swiglu_backward_quant;
+    # LowBitSwiGLUMLP): Inductor's fusion of them ran at ~2x its traffic floor over 14,336-wide rows on the H200.
+    # Row-scaled formats, nearest rounding, all three matmuls low-bit; off until measured (benchmark_swiglu.py)
+    fused_swiglu: bool = False
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -72,6 +76,11 @@ class MixedPrecisionConfig:
         if self.save_x_codes and self.stochastic_rounding:
             raise ValueError("MixedPrecisionConfig.save_x_codes=True with stochastic_rounding=True: the codes kept "
                              "from the forward round to nearest; switch one off")
+        if self.fused_swiglu and (self.stochastic_rounding or FORMATS[self.format].tensorwise
+                                  or not (self.output and self.grad_input and self.grad_weight)):
+            raise ValueError(f"MixedPrecisionConfig.fused_swiglu=True needs a format scaled per row (int8, fp8; got "
+                             f"{self.format!r}), nearest rounding and all three matmuls low-bit (output, grad_input, "
+                             "grad_weight)")
 
     @property
     def recipe(self) -> str:
@@ -81,6 +90,38 @@ class MixedPrecisionConfig:
     def filter(self, base: LinearFilter) -> LinearFilter:
         """``base`` plus the format's shape rule: in and out features multiples of its kernel's alignment."""
         return replace(base, multiple_of=get_format(self.format).alignment)
+
+
+def weight_operands(fmt: str, weight: Tensor, cached: tuple[Tensor, ...] | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The forward's operand of ``weight``: ``(codes [N, K], row scales [N], codes transposed [K, N] or None)``, from
+    the cache (:func:`hf_lowbit.kernels.quantize_weight`'s three; FSDP2's gathered codes have no transposed ones) or
+    quantized now (the transposed codes then re-encoded from the scales in the backward: :func:`input_grad_codes`)."""
+    if cached is not None:
+        return cached
+    return (*quantize_operand(fmt, weight, 1), None)
+
+
+def input_grad_codes(fmt: str, weight: Tensor, w_scale: Tensor, qw_t: Tensor | None,
+                     gathered: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The input gradient's operand of ``weight``: its forward codes transposed ``[K, N]`` and their row scales, as
+    kept (``qw_t``), from FSDP2's gathered codes ``[N, K]``, or re-encoded from the forward's scales (one read of the
+    weight, no absmax pass)."""
+    if gathered is not None:
+        return gathered.T.contiguous(), w_scale
+    if qw_t is None:
+        return quantize_weight_t(fmt, weight, w_scale)
+    return qw_t, w_scale
+
+
+def check_accumulators(eager_acc) -> None:
+    """Eagerly, before a backward adds weight gradients into their accumulators: each weight's ``.grad`` must still be
+    its accumulator (``zero_grad()`` sets it to None; :class:`FusedGradAccumulation` re-attaches it)."""
+    for param, acc in eager_acc or ():
+        if param.grad is not acc:
+            raise RuntimeError(
+                f"fused gradient accumulation: the .grad of a low-bit linear's weight {tuple(param.shape)} is not "
+                "the accumulator its matmul adds into (zero_grad() set it to None, or something replaced it): call "
+                "FusedGradAccumulation.prepare() before every micro-batch's backward (LowBitTrainer does)")
 
 
 class _MixedPrecisionLinearFn(torch.autograd.Function):
@@ -106,8 +147,7 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
         if cached is not None:  # qw_t None: FSDP2's low-bit all-gather, whose codes the backward transposes
             qw, w_scale, qw_t = cached
         if output:
-            if qw is None:
-                qw, w_scale = quantize_operand(fmt, weight, 1)
+            qw, w_scale, qw_t = weight_operands(fmt, weight, cached)
             y = scaled_matmul_quantized(fmt, x2, 1, qw, w_scale, dtype)
         else:
             y = x2.to(dtype) @ weight.to(dtype).T
@@ -142,12 +182,8 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         x, weight, w_scale, qw_t, gathered, qx_t, sx, grad_acc = ctx.saved_tensors
         if ctx.eager_acc is not None:
-            param, grad_acc = ctx.eager_acc
-            if param.grad is not grad_acc:
-                raise RuntimeError(
-                    f"fused gradient accumulation: the .grad of a low-bit linear's weight {tuple(param.shape)} is not "
-                    "the accumulator its matmul adds into (zero_grad() set it to None, or something replaced it): call "
-                    "FusedGradAccumulation.prepare() before every micro-batch's backward (LowBitTrainer does)")
+            check_accumulators([ctx.eager_acc])
+            grad_acc = ctx.eager_acc[1]
         fmt, grad_input, grad_weight, bias_dtype, dtype, x_shape, x_dtype, sr, dual = ctx.flags
         g2 = grad_out.reshape(-1, weight.shape[0])
         x2 = None if x is None else x.reshape(-1, x.shape[-1])
@@ -155,10 +191,7 @@ class _MixedPrecisionLinearFn(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if grad_input:  # dX[M, K] = q(dY·diag(s))[M, N] · Wq[N, K], Wq taken as its transpose [K, N]
-                if gathered is not None:  # the codes [N, K] as gathered by FSDP2 (see forward)
-                    qw_t = gathered.T.contiguous()
-                elif qw_t is None:  # not cached: the forward's codes again, from its scales (no absmax pass)
-                    qw_t, w_scale = quantize_weight_t(fmt, weight, w_scale)
+                qw_t, w_scale = input_grad_codes(fmt, weight, w_scale, qw_t, gathered)
                 # dY quantized for dX and dW in one op (never with stochastic rounding: the config refuses it);
                 # not where dW is accumulated in place (the split path's matmul does that)
                 if dual and grad_weight and ctx.needs_input_grad[1] and grad_acc is None:
@@ -324,15 +357,20 @@ class MixedPrecisionLinear(nn.Linear):
         self._cache_key = None
         self.refresh_weight_cache()
 
-    def forward(self, x: Tensor) -> Tensor:
-        cached = None
+    def cached_operands(self) -> tuple[Tensor, ...] | None:
+        """The weight already quantized, for this call: FSDP2's gathered codes + row scales (no transposed codes), the
+        weight cache's three buffers (refreshed first when eager), or None (quantized by the call)."""
         if isinstance(self.weight, GatheredLowBitWeight):  # FSDP2 gathered it as codes + row scales
-            cached = gathered_operands(self.weight)           # (hf_lowbit.mixed_precision.fsdp_all_gather)
-        elif self.weight_cache:
+            return gathered_operands(self.weight)             # (hf_lowbit.mixed_precision.fsdp_all_gather)
+        if self.weight_cache:
             if not torch.compiler.is_compiling():
                 self.refresh_weight_cache()
-            cached = tuple(getattr(self, name) for name in _CACHE_BUFFERS)
-        return mixed_precision_linear(x, self.weight, self.bias, self.lowbit_config, cached, self.grad_acc)
+            return tuple(getattr(self, name) for name in _CACHE_BUFFERS)
+        return None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return mixed_precision_linear(x, self.weight, self.bias, self.lowbit_config, self.cached_operands(),
+                                      self.grad_acc)
 
     def extra_repr(self) -> str:
         c = self.lowbit_config
@@ -362,33 +400,3 @@ def set_weight_cache(model: nn.Module, enabled: bool) -> int:
 def refresh_weight_caches(model: nn.Module) -> int:
     """Recompute every stale cached low-bit weight of ``model`` (cheap when none changed); return how many."""
     return sum(m.refresh_weight_cache() for m in model.modules() if isinstance(m, MixedPrecisionLinear))
-
-
-def convert_to_mixed_precision(model: nn.Module, config: MixedPrecisionConfig,
-                               filter: LinearFilter = LinearFilter()) -> SwapReport:
-    """Replace each eligible ``nn.Linear`` of ``model`` by a :class:`MixedPrecisionLinear`, in place.
-
-    ``filter`` gets the format's alignment (:meth:`MixedPrecisionConfig.filter`). Layers that are
-    mixed precision already, and frozen quantized bases given INT8 compute by the QLoRA recipe, are
-    reported as such and left alone. ``config.weight_cache`` switches the swapped layers' weight cache on.
-    ``config.include_lm_head``: the output embedding too, patterns that name it dropped
-    (:func:`~hf_lowbit.swap.including_output_embeddings`, as QAT's); a tied head keeps the input embedding's
-    Parameter (the swap shares parameters), so both gradients still accumulate into it.
-    """
-    def make(name, linear):
-        layer = MixedPrecisionLinear.from_linear(linear, config)
-        if config.weight_cache:
-            layer.set_weight_cache(True)
-        return layer
-
-    linear_filter = config.filter(filter)
-    if config.include_lm_head:
-        linear_filter = including_output_embeddings(model, linear_filter)
-    return swap_linears(model, make, recipe=config.recipe, target=f"{config.format.upper()} matmuls",
-                        filter=linear_filter, already=_low_bit_already)
-
-
-def _low_bit_already(module: nn.Module) -> bool:
-    """A mixed-precision layer, or a module told to compute by one of our configs: a QLoRA base with INT8 compute
-    (its ``compute``; recognised by the config, so this recipe needs no import of the QLoRA one, which uses it)."""
-    return isinstance(module, MixedPrecisionLinear) or isinstance(getattr(module, "compute", None), MixedPrecisionConfig)
