@@ -107,11 +107,12 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                "(what the low-bit layers run today; also with triton.multi_kernel=1) against hf_lowbit's kernels "
                "(hf_lowbit::swiglu_quant / swiglu_backward_quant, tiles swept, a row in one tile or looped), and the "
                "weight gradients' column side (quantize_t of dg, du against the column absmax taken in the backward "
-               "kernel + the encode pass alone); GPU ms, GB/s of the floor, codes checked; first the kernels' CUDA "
-               "tests. Decides whether the MLP gets its own autograd function (docs/benchmarks.md, 'What the 8x2048 "
-               "layers row would still need')", "~4 min (estimate; not yet run: ~30 Inductor compiles)", [
-        "python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_triton_int8.py -k 'swiglu and cuda' 2>&1 "
-        "| tee $OUT/pytest_cuda_swiglu.txt",
+               "kernel + the encode pass alone); GPU ms, GB/s of the floor, codes checked; first the CUDA tests of "
+               "the kernels and of the fused MLP (LowBitSwiGLUMLP, eager and compiled). Then regimes with "
+               "BLOCKS=layers_b8_swiglu / layers_b1_swiglu (profiled) for whole steps (docs/design.md, 'The MLP as one "
+               "function')", "~4 min (estimate; not yet run: ~30 Inductor compiles)", [
+        "python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_triton_int8.py tests/test_swiglu_mlp.py "
+        "-k 'cuda and (swiglu or fused_mlp)' 2>&1 | tee $OUT/pytest_cuda_swiglu.txt",
         B + "benchmark_swiglu.py --json $OUT/swiglu_h200.json --markdown $OUT/swiglu_h200.md"]),
     "quant_dual": ("issue 25: dY quantized per row (times the weight's scales, for dX) and per column (for dW): "
                    "today's pair (compiled plain torch + quantize_t, three reads of dY) vs quantize_dual_triton (two "

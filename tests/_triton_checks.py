@@ -1078,6 +1078,9 @@ def check_swiglu(device: str) -> int:
             x, rq, rs = codes_of(bo[0], mg, f)
             assert torch.equal(bo[3].cpu(), rs) and torch.equal(bo[2].cpu().view(torch.uint8), rq.view(torch.uint8))
             n += 1
+        # without the column absmax: empty, and two tensors (an op's outputs may not alias)
+        fo, bo = swiglu_quant(g, u, fmt), swiglu_backward_quant(d, g, u, fmt, mg, mu)
+        assert fo[3].numel() == bo[6].numel() == bo[7].numel() == 0 and bo[6] is not bo[7]
     _refused(lambda: swiglu_quant(g, u, "fp8_tensorwise"), "scaled per row", "swiglu_quant(fp8_tensorwise)")
     _refused(lambda: swiglu_quant_triton(g, u[:, :40], torch.int8, 127.0), "shaped and placed like",
              "swiglu_quant_triton with u of another shape")

@@ -13,6 +13,7 @@ from torch import nn
 from hf_lowbit import MixedPrecisionConfig, enable_fused_grad_accumulation
 from hf_lowbit.kernels.swiglu import swiglu_backward_quant_reference, swiglu_quant_reference
 from hf_lowbit.mixed_precision import LowBitSwiGLUMLP, convert_to_mixed_precision
+from hf_lowbit.mixed_precision import swiglu as swiglu_mlp
 from hf_lowbit.swap import LinearFilter
 
 
@@ -53,9 +54,11 @@ def _equal_bits(a: dict, b: dict) -> None:
         assert torch.equal(a[n], b[n]), f"{n}: {(a[n] != b[n]).sum().item()} of {a[n].numel()} differ"
 
 
+@pytest.mark.parametrize("col_amax", [False, True], ids=["quantize_t_absmax", "kernel_absmax"])
 @pytest.mark.parametrize("cache", [False, True], ids=["uncached", "cached"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_fused_mlp_is_the_per_linear_path_bit_for_bit(fmt, cache):
+def test_fused_mlp_is_the_per_linear_path_bit_for_bit(fmt, cache, col_amax, monkeypatch):
+    monkeypatch.setattr(swiglu_mlp, "BACKWARD_COL_AMAX", col_amax)
     model, ref, report = _models(fmt, weight_cache=cache)
     mlps = [m for m in model.modules() if isinstance(m, LowBitSwiGLUMLP)]
     assert len(mlps) == model.config.num_hidden_layers
@@ -233,8 +236,10 @@ def test_config_and_arguments_refuse_what_it_cannot_do(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("col_amax", [False, True], ids=["quantize_t_absmax", "kernel_absmax"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_fused_mlp_on_cuda_compiled_against_per_linear(fmt):
+def test_fused_mlp_on_cuda_compiled_against_per_linear(fmt, col_amax, monkeypatch):
+    monkeypatch.setattr(swiglu_mlp, "BACKWARD_COL_AMAX", col_amax)
     """On the GPU (the Triton kernels, whose exp is not torch's): the fused MLP against the per-linear path, eager
     and compiled (fullgraph, no break), with the weight cache: every gradient within 20 dB of the eager per-linear
     path's (two low-bit paths whose codes differ where a SwiGLU value's rounding does: FP8's noise is ~-30 dB), the

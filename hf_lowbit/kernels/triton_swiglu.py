@@ -38,9 +38,12 @@ from .triton_int4 import _round_bf16
 from .triton_quant import _abs_bits, _div_rcp, _encode_q, _rcp_of, _scale_of
 
 # (BLOCK_R, BLOCK_N, num_warps) on CUDA: first guesses, to be swept (benchmarks/benchmark_swiglu.py). A row of a
-# Llama-8B MLP is 14,336 wide: BLOCK_N = 16384 holds it in one tile (one pass, no re-read), 2048 loops over it
+# Llama-8B MLP is 14,336 wide: BLOCK_N = 16384 holds it in one tile (one pass, no re-read), 2048 loops over it.
+# With the column absmax a program issues one atomic per column of each tile, so it owns many rows (one row a program
+# would be one atomic an element): its own defaults
 _FWD_TILES = (1, 2048, 8)
 _BWD_TILES = (1, 2048, 8)
+_COL_TILES = (16, 256, 8)
 _CPU_TILES = (2, 16, 4)
 
 
@@ -244,7 +247,8 @@ def swiglu_quant_triton(g: torch.Tensor, u: torch.Tensor, qdtype: torch.dtype, q
     if u.dtype != g.dtype:
         raise ValueError(f"swiglu_quant_triton: g and u must have one dtype, got {g.dtype} and {u.dtype}")
     native = _native_fp8(qdtype, g.device, fp8_cast)
-    br, bn, warps = _tiles(tiles, _CPU_TILES if g.device.type == "cpu" else _FWD_TILES, "swiglu_quant_triton")
+    default = _CPU_TILES if g.device.type == "cpu" else _COL_TILES if col_amax else _FWD_TILES
+    br, bn, warps = _tiles(tiles, default, "swiglu_quant_triton")
     h = torch.empty((M, N), dtype=g.dtype, device=g.device)
     q = torch.empty((M, N), dtype=qdtype, device=g.device)
     scale = torch.empty((M,), dtype=torch.float32, device=g.device)
@@ -277,7 +281,8 @@ def swiglu_backward_quant_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Ten
             raise ValueError(f"swiglu_backward_quant_triton: {name} must be {N} contiguous float32 values on "
                              f"{g.device}, got {tuple(m.shape)} {m.dtype} on {m.device}")
     native = _native_fp8(qdtype, g.device, fp8_cast)
-    br, bn, warps = _tiles(tiles, _CPU_TILES if g.device.type == "cpu" else _BWD_TILES, "swiglu_backward_quant_triton")
+    default = _CPU_TILES if g.device.type == "cpu" else _COL_TILES if col_amax else _BWD_TILES
+    br, bn, warps = _tiles(tiles, default, "swiglu_backward_quant_triton")
     dev = g.device
     dg, du = (torch.empty((M, N), dtype=g.dtype, device=dev) for _ in range(2))
     qg, qu = (torch.empty((M, N), dtype=qdtype, device=dev) for _ in range(2))

@@ -39,6 +39,13 @@ from .linear import (MixedPrecisionConfig, MixedPrecisionLinear, check_accumulat
                      weight_operands)
 
 
+# Whether the backward's SwiGLU kernel also takes dg's and du's column absmax (an atomic max per column of each row
+# block), so that their weight-gradient column codes are one read each, instead of quantize_t's own absmax pass (one
+# more read of each, ~3 of the 4.9 ms of column absmax a step at 8x2048 in the recorded profile). Off until
+# benchmarks/benchmark_swiglu.py's column table (the atomics' cost against the pass they save) says otherwise
+BACKWARD_COL_AMAX = False
+
+
 def _weight_grad(fmt: str, g: Tensor, g_amax: Tensor | None, xq: tuple[Tensor, Tensor], acc: Tensor | None,
                  dtype: torch.dtype) -> Tensor | None:
     """``dW = gᵀ · X`` with ``X``'s column codes ``xq``: ``g`` quantized per column (from its known absmax, if given),
@@ -111,8 +118,9 @@ class _LowBitSwiGLUFn(torch.autograd.Function):
             dh = scaled_matmul_input_grad(fmt, dy2, td, sd, dtype)
             # dg, du and their row codes times gate's / up's row scales (the input gradient's operands); their
             # column absmax for the weight gradients
-            dg, du, qdg, sdg, qdu, sdu, ag, au = swiglu_backward_quant(dh, g, u, fmt, sg.reshape(-1).float(),
-                                                                       su.reshape(-1).float(), need_g or need_u)
+            dg, du, qdg, sdg, qdu, sdu, ag, au = swiglu_backward_quant(
+                dh, g, u, fmt, sg.reshape(-1).float(), su.reshape(-1).float(), BACKWARD_COL_AMAX and (need_g or need_u))
+            ag, au = (ag, au) if BACKWARD_COL_AMAX else (None, None)
             if need_x:  # dX = q(dg·diag(s_g)) · Wg + q(du·diag(s_u)) · Wu
                 tg, _ = input_grad_codes(fmt, w_gate, sg, tg)
                 tu, _ = input_grad_codes(fmt, w_up, su, tu)
