@@ -202,6 +202,11 @@ class LowBitArgumentsMixin:
         if self.lowbit_fused_swiglu and self.fp8_tensorwise_mixed_precision:
             raise ValueError(f"{cls}.lowbit_fused_swiglu=True quantizes the SwiGLU per row: it needs "
                              "int8_mixed_precision or fp8_mixed_precision, not fp8_tensorwise_mixed_precision")
+        if self.lowbit_fused_swiglu and getattr(self, "use_liger_kernel", False) and \
+                (getattr(self, "liger_kernel_config", None) or {}).get("swiglu", True):
+            raise ValueError(f"{cls}.lowbit_fused_swiglu=True with use_liger_kernel=True: Liger's SwiGLU patch would "
+                             "replace the fused MLP's forward; pass liger_kernel_config={'swiglu': False} (Liger's "
+                             "other kernels still apply) or lowbit_fused_swiglu=False")
         if self.lowbit_include_lm_head:
             flag = f"{cls}.lowbit_include_lm_head=True"
             if not self.lowbit_recipes:

@@ -227,6 +227,11 @@ def test_config_and_arguments_refuse_what_it_cannot_do(tmp_path):
         lowbit_args(tmp_path, int8_mixed_precision=True, lowbit_fused_swiglu=True, lowbit_grad_input=False)
     with pytest.raises(ValueError, match="not fp8_tensorwise_mixed_precision"):
         lowbit_args(tmp_path, fp8_tensorwise_mixed_precision=True, lowbit_fused_swiglu=True)
+    with pytest.raises(ValueError, match=r"Liger's SwiGLU patch would replace the fused MLP's forward; pass "
+                                         r"liger_kernel_config=\{'swiglu': False\}"):
+        lowbit_args(tmp_path, int8_mixed_precision=True, lowbit_fused_swiglu=True, use_liger_kernel=True)
+    lowbit_args(tmp_path, int8_mixed_precision=True, lowbit_fused_swiglu=True, use_liger_kernel=True,
+                liger_kernel_config={"swiglu": False})
     from hf_lowbit.prepare import recipes_from_args
 
     (_, config), = recipes_from_args(lowbit_args(tmp_path, fp8_mixed_precision=True, lowbit_fused_swiglu=True))
