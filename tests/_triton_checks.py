@@ -1445,6 +1445,41 @@ def check_int4_tile(device: str) -> int:
     return n
 
 
+def check_int4_large_offsets(device: str) -> int:
+    """The int4 dequantize kernels (the prefill path's bf16 weight) writing a weight whose rows lie 2**26 elements
+    apart (:class:`FarRows`: row 32 past 2**31 elements, as in a weight of 2**31; the kernels computed its offsets
+    in 32 bits once), and ``int4_dequant_triton`` reading packed codes, scales and zeros whose rows lie as far
+    apart: bit for bit the weight of contiguous ones (32-bit offsets there: the interpreter's segmentation fault).
+    3 GB of address space for the codes, 6 GB for the scales and zeros and for the weight, their rows' pages
+    touched. (The decode GEMVs address in 32 bits and refuse such operands: tests/test_triton_int4.py.) Returns the
+    number of checks."""
+    from hf_lowbit.kernels.int4 import int4_dequantize
+    from hf_lowbit.kernels.triton_int4 import int4_dequant_triton, int4_tile_dequant_triton
+
+    N, K, gs, stride = 48, 128, 32, 1 << 26
+    G = K // gs
+    p, s, z, qdata, sz = tile_operands(N, K, gs, device)
+    ref = int4_dequantize(p, s, z, gs)
+    codes = torch.empty(stride * (N - 1) + K // 2, dtype=torch.uint8, device=device)
+    p_far = codes.as_strided((N, K // 2), (stride, 1))
+    p_far.copy_(p)
+    groups = torch.empty(stride * (N - 1) + 2 * G, dtype=torch.bfloat16, device=device)
+    s_far = groups.as_strided((N, G), (stride, 1))  # the scales and zeros share a row stride (the kernel's)
+    z_far = groups.as_strided((N, G), (stride, 1), G)
+    s_far.copy_(s)
+    z_far.copy_(z)
+    n = 0
+    for name, call in (("int4_dequant_triton", lambda: int4_dequant_triton(p_far, s_far, z_far, gs)),
+                       ("int4_tile_dequant_triton", lambda: int4_tile_dequant_triton(qdata, sz, gs, (N, K)))):
+        with FarRows((N, K), torch.bfloat16) as far:
+            w = call()
+        assert far.views and w.stride(0) == stride, f"{name}: the weight was not the far view"
+        assert torch.equal(w, ref), f"{name}: {(w != ref).sum().item()} weights differ with rows past 2**31 elements"
+        del w, far
+        n += 1
+    return n
+
+
 # what each mode checks on the CPU and prints (test_triton_int8.run_interpreted and test_stochastic_rounding.py)
 def scaled_mm_accumulate_cases(device: str) -> list[tuple]:
     """:func:`check_scaled_mm_accumulate`'s cases: ``(M, N, K, a transposed, fmt)``; FP8 on CUDA only (the
@@ -1611,6 +1646,8 @@ MODES = {
     "nf4": lambda: ("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes"),
     "int4": lambda: ("checked", check_int4("cpu"), "int4 dequantizations and matmuls"),
     "int4_tile": lambda: ("checked", check_int4_tile("cpu"), "int4 tile-layout dequantizations and GEMVs"),
+    "int4_large_offsets": lambda: ("checked", check_int4_large_offsets("cpu"),
+                                   "int4 dequantizations with rows past 2**31 elements"),
     "stochastic_saturates": lambda: ("checked", check_quantize_t_stochastic_saturates("cpu"),
                                      "saturating stochastic quantizations"),
     "fp8_gemv": lambda: _fp8_gemv_mode(),
