@@ -19,19 +19,15 @@ _EMPTY_OPS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.d
               torch.ops.aten.empty_like.default}
 
 
-class PoisonedAllocations(TorchDispatchMode):
-    """Fills every tensor allocated uninitialized (``torch.empty`` & co.) while active with a value no kernel
-    writes: NaN for floating dtypes (e4m3 has one too), -128 for int8 (quantization clamps to ±127), the
-    minimum for other integers. A kernel output that is allocated inside but not fully written then shows.
-    ``shapes`` records what was poisoned, so a check can assert that its output was among them."""
+class _AllocationMode(TorchDispatchMode):
+    """A dispatch mode that sees the launchers' allocations: Triton kernels launched directly while it is active
+    (through ``wrap_triton`` they become a higher-order op such a mode can't see into)."""
 
     def __init__(self):
         super().__init__()
-        self.shapes = []
         self._direct = None
 
     def __enter__(self):
-        # launch Triton kernels directly: through wrap_triton they become a higher-order op this mode can't see into
         from torch._library.triton import set_wrap_triton_enabled
 
         self._direct = set_wrap_triton_enabled(False)
@@ -42,6 +38,17 @@ class PoisonedAllocations(TorchDispatchMode):
         out = super().__exit__(*exc)
         self._direct.__exit__(*exc)
         return out
+
+
+class PoisonedAllocations(_AllocationMode):
+    """Fills every tensor allocated uninitialized (``torch.empty`` & co.) while active with a value no kernel
+    writes: NaN for floating dtypes (e4m3 has one too), -128 for int8 (quantization clamps to ±127), the
+    minimum for other integers. A kernel output that is allocated inside but not fully written then shows.
+    ``shapes`` records what was poisoned, so a check can assert that its output was among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -54,6 +61,27 @@ class PoisonedAllocations(TorchDispatchMode):
             elif out.dtype != torch.bool:
                 out.fill_(torch.iinfo(out.dtype).min)
         return out
+
+
+class FarRows(_AllocationMode):
+    """While active, a launcher's ``torch.empty`` of ``shape`` (2-D) and ``dtype`` gets a view whose rows lie
+    ``stride`` elements apart in a larger storage, instead of a contiguous tensor: the kernel that writes it then
+    addresses an output past 2**31 elements (rows 32 and on, at ``stride = 2**26``) while only the rows' own pages
+    are touched. ``views`` records what was handed out, so a check can assert that its output was one."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, stride: int = 1 << 26):
+        super().__init__()
+        self.shape, self.dtype, self.stride, self.views = tuple(shape), dtype, stride, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _EMPTY_OPS and tuple(out.shape) == self.shape and out.dtype == self.dtype:
+            rows, cols = self.shape
+            store = torch.empty(self.stride * (rows - 1) + cols, dtype=self.dtype, device=out.device)
+            out = store.as_strided(self.shape, (self.stride, 1))
+            self.views.append(out)
+        return out
+
 
 def _fma_f32(x, y, z):
     """fp32 ``x * y + z`` rounded once (to nearest, ties to even), as the GPU's fma: the product is exact in
@@ -1420,6 +1448,41 @@ def check_int4_tile(device: str) -> int:
     return n
 
 
+def check_int4_large_offsets(device: str) -> int:
+    """The int4 dequantize kernels (the prefill path's bf16 weight) writing a weight whose rows lie 2**26 elements
+    apart (:class:`FarRows`: row 32 past 2**31 elements, as in a weight of 2**31; the kernels computed its offsets
+    in 32 bits once), and ``int4_dequant_triton`` reading packed codes, scales and zeros whose rows lie as far
+    apart: bit for bit the weight of contiguous ones (32-bit offsets there: the interpreter's segmentation fault).
+    3 GB of address space for the codes, 6 GB for the scales and zeros and for the weight, their rows' pages
+    touched. (The decode GEMVs address in 32 bits and refuse such operands: tests/test_triton_int4.py.) Returns the
+    number of checks."""
+    from hf_lowbit.kernels.int4 import int4_dequantize
+    from hf_lowbit.kernels.triton_int4 import int4_dequant_triton, int4_tile_dequant_triton
+
+    N, K, gs, stride = 48, 128, 32, 1 << 26
+    G = K // gs
+    p, s, z, qdata, sz = tile_operands(N, K, gs, device)
+    ref = int4_dequantize(p, s, z, gs)
+    codes = torch.empty(stride * (N - 1) + K // 2, dtype=torch.uint8, device=device)
+    p_far = codes.as_strided((N, K // 2), (stride, 1))
+    p_far.copy_(p)
+    groups = torch.empty(stride * (N - 1) + 2 * G, dtype=torch.bfloat16, device=device)
+    s_far = groups.as_strided((N, G), (stride, 1))  # the scales and zeros share a row stride (the kernel's)
+    z_far = groups.as_strided((N, G), (stride, 1), G)
+    s_far.copy_(s)
+    z_far.copy_(z)
+    n = 0
+    for name, call in (("int4_dequant_triton", lambda: int4_dequant_triton(p_far, s_far, z_far, gs)),
+                       ("int4_tile_dequant_triton", lambda: int4_tile_dequant_triton(qdata, sz, gs, (N, K)))):
+        with FarRows((N, K), torch.bfloat16) as far:
+            w = call()
+        assert far.views and w.stride(0) == stride, f"{name}: the weight was not the far view"
+        assert torch.equal(w, ref), f"{name}: {(w != ref).sum().item()} weights differ with rows past 2**31 elements"
+        del w, far
+        n += 1
+    return n
+
+
 # what each mode checks on the CPU and prints (test_triton_int8.run_interpreted and test_stochastic_rounding.py)
 def scaled_mm_accumulate_cases(device: str) -> list[tuple]:
     """:func:`check_scaled_mm_accumulate`'s cases: ``(M, N, K, a transposed, fmt)``; FP8 on CUDA only (the
@@ -1484,49 +1547,84 @@ def check_scaled_mm_accumulate(device: str, cases=None) -> int:
 
 
 def check_large_offsets(device: str) -> int:
-    """The INT8 matmul (with and without its addend) and the accumulating kernel on operands whose rows lie 2**26
-    elements apart, so that row 32 starts past 2**31 elements from the base (where a 32-bit offset wraps; the kernels
-    computed them in 32 bits before and read and wrote outside the operand): the same results as on contiguous
-    copies. Every operand but the matmul's own output (allocated contiguous) is such a view: ``a`` and ``b`` in one
-    int8 storage, the addend's ``c`` and ``d`` and the accumulator in one bf16 storage (2 GB and 4 GB of address space,
-    only the 48 rows' own bytes written). Returns the number of checks."""
+    """The INT8 matmul (with and without its addend) and the accumulating kernel on operands laid out so that a
+    32-bit offset would wrap: rows 2**26 elements apart (row 32 starts past 2**31 elements from the base), and
+    transposed views whose columns are 2**26 apart (column 32 past 2**31: the reduction dim K of ``a`` and ``b``,
+    the addend's rank, the accumulator's columns); the matmul's own output (which the launcher allocates) handed
+    rows 2**26 apart by :class:`FarRows`. The same results as on contiguous copies (32-bit offsets there read and
+    write outside the operand: wrong sums, or the interpreter's segmentation fault). Every view of one dtype lies in
+    one storage, only their own elements written (int8 4 GB and bf16 6 GB of address space, a few hundred pages
+    touched). Returns the number of checks."""
     from hf_lowbit.kernels.accumulate import scaled_mm_accumulate_reference
     from hf_lowbit.kernels.triton_int8 import scaled_mm_accumulate_triton
 
     gen = torch.Generator(device=device).manual_seed(0)
     M = N = 48
-    K, R, stride = 32, 4, 1 << 26
+    # K_T columns 2**26 apart: column 32 lies 2**31 elements on (within a GPU tile's K step, at the interpreter's
+    # second step of 32); R_T the same for the addend's rank
+    K, R, K_T, R_T, stride = 32, 4, 64, 40, 1 << 26
 
-    def far(store, cols, at, fill):  # a [48, cols] view at column ``at`` of every row of ``store``
-        view = store.as_strided((M, cols), (stride, 1), at)
+    def far(store, at, fill):  # a [rows, cols] view at column ``at`` of every row of ``store``
+        view = store.as_strided(fill.shape, (stride, 1), at)
         view.copy_(fill)
         return view
 
-    codes = torch.empty(stride * (M - 1) + 2 * K, dtype=torch.int8, device=device)
-    a = far(codes, K, 0, torch.randint(-127, 128, (M, K), dtype=torch.int8, device=device, generator=gen))
-    b = far(codes, K, K, torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device, generator=gen))
-    floats = torch.empty(stride * (M - 1) + 2 * R + N, dtype=torch.bfloat16, device=device)
-    c = far(floats, R, 0, torch.randn(M, R, device=device, generator=gen))
-    d = far(floats, R, R, torch.randn(N, R, device=device, generator=gen))
-    acc = far(floats, N, 2 * R, torch.randn(M, N, device=device, generator=gen))
+    def far_t(store, at, fill):  # a [rows, cols] view whose column j is row j of ``store``, from column ``at``
+        view = store.as_strided(fill.shape, (1, stride), at)
+        view.copy_(fill)
+        return view
+
+    def rand_codes(*shape):
+        return torch.randint(-127, 128, shape, dtype=torch.int8, device=device, generator=gen)
+
+    # int8: a, b at columns [0, 2K) of rows 0..47; a_t, b_t at [2K, 2K + M + N) of rows 0..63
+    codes = torch.empty(stride * (K_T - 1) + 2 * K + M + N, dtype=torch.int8, device=device)
+    a = far(codes, 0, rand_codes(M, K))
+    b = far(codes, K, rand_codes(N, K))
+    a_t = far_t(codes, 2 * K, rand_codes(M, K_T))
+    b_t = far_t(codes, 2 * K + M, rand_codes(N, K_T))
+    # bf16: c, d, acc at [0, 2R + N) of rows 0..47; acc_t, c_t, d_t from there, along rows 0..47 and 0..39
+    floats = torch.empty(stride * (max(M, N, R_T) - 1) + 2 * R + N + M + M + N, dtype=torch.bfloat16, device=device)
+    c = far(floats, 0, torch.randn(M, R, device=device, generator=gen))
+    d = far(floats, R, torch.randn(N, R, device=device, generator=gen))
+    acc = far(floats, 2 * R, torch.randn(M, N, device=device, generator=gen))
+    acc_t = far_t(floats, 2 * R + N, torch.randn(M, N, device=device, generator=gen))
+    c_t = far_t(floats, 2 * R + N + M, torch.randn(M, R_T, device=device, generator=gen))
+    d_t = far_t(floats, 2 * R + N + 2 * M, torch.randn(N, R_T, device=device, generator=gen))
     sa = torch.rand(M, device=device, generator=gen) / 1000 + 1e-4
     sb = torch.rand(N, device=device, generator=gen) / 1000 + 1e-4
-    exact = int8_mm_reference(a.contiguous(), b.contiguous()).double() * sa.double()[:, None] * sb.double()[None, :]
     n = 0
-    for addend in (False, True):
-        ref = exact + (c.double() @ d.double().T if addend else 0)
-        out = int8_scaled_mm_triton(a, b, sa, sb, torch.float32, *((c, d) if addend else ()))
+
+    def exact(a, b):
+        return int8_mm_reference(a.contiguous(), b.contiguous()).double() * sa.double()[:, None] * sb.double()[None, :]
+
+    for what, (a_, b_), cd in (("rows", (a, b), ()), ("rows, addend", (a, b), (c, d)),
+                               ("K columns", (a_t, b_t), ()), ("addend columns", (a, b), (c_t, d_t))):
+        ref = exact(a_, b_) + (cd[0].double() @ cd[1].double().T if cd else 0)
+        out = int8_scaled_mm_triton(a_, b_, sa, sb, torch.float32, *cd)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
-        assert rel < 1e-6, f"addend={addend}: rel err {rel:.2e} with rows past 2**31 elements"
+        assert rel < 1e-6, f"matmul, {what} past 2**31 elements: rel err {rel:.2e}"
         n += 1
-    before = acc.clone()
-    ref = scaled_mm_accumulate_reference(before.float(), a.contiguous(), b.contiguous(), sa, sb)
-    scaled_mm_accumulate_triton(acc, a, b, sa, sb)
-    # the float32 sum's rounding, then bf16's (the interpreter truncates, the GPU rounds to nearest: within an ulp)
-    bound = torch.finfo(torch.float32).eps * ((a.float().abs() @ b.float().abs().T) * sa[:, None] * sb[None, :]
-                                              + before.float().abs()) + torch.finfo(torch.bfloat16).eps * ref.abs()
-    assert ((acc.float() - ref).abs() <= bound).all(), "the accumulating kernel with rows past 2**31 elements"
-    return n + 1
+    # the output's rows past 2**31 elements: the same bits as the contiguous output's
+    want = int8_scaled_mm_triton(a, b, sa, sb, torch.bfloat16, c, d)
+    with FarRows((M, N), torch.bfloat16) as far_out:
+        out = int8_scaled_mm_triton(a, b, sa, sb, torch.bfloat16, c, d)
+    assert far_out.views and out.stride(0) == stride, "the matmul's output was not the far view"
+    assert torch.equal(out, want), "matmul, output rows past 2**31 elements: differs from the contiguous output"
+    n += 1
+    del out, far_out
+    for what, (a_, b_), into in (("rows", (a, b), acc), ("columns", (a, b), acc_t), ("K columns", (a_t, b_t), acc)):
+        before = into.clone()
+        ref = scaled_mm_accumulate_reference(before.float(), a_.contiguous(), b_.contiguous(), sa, sb)
+        scaled_mm_accumulate_triton(into, a_, b_, sa, sb)
+        # the float32 sum's rounding, then bf16's (the interpreter truncates, the GPU rounds to nearest: an ulp)
+        mag = (a_.float().abs() @ b_.float().abs().T) * sa[:, None] * sb[None, :]
+        bound = (torch.finfo(torch.float32).eps * (mag + before.float().abs())
+                 + torch.finfo(torch.bfloat16).eps * ref.abs())
+        assert ((into.float() - ref).abs() <= bound).all(), f"accumulating kernel, {what} past 2**31 elements"
+        into.copy_(before)
+        n += 1
+    return n
 
 
 MODES = {
@@ -1551,11 +1649,14 @@ MODES = {
     "nf4": lambda: ("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes"),
     "int4": lambda: ("checked", check_int4("cpu"), "int4 dequantizations and matmuls"),
     "int4_tile": lambda: ("checked", check_int4_tile("cpu"), "int4 tile-layout dequantizations and GEMVs"),
+    "int4_large_offsets": lambda: ("checked", check_int4_large_offsets("cpu"),
+                                   "int4 dequantizations with rows past 2**31 elements"),
     "stochastic_saturates": lambda: ("checked", check_quantize_t_stochastic_saturates("cpu"),
                                      "saturating stochastic quantizations"),
     "fp8_gemv": lambda: _fp8_gemv_mode(),
     "accumulate": lambda: ("checked", check_scaled_mm_accumulate("cpu"), "accumulating matmuls"),
-    "large_offsets": lambda: ("checked", check_large_offsets("cpu"), "matmuls with operand rows past 2**31 elements"),
+    "large_offsets": lambda: ("checked", check_large_offsets("cpu"), "matmuls with operands or outputs past 2**31 "
+                                                                      "elements"),
 }
 
 

@@ -219,7 +219,8 @@ def _configs():
                          "stride_dhm": "i32", "stride_gm": "i32", "stride_um": "i32", "stride_dgm": "i32",
                          "stride_dum": "i32"}, {**consts, "HAS_MUL": True}, warps, 1))
     # the training matmuls: INT8 (with the LoRA addend or not) and the accumulating kernel (INT8, FP8), at a tile of
-    # their autotuning (their row offsets 64-bit since session 29)
+    # their autotuning (their row offsets 64-bit since session 29; a K-strided operand's K offsets, the accumulator's
+    # and output's columns too since), each also with ``a`` a transposed view (K strided)
     from hf_lowbit.kernels import triton_int8 as T8
 
     mm_sig = dict(a_ptr="*i8", b_ptr="*i8", a_scale_ptr="*fp32", b_scale_ptr="*fp32", out_ptr="*bf16", c_ptr="*bf16",
@@ -227,15 +228,17 @@ def _configs():
                   stride_bk="i32", stride_om="i32", stride_on="i32", stride_cm="i32", stride_cr="i32", stride_dn="i32",
                   stride_dr="i32")
     tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
-    for add in (False, True):
-        out.append((f"int8_scaled_mm 128x128x128w4 add={add}", T8._int8_scaled_mm_kernel.fn, mm_sig,
-                    dict(A_K_CONTIG=True, B_K_CONTIG=True, HAS_ADD=add, BLOCK_R=16, ADD_IEEE=False, **tile), 4, 3))
-    for codes in ("*i8", "*fp8e4nv"):
-        out.append((f"scaled_mm_accumulate 128x128x128w4 codes={codes}", T8._scaled_mm_accumulate_kernel.fn,
+    for add, a_k in ((False, True), (True, True), (False, False)):
+        out.append((f"int8_scaled_mm 128x128x128w4 add={add}" + ("" if a_k else " a K-strided"),
+                    T8._int8_scaled_mm_kernel.fn, mm_sig,
+                    dict(A_K_CONTIG=a_k, B_K_CONTIG=True, HAS_ADD=add, BLOCK_R=16, ADD_IEEE=False, **tile), 4, 3))
+    for codes, a_k in (("*i8", True), ("*fp8e4nv", True), ("*i8", False)):
+        out.append((f"scaled_mm_accumulate 128x128x128w4 codes={codes}" + ("" if a_k else " a K-strided"),
+                    T8._scaled_mm_accumulate_kernel.fn,
                     dict(a_ptr=codes, b_ptr=codes, a_scale_ptr="*fp32", b_scale_ptr="*fp32", acc_ptr="*bf16", M="i32",
                          N="i32", K="i32", stride_am="i32", stride_ak="i32", stride_bn="i32", stride_bk="i32",
                          stride_cm="i32", stride_cn="i32"),
-                    dict(A_K_CONTIG=True, B_K_CONTIG=True, INT_CODES=codes == "*i8", **tile), 4, 3))
+                    dict(A_K_CONTIG=a_k, B_K_CONTIG=True, INT_CODES=codes == "*i8", **tile), 4, 3))
     return out
 
 

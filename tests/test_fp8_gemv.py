@@ -105,6 +105,34 @@ def test_op_rejects_bad_arguments():
     assert torch.equal(fp8_rowwise_linear(x, w, s.reshape(8, 1)), fp8_rowwise_linear_reference(x, w, s))
 
 
+def test_fp8_kernels_refuse_operands_past_32bit_offsets(monkeypatch):
+    """The GEMV and the activation quantization address in 32 bits: an operand spanning 2**31 elements (a weight of
+    2**31, x rows 2**31 apart, split-K partials) is refused in one line naming the function and the shape, before
+    any launch (meta tensors: nothing allocated)."""
+    from test_triton_int8 import no_launch, refused_past_32bit
+
+    from hf_lowbit.kernels import triton_fp8_gemv as G
+
+    monkeypatch.setattr(G, "wrap_triton", no_launch)
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    far_x = meta(2 ** 31 + 128).as_strided((2, 128), (2 ** 31, 1))  # its second row 2**31 elements on
+    with refused_past_32bit("fp8_gemv_triton", (262144, 8192), 2 ** 31):
+        G.fp8_gemv_triton(meta(1, 8192), meta(262144, 8192, dtype=FP8), meta(262144, dtype=torch.float32))
+    for design in G.DESIGNS:
+        with refused_past_32bit("fp8_gemv_triton", (2, 128), 2 ** 31 + 128):
+            G.fp8_gemv_triton(far_x, meta(64, 128, dtype=FP8), meta(64, dtype=torch.float32), design=design)
+    for rows in (True, False):
+        with refused_past_32bit("act_quant_triton", (2, 128), 2 ** 31 + 128):
+            G.act_quant_triton(far_x, rows=rows)
+    # split-K partials [8, 16, 2**24] float32 (8-column steps), of a weight of 2**30
+    N = 2 ** 24
+    with refused_past_32bit("fp8_gemv_triton", (8, 16, N), 2 ** 31):
+        G.fp8_gemv_triton(meta(16, 64), meta(N, 64, dtype=FP8), meta(N, dtype=torch.float32), block_k=8, split_k=8)
+
+
 @pytest.mark.cuda
 def test_fp8_act_quant_cuda():
     """Hardware e4m3 cast and the soft rounding, both bit for bit torchao's codes, both quantization kernels. The

@@ -39,6 +39,63 @@ def test_triton_int4_tile_interpreted():
     assert "checked 104 int4 tile-layout dequantizations and GEMVs" in run_interpreted("int4_tile")
 
 
+def test_triton_int4_dequant_rows_past_2gb_interpreted():
+    """The dequantize kernels write a weight whose rows lie 2**26 elements apart (as a weight of 2**31 elements),
+    the plain one reading codes, scales and zeros as far apart: bit for bit
+    (_triton_checks.check_int4_large_offsets)."""
+    from test_triton_int8 import run_interpreted
+
+    assert "checked 2 int4 dequantizations with rows past 2**31 elements" in run_interpreted("int4_large_offsets")
+
+
+def test_int4_kernels_refuse_operands_past_32bit_offsets(monkeypatch):
+    """The decode GEMVs (and the tile dequantize's words) address in 32 bits: an operand or output spanning 2**31
+    elements (2**31 bytes of codes, x rows 2**31 apart, split-K partials) is refused in one line naming the
+    function and the shape, before any launch (meta tensors: nothing allocated; ``wrap_triton`` fails the test)."""
+    from test_triton_int8 import no_launch
+    from test_triton_int8 import refused_past_32bit as _refused
+
+    from hf_lowbit.kernels import triton_int4
+    from hf_lowbit.kernels.triton_int4 import int4_decode_triton, int4_tile_decode_triton, int4_tile_dequant_triton
+
+    monkeypatch.setattr(triton_int4, "wrap_triton", no_launch)
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def far_rows(K):  # x [2, K] whose second row starts 2**31 elements from the first
+        return meta(2 ** 31 + K).as_strided((2, K), (2 ** 31, 1))
+
+    # plain layout: 2**31 bytes of codes (two a byte: a [262144, 16384] weight)
+    N, K, gs = 262144, 16384, 128
+    packed, scales = meta(N, K // 2, dtype=torch.uint8), meta(N, K // gs)
+    with _refused("int4_decode_triton", (N, K // 2), 2 ** 31):
+        int4_decode_triton(meta(1, K), packed, scales, scales, gs)
+    small = meta(64, 64, dtype=torch.uint8), meta(64, 1), meta(64, 1)
+    with _refused("int4_decode_triton", (2, 128), 2 ** 31 + 128):
+        int4_decode_triton(far_rows(128), *small, 128)
+    # split-K partials [16, 16, 2**23] float32: 2**31 elements, of a weight of 2**28
+    wide = meta(2 ** 23, 16, dtype=torch.uint8), meta(2 ** 23, 1), meta(2 ** 23, 1)
+    with _refused("int4_decode_triton", (16, 16, 2 ** 23), 2 ** 31):
+        int4_decode_triton(meta(16, 32), *wide, 32, split_k=16)
+    # tile layout: words [N/8, K/128, 32, 4] of 2**31 int32 (a 2**17 x 2**17 weight)
+    N = K = 2 ** 17
+    qdata, sz = meta(N // 8, K // 128, 32, 4, dtype=torch.int32), meta(K // gs, N, 2)
+    with _refused("int4_tile_decode_triton", tuple(qdata.shape), 2 ** 31):
+        int4_tile_decode_triton(meta(1, K), qdata, sz, gs, N)
+    with _refused("int4_tile_dequant_triton", tuple(qdata.shape), 2 ** 31):
+        int4_tile_dequant_triton(qdata, sz, gs, (N, K))
+    tile = meta(8, 1, 32, 4, dtype=torch.int32), meta(1, 64, 2)
+    for kernel in ("tile", "factored", "mma"):
+        with _refused("int4_tile_decode_triton", (2, 128), 2 ** 31 + 128):
+            int4_tile_decode_triton(far_rows(128), *tile, 128, 64, kernel=kernel)
+    # split-K partials [4, 16, 2**25] float32, of a weight of 2**32 (its words 2**29)
+    N = 2 ** 25
+    with _refused("int4_tile_decode_triton", (4, 16, N), 2 ** 31):
+        int4_tile_decode_triton(meta(16, 128), meta(N // 8, 1, 32, 4, dtype=torch.int32), meta(1, N, 2), 128, N,
+                                split_k=4)
+
+
 @pytest.mark.cuda
 def test_triton_int4_tile_cuda():
     from _triton_checks import check_int4_tile

@@ -4,6 +4,7 @@ on CUDA."""
 import functools
 import os
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,17 @@ def run_interpreted(mode: str = "default") -> str:
     return out
 
 
+def refused_past_32bit(fn: str, shape: tuple, span: int):
+    """``pytest.raises`` of ``triton_quant._check_32bit_offsets``' one line: ``fn``, the operand's shape and span."""
+    return pytest.raises(ValueError, match=rf"^{fn}: an operand of shape {re.escape(str(shape))} spans {span:,} "
+                                           r"elements, past the 2\*\*31 these Triton kernels address in 32 bits; ")
+
+
+def no_launch(*_, **__):
+    """Patched over a launcher module's ``wrap_triton``: a refusal test fails if anything launches first."""
+    raise AssertionError("a kernel was launched before the operand was refused")
+
+
 def test_triton_int8_scaled_mm_interpreted():
     assert "checked 24 matmuls, 24 with an addend and 60 quantizations" in run_interpreted()
 
@@ -121,7 +133,7 @@ N_INT8_MM_ADDEND_CASES = 12  # 3 shapes x 4 ranks
 
 
 def test_int8_matmuls_with_rows_past_2gb_interpreted():
-    assert "checked 3 matmuls with operand rows past 2**31 elements" in run_interpreted("large_offsets")
+    assert "checked 8 matmuls with operands or outputs past 2**31 elements" in run_interpreted("large_offsets")
 
 
 def test_quantize_kernels_refuse_operands_past_32bit_offsets():
@@ -147,7 +159,7 @@ def test_quantize_kernels_refuse_operands_past_32bit_offsets():
 def test_int8_matmuls_with_rows_past_2gb_cuda():
     from _triton_checks import check_large_offsets
 
-    assert check_large_offsets("cuda") == 3
+    assert check_large_offsets("cuda") == 8
 
 
 @pytest.mark.cuda
@@ -429,6 +441,22 @@ def test_swiglu_quant_cuda():
 
 def test_triton_nf4_to_int8_interpreted():
     assert "checked 27 NF4 -> INT8 decodes" in run_interpreted("nf4")
+
+
+def test_nf4_to_int8_refuses_weights_past_32bit_offsets(monkeypatch):
+    """The NF4 -> INT8 kernel addresses in 32 bits: a weight of 2**31 elements (its INT8 codes, either layout) is
+    refused in one line naming the function and the shape, before any launch (meta tensors: nothing allocated)."""
+    import torch
+
+    from hf_lowbit.kernels import triton_nf4
+
+    monkeypatch.setattr(triton_nf4, "wrap_triton", no_launch)
+    N, K = 2 ** 17, 2 ** 14
+    codes = torch.empty(N, K // 2, dtype=torch.uint8, device="meta")
+    mul, lut = torch.empty(N, K // 64, device="meta"), torch.empty(16, device="meta")
+    for transposed, shape in ((False, (N, K)), (True, (K, N))):
+        with refused_past_32bit("nf4_to_int8_triton", shape, 2 ** 31):
+            triton_nf4.nf4_to_int8_triton(codes, mul, lut, transposed)
 
 
 @pytest.mark.cuda

@@ -58,6 +58,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._launch import on_operand_device
+from .triton_quant import _check_32bit_offsets
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # FP8_MAX (448) is written literally in the jit functions: compiled Triton reads no non-constexpr global
@@ -363,7 +364,9 @@ def act_quant_triton(x: torch.Tensor, write_codes: bool = True, block_k: int | N
     quantization the GEMVs apply (the same jit functions). ``rows``: the ``codes`` design's kernel (one program
     a row, the whole row at once; default when writing codes and K <= :data:`ROW_MAX_K`), else the looped one
     (BLOCK_M rows a program, K in ``block_k`` steps: the ``fused`` design's scale kernel). ``recip``: the scale
-    as torch computes it on CUDA (default: on CUDA tensors), see :func:`_scale_of`."""
+    as torch computes it on CUDA (default: on CUDA tensors), see :func:`_scale_of`. Offsets are 32-bit: an ``x``
+    spanning 2**31 elements or more is refused, before any launch (the codes are ``x``'s size)."""
+    _check_32bit_offsets("act_quant_triton", x)
     M, K = x.shape
     scale = torch.empty(M, dtype=torch.float32, device=x.device)
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device) if write_codes else scale
@@ -408,7 +411,12 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     above; ``use_dot`` overrides). Keyword arguments override the tiles and the choices (defaults:
     :data:`H200_TILES` / :data:`H200_CODES_TILES`, :func:`choose_split_k`, ``pre_scale = M > FUSE_AMAX_MAX_M``
     (``fused`` only); ``soft``: the e4m3 rounding in float32 arithmetic and float32 dot operands, the
-    interpreter's way, also on a GPU for the tests; ``recip``: the scale's formula, :func:`_scale_of`)."""
+    interpreter's way, also on a GPU for the tests; ``recip``: the scale's formula, :func:`_scale_of`).
+
+    Offsets are 32-bit (a decode's operands are far below 2**31 elements): an ``x`` or ``w`` past that is refused,
+    before any launch."""
+    for t in (x, w):
+        _check_32bit_offsets("fp8_gemv_triton", t)
     M, K = x.shape
     N = w.shape[0]
     design = design or DEFAULT_DESIGN
@@ -428,6 +436,7 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     w_scale = w_scale.reshape(-1)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else w_scale
+    _check_32bit_offsets("fp8_gemv_triton", ws)  # (the split-K partials; out is [M, N], fewer)
     has_bias = bias is not None
     bias_ = bias if has_bias else w_scale  # never read without HAS_BIAS
     if design == "fused":

@@ -38,6 +38,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._launch import on_operand_device
+from .triton_quant import _check_32bit_offsets
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -163,10 +164,12 @@ def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, SOFT: tl.con
 @triton.jit
 def _int4_dequant_kernel(p_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_pn, stride_sn, stride_wn,
                          GROUP: tl.constexpr, SOFT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The bf16 weight ``w [N, K]``. Row offsets in 64 bits: ``w`` is a whole weight, and one of 2**31 elements
+    (a 256k-vocabulary LM head at 8192 columns) would wrap in 32."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     HALF: tl.constexpr = BLOCK_K // 2
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_j = tl.arange(0, HALF)
     mask_n = offs_n < N
     k0 = pid_k * BLOCK_K
@@ -217,7 +220,10 @@ def int4_decode_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
                        group_size: int, split_k: int | None = None,
                        tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``x [M, K]`` bf16 (M ≤ 16, rows of any stride, columns contiguous) times the int4 weight, bf16 ``[M, N]``.
-    ``split_k`` / ``tiles`` (BLOCK_N, BLOCK_K, warps) override the defaults (tests, benchmarks)."""
+    ``split_k`` / ``tiles`` (BLOCK_N, BLOCK_K, warps) override the defaults (tests, benchmarks). Offsets are 32-bit
+    (a decode's operands are far below 2**31 elements): an operand past that is refused, before any launch."""
+    for t in (x, packed, scales, zeros):
+        _check_32bit_offsets("int4_decode_triton", t)
     M, K = x.shape
     N = packed.shape[0]
     bn, bk, warps = _decode_tiles(M, group_size, tiles)
@@ -227,6 +233,7 @@ def int4_decode_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     block_m = 16 if use_dot else 1
     out = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
     dest = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+    _check_32bit_offsets("int4_decode_triton", dest)
     wrap_triton(_int4_decode_kernel)[(triton.cdiv(N, bn), split_k)](
         x, packed, scales, zeros, dest, M, N, K,
         x.stride(0), packed.stride(0), scales.stride(0), N, M * N,
@@ -595,7 +602,9 @@ def _int4_tile_gemv_mma_kernel(
 @triton.jit
 def _int4_tile_dequant_kernel(q_ptr, sz_ptr, w_ptr, N, K, stride_qn, stride_sg, stride_wn,
                               GROUP: tl.constexpr, SOFT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The bf16 weight ``w [N, K]`` of the tile words (rows and columns past ``N``, ``K``: the layout's padding)."""
+    """The bf16 weight ``w [N, K]`` of the tile words (rows and columns past ``N``, ``K``: the layout's padding). Its
+    row offsets in 64 bits (a weight of 2**31 elements would wrap in 32; the words and scales, an eighth and less of
+    it, are refused past 2**31 by the launcher)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     KW: tl.constexpr = BLOCK_K // 8
@@ -610,7 +619,7 @@ def _int4_tile_dequant_kernel(q_ptr, sz_ptr, w_ptr, N, K, stride_qn, stride_sg, 
     w = tl.reshape(tl.join(we, wo), (BLOCK_N, KO, 4, 4, 4, 2))
     w = tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K))
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
+    tl.store(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
              mask=mask_n[:, None] & (offs_k < K)[None, :])
 
 
@@ -663,9 +672,13 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     :func:`int4_decode_triton`'s numerics), ``"factored"`` (one row: :func:`_int4_tile_gemv_factored_kernel`, the
     scale and zero out of the sum, the weight not rounded to bf16; more rows: ``"tile"``) or ``"mma"``
     (:func:`_int4_tile_gemv_mma_kernel` on tensor cores: the bf16 weight, as ``"tile"`` and tinygemm, any group).
-    ``split_k`` / ``tiles`` (BLOCK_N, BLOCK_K, warps, stages) override the defaults (tests, benchmarks)."""
+    ``split_k`` / ``tiles`` (BLOCK_N, BLOCK_K, warps, stages) override the defaults (tests, benchmarks). Offsets
+    are 32-bit (a decode's operands are far below 2**31 elements): an operand past that is refused, before any
+    launch."""
     if kernel not in TILE_KERNELS:
         raise ValueError(f"int4_tile_decode_triton: kernel {kernel!r} is not one of {TILE_KERNELS}")
+    for t in (x, qdata, scale_and_zero):
+        _check_32bit_offsets("int4_tile_decode_triton", t)
     M = x.shape[0]
     NP, KP = qdata.shape[0] * 8, qdata.shape[1] * 128
     if kernel == "factored" and M > 1:
@@ -681,6 +694,7 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     graph_sum = partials and _traced(x)
     out = None if graph_sum else torch.empty((M, out_features), dtype=torch.bfloat16, device=x.device)
     dest = out if not partials else torch.empty((split_k, M, out_features), dtype=torch.float32, device=x.device)
+    _check_32bit_offsets("int4_tile_decode_triton", dest)
     grid = (triton.cdiv(NP, bn), split_k)
     if kernel == "factored":
         xf, xs = _tile_x_factored(x, KP, bk, group_size >= bk)
@@ -723,7 +737,11 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
 def int4_tile_dequant_triton(qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
                              shape: tuple[int, int], tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The bf16 weight ``shape = (N, K)`` of tinygemm's tile layout, bit for bit
-    :func:`hf_lowbit.kernels.int4.int4_tile_dequantize` (the prefill path's weight, read from the one copy)."""
+    :func:`hf_lowbit.kernels.int4.int4_tile_dequantize` (the prefill path's weight, read from the one copy). The
+    weight's offsets are 64-bit; the words' and scales' 32-bit (an eighth of the weight and less): refused past
+    2**31 elements, before any launch."""
+    for t in (qdata, scale_and_zero):
+        _check_32bit_offsets("int4_tile_dequant_triton", t)
     N, K = shape
     bn, bk, warps = tiles or (TILE_DEQUANT_TILES_INTERPRET if _INTERPRET else TILE_DEQUANT_TILES)
     sz = scale_and_zero.view(torch.int32).squeeze(-1)

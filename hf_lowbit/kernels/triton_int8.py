@@ -67,10 +67,12 @@ def _tile_product(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_am, stride_ak, s
     e4m3 codes, float32 sums)."""
     offs_k = tl.arange(0, BLOCK_K)
     # Contiguous-K flags let the compiler vectorize along K without relying on stride specialization.
-    sak = 1 if A_K_CONTIG else stride_ak
-    sbk = 1 if B_K_CONTIG else stride_bk
-    # row offsets in 64 bits: an operand spanning 2^31 elements or more (a low-bit LM head's dY codes at a 128k
-    # vocabulary and 16.7k tokens, a 14336-wide linear's at 150k) would wrap in 32
+    # Offsets in 64 bits: an operand spanning 2^31 elements or more (a low-bit LM head's dY codes at a 128k
+    # vocabulary and 16.7k tokens, a 14336-wide linear's at 150k) would wrap in 32. Its rows' offsets, and a
+    # transposed view's K offsets (formed once before the loop, then a scalar BLOCK_K * stride a step: the loop's
+    # code is that of 32 bits; a contiguous K's stride is the constexpr 1)
+    sak = 1 if A_K_CONTIG else stride_ak.to(tl.int64)
+    sbk = 1 if B_K_CONTIG else stride_bk.to(tl.int64)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * sak
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * sbk
     mask_m = offs_m[:, None] < M
@@ -118,7 +120,7 @@ def _int8_scaled_mm_kernel(
     b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
     out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
     if HAS_ADD:  # + c @ d.T over the small R, in float32 (R padded to BLOCK_R >= 16 with zeros)
-        offs_r = tl.arange(0, BLOCK_R)
+        offs_r = tl.arange(0, BLOCK_R).to(tl.int64)  # (64 bits: a transposed c or d, columns far apart)
         c = tl.load(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_r[None, :] * stride_cr,
                     mask=mask_m & (offs_r[None, :] < R), other=0.0)
         d = tl.load(d_ptr + offs_n[None, :].to(tl.int64) * stride_dn + offs_r[:, None] * stride_dr,
@@ -128,7 +130,7 @@ def _int8_scaled_mm_kernel(
             out += tl.dot(c.to(tl.float32), d.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
         else:
             out += tl.dot(c, d, out_dtype=tl.float32)
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :].to(tl.int64) * stride_on
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
 
 
@@ -154,7 +156,8 @@ def _scaled_mm_accumulate_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-    c_ptrs = acc_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    # 64-bit offsets, rows and columns: ``acc`` may be a transposed view (columns far apart)
+    c_ptrs = acc_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
     prev = tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
     out = acc_t.to(tl.float32) * a_scale[:, None] * b_scale[None, :] + prev
     tl.store(c_ptrs, out.to(acc_ptr.dtype.element_ty), mask=mask)

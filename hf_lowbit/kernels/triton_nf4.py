@@ -19,6 +19,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._launch import on_operand_device
+from .triton_quant import _check_32bit_offsets
 from triton.language.extra import libdevice
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -91,9 +92,11 @@ def _nf4_to_int8_kernel(codes_ptr, mul_ptr, lut_ptr, q_ptr, N, K, TRANSPOSED: tl
 @on_operand_device
 def nf4_to_int8_triton(codes: torch.Tensor, mul: torch.Tensor, lut: torch.Tensor, transposed: bool) -> torch.Tensor:
     """``codes`` uint8 ``[N, K/2]``, ``mul`` float32 ``[N, K/64]``, ``lut`` float32 ``[16]`` -> int8 ``[N, K]``
-    (``[K, N]`` if ``transposed``), contiguous."""
+    (``[K, N]`` if ``transposed``), contiguous. Offsets are 32-bit (a QLoRA base's weights are far below 2**31
+    elements): a weight of 2**31 elements or more is refused, before any launch."""
     N, K = codes.shape[0], codes.shape[1] * 2
     q = torch.empty((K, N) if transposed else (N, K), dtype=torch.int8, device=codes.device)
+    _check_32bit_offsets("nf4_to_int8_triton", q)  # (the codes and multipliers are a half and a 64th of it)
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(K // 64, meta["GROUPS"]))
