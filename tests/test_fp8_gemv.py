@@ -119,17 +119,17 @@ def test_fp8_kernels_refuse_operands_past_32bit_offsets(monkeypatch):
         return torch.empty(shape, dtype=dtype, device="meta")
 
     far_x = meta(2 ** 31 + 128).as_strided((2, 128), (2 ** 31, 1))  # its second row 2**31 elements on
-    with refused_past_32bit("fp8_gemv_triton", (262144, 8192), 2 ** 31):
+    with refused_past_32bit("fp8_gemv_triton", (262144, 8192), 2 ** 31, serving=True):
         G.fp8_gemv_triton(meta(1, 8192), meta(262144, 8192, dtype=FP8), meta(262144, dtype=torch.float32))
     for design in G.DESIGNS:
-        with refused_past_32bit("fp8_gemv_triton", (2, 128), 2 ** 31 + 128):
+        with refused_past_32bit("fp8_gemv_triton", (2, 128), 2 ** 31 + 128, serving=True):
             G.fp8_gemv_triton(far_x, meta(64, 128, dtype=FP8), meta(64, dtype=torch.float32), design=design)
     for rows in (True, False):
-        with refused_past_32bit("act_quant_triton", (2, 128), 2 ** 31 + 128):
+        with refused_past_32bit("act_quant_triton", (2, 128), 2 ** 31 + 128, serving=True):
             G.act_quant_triton(far_x, rows=rows)
     # split-K partials [8, 16, 2**24] float32 (8-column steps), of a weight of 2**30
     N = 2 ** 24
-    with refused_past_32bit("fp8_gemv_triton", (8, 16, N), 2 ** 31):
+    with refused_past_32bit("fp8_gemv_triton", (8, 16, N), 2 ** 31, serving=True):
         G.fp8_gemv_triton(meta(16, 64), meta(N, 64, dtype=FP8), meta(N, dtype=torch.float32), block_k=8, split_k=8)
 
 

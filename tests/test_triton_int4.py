@@ -53,7 +53,10 @@ def test_int4_kernels_refuse_operands_past_32bit_offsets(monkeypatch):
     elements (2**31 bytes of codes, x rows 2**31 apart, split-K partials) is refused in one line naming the
     function and the shape, before any launch (meta tensors: nothing allocated; ``wrap_triton`` fails the test)."""
     from test_triton_int8 import no_launch
-    from test_triton_int8 import refused_past_32bit as _refused
+    from test_triton_int8 import refused_past_32bit
+
+    def _refused(fn, shape, span):  # the serving kernels' advice
+        return refused_past_32bit(fn, shape, span, serving=True)
 
     from hf_lowbit.kernels import triton_int4
     from hf_lowbit.kernels.triton_int4 import int4_decode_triton, int4_tile_decode_triton, int4_tile_dequant_triton

@@ -110,10 +110,15 @@ def run_interpreted(mode: str = "default") -> str:
     return out
 
 
-def refused_past_32bit(fn: str, shape: tuple, span: int):
-    """``pytest.raises`` of ``triton_quant._check_32bit_offsets``' one line: ``fn``, the operand's shape and span."""
+def refused_past_32bit(fn: str, shape: tuple, span: int, serving: bool = False):
+    """``pytest.raises`` of ``triton_quant._check_32bit_offsets``' one line: ``fn``, the operand's shape and span, and
+    what to do (a serving kernel's advice is not a training one's)."""
+    from hf_lowbit.kernels.triton_quant import SERVING_ADVICE, TRAINING_ADVICE
+
+    advice = SERVING_ADVICE if serving else TRAINING_ADVICE
     return pytest.raises(ValueError, match=rf"^{fn}: an operand of shape {re.escape(str(shape))} spans {span:,} "
-                                           r"elements, past the 2\*\*31 these Triton kernels address in 32 bits; ")
+                                           r"elements, past the 2\*\*31 these Triton kernels address in 32 bits; "
+                                           rf"{re.escape(advice)}$")
 
 
 def no_launch(*_, **__):

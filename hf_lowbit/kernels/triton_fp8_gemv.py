@@ -58,7 +58,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._launch import on_operand_device
-from .triton_quant import _check_32bit_offsets
+from .triton_quant import SERVING_ADVICE, _check_32bit_offsets
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # FP8_MAX (448) is written literally in the jit functions: compiled Triton reads no non-constexpr global
@@ -366,7 +366,7 @@ def act_quant_triton(x: torch.Tensor, write_codes: bool = True, block_k: int | N
     (BLOCK_M rows a program, K in ``block_k`` steps: the ``fused`` design's scale kernel). ``recip``: the scale
     as torch computes it on CUDA (default: on CUDA tensors), see :func:`_scale_of`. Offsets are 32-bit: an ``x``
     spanning 2**31 elements or more is refused, before any launch (the codes are ``x``'s size)."""
-    _check_32bit_offsets("act_quant_triton", x)
+    _check_32bit_offsets("act_quant_triton", x, SERVING_ADVICE)
     M, K = x.shape
     scale = torch.empty(M, dtype=torch.float32, device=x.device)
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device) if write_codes else scale
@@ -416,7 +416,7 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     Offsets are 32-bit (a decode's operands are far below 2**31 elements): an ``x`` or ``w`` past that is refused,
     before any launch."""
     for t in (x, w):
-        _check_32bit_offsets("fp8_gemv_triton", t)
+        _check_32bit_offsets("fp8_gemv_triton", t, SERVING_ADVICE)
     M, K = x.shape
     N = w.shape[0]
     design = design or DEFAULT_DESIGN
@@ -436,7 +436,7 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     w_scale = w_scale.reshape(-1)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else w_scale
-    _check_32bit_offsets("fp8_gemv_triton", ws)  # (the split-K partials; out is [M, N], fewer)
+    _check_32bit_offsets("fp8_gemv_triton", ws, SERVING_ADVICE)  # (the split-K partials; out is [M, N], fewer)
     has_bias = bias is not None
     bias_ = bias if has_bias else w_scale  # never read without HAS_BIAS
     if design == "fused":

@@ -38,7 +38,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._launch import on_operand_device
-from .triton_quant import _check_32bit_offsets
+from .triton_quant import SERVING_ADVICE, _check_32bit_offsets
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -223,7 +223,7 @@ def int4_decode_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     ``split_k`` / ``tiles`` (BLOCK_N, BLOCK_K, warps) override the defaults (tests, benchmarks). Offsets are 32-bit
     (a decode's operands are far below 2**31 elements): an operand past that is refused, before any launch."""
     for t in (x, packed, scales, zeros):
-        _check_32bit_offsets("int4_decode_triton", t)
+        _check_32bit_offsets("int4_decode_triton", t, SERVING_ADVICE)
     M, K = x.shape
     N = packed.shape[0]
     bn, bk, warps = _decode_tiles(M, group_size, tiles)
@@ -233,7 +233,7 @@ def int4_decode_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     block_m = 16 if use_dot else 1
     out = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
     dest = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
-    _check_32bit_offsets("int4_decode_triton", dest)
+    _check_32bit_offsets("int4_decode_triton", dest, SERVING_ADVICE)
     wrap_triton(_int4_decode_kernel)[(triton.cdiv(N, bn), split_k)](
         x, packed, scales, zeros, dest, M, N, K,
         x.stride(0), packed.stride(0), scales.stride(0), N, M * N,
@@ -678,7 +678,7 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     if kernel not in TILE_KERNELS:
         raise ValueError(f"int4_tile_decode_triton: kernel {kernel!r} is not one of {TILE_KERNELS}")
     for t in (x, qdata, scale_and_zero):
-        _check_32bit_offsets("int4_tile_decode_triton", t)
+        _check_32bit_offsets("int4_tile_decode_triton", t, SERVING_ADVICE)
     M = x.shape[0]
     NP, KP = qdata.shape[0] * 8, qdata.shape[1] * 128
     if kernel == "factored" and M > 1:
@@ -694,7 +694,7 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     graph_sum = partials and _traced(x)
     out = None if graph_sum else torch.empty((M, out_features), dtype=torch.bfloat16, device=x.device)
     dest = out if not partials else torch.empty((split_k, M, out_features), dtype=torch.float32, device=x.device)
-    _check_32bit_offsets("int4_tile_decode_triton", dest)
+    _check_32bit_offsets("int4_tile_decode_triton", dest, SERVING_ADVICE)
     grid = (triton.cdiv(NP, bn), split_k)
     if kernel == "factored":
         xf, xs = _tile_x_factored(x, KP, bk, group_size >= bk)
@@ -741,7 +741,7 @@ def int4_tile_dequant_triton(qdata: torch.Tensor, scale_and_zero: torch.Tensor, 
     weight's offsets are 64-bit; the words' and scales' 32-bit (an eighth of the weight and less): refused past
     2**31 elements, before any launch."""
     for t in (qdata, scale_and_zero):
-        _check_32bit_offsets("int4_tile_dequant_triton", t)
+        _check_32bit_offsets("int4_tile_dequant_triton", t, SERVING_ADVICE)
     N, K = shape
     bn, bk, warps = tiles or (TILE_DEQUANT_TILES_INTERPRET if _INTERPRET else TILE_DEQUANT_TILES)
     sz = scale_and_zero.view(torch.int32).squeeze(-1)

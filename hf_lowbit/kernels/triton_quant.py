@@ -481,7 +481,13 @@ def _tiles(tiles, default, what: str, fn: str = "quantize_t_triton") -> tuple[in
     return tuple(tiles)
 
 
-def _check_32bit_offsets(fn: str, x: torch.Tensor) -> None:
+# what to do about an operand past 2**31 elements, by where the kernel runs (``_check_32bit_offsets``'s ``advice``)
+TRAINING_ADVICE = ("use fewer tokens per micro-batch (more gradient_accumulation_steps), or leave this layer out of the "
+                   "low-bit recipe")
+SERVING_ADVICE = "serve fewer rows at once (a smaller batch or prompt chunk), or leave this layer unquantized"
+
+
+def _check_32bit_offsets(fn: str, x: torch.Tensor, advice: str = TRAINING_ADVICE) -> None:
     """These kernels address their operand and codes with 32-bit element offsets (as Triton does by default): refuse,
     in one line, an operand that spans 2**31 elements or more (a 14336-wide activation at ~150k tokens, a weight of
     2**31 elements), whose offsets would wrap and read and write outside it. The INT8 matmul's are 64-bit."""
@@ -490,8 +496,7 @@ def _check_32bit_offsets(fn: str, x: torch.Tensor) -> None:
     span = 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
     if guard_or_false(x.numel() >= 2 ** 31) or guard_or_false(span >= 2 ** 31):
         raise ValueError(f"{fn}: an operand of shape {tuple(x.shape)} spans {max(int(span), x.numel()):,} elements, past "
-                         "the 2**31 these Triton kernels address in 32 bits; use fewer tokens per micro-batch (more "
-                         "gradient_accumulation_steps), or leave this layer out of the low-bit recipe")
+                         f"the 2**31 these Triton kernels address in 32 bits; {advice}")
 
 
 @on_operand_device
