@@ -272,3 +272,46 @@ def test_fused_mlp_on_cuda_compiled_against_per_linear(fmt, col_amax, monkeypatc
             assert snr_db(runs[False, False][n].float(), g.float()) > 20, (key, n)
             if "mlp" in n:
                 assert snr_db(ref.get_parameter(n).grad.float(), g.float()) > 20, (key, n)
+
+
+def test_all_weights_frozen_checkpointing_and_instance_forward():
+    """Review regressions: (1) every MLP weight frozen, X needing its gradient (LoRA on attention only): the
+    backward's op without the column absmax returned one empty tensor twice, which torch refuses for a custom op's
+    outputs; (2) fused gradient accumulation under non-reentrant checkpointing / save_on_cpu (saved-tensor hooks):
+    the accumulator check compared the .grad of the *unpacked* weight; (3) an MLP whose forward is set on the instance
+    is not fused (the instance attribute would be copied and bypass the fused function)."""
+    model, _, _ = _models("int8")
+    mlp = next(m for m in model.modules() if isinstance(m, LowBitSwiGLUMLP))
+    for p in mlp.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    mlp(x).float().sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    _per_linear(mlp, x).float().sum().backward()
+    assert torch.equal(x.grad, want)
+    for hooks in ("checkpoint", "save_on_cpu"):
+        model, ref, _ = _models("int8")
+        ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(7))
+        if hooks == "checkpoint":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        handle, handle_ref = enable_fused_grad_accumulation(model), enable_fused_grad_accumulation(ref)
+        handle.prepare()
+        handle_ref.prepare()
+        if hooks == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+        else:
+            model(ids, labels=ids).loss.backward()
+        ref(ids, labels=ids).loss.backward()
+        _equal_bits(_grads(model), _grads(ref))
+        handle.close()
+        handle_ref.close()
+    model = tiny_model(intermediate_size=96)
+    hooked = model.model.layers[0].mlp
+    hooked.forward = hooked.forward
+    report = convert_to_mixed_precision(model, MixedPrecisionConfig(format="int8", fused_swiglu=True))
+    assert model.model.layers[0].mlp is hooked and isinstance(model.model.layers[1].mlp, LowBitSwiGLUMLP)
+    assert any(e.name == "model.layers.0.mlp" and "overridden on the instance" in e.reason for e in report.entries)

@@ -53,8 +53,10 @@ def swiglu_backward_quant_reference(dh: Tensor, g: Tensor, u: Tensor, fmt: str, 
     for d, mul in ((dg, mul_g), (du, mul_u)):
         q, s = f.quantize(d.float() if mul is None else d.float() * mul.reshape(1, -1), dim=1)
         out += [q, s.reshape(-1).contiguous()]
-    empty = lambda: torch.zeros(0, dtype=torch.int32, device=g.device)  # noqa: E731 - two tensors: an op's outputs
-    return (*out, *((_amax_bits(dg), _amax_bits(du)) if col_amax else (empty(), empty())))  # may not alias
+    if col_amax:
+        return (*out, _amax_bits(dg), _amax_bits(du))
+    # two empties, not one twice: a custom op's outputs may not alias each other (torch checks it eagerly)
+    return (*out, *(torch.zeros(0, dtype=torch.int32, device=g.device) for _ in range(2)))
 
 
 @torch.library.triton_op("hf_lowbit::swiglu_quant", mutates_args=())

@@ -88,8 +88,10 @@ class _LowBitSwiGLUFn(torch.autograd.Function):
                 hq, keep_h = quantize_operand(fmt, h, 0), False
         fused = (acc_gate if need[1] else None, acc_up if need[2] else None, acc_down if need[3] else None)
         # the accumulators as _MixedPrecisionLinearFn keeps its one: saved in a compiled graph, referenced eagerly
+        # with their weights (not the saved ones: under saved-tensor hooks, e.g. non-reentrant checkpointing or
+        # save_on_cpu, those unpack as other tensors, whose .grad is not the accumulator)
         compiling = torch.compiler.is_compiling()
-        ctx.eager_accs = None if compiling else fused
+        ctx.eager_accs = None if compiling else tuple(zip((w_gate, w_up, w_down), fused))
         ctx.save_for_backward(x2 if keep_x else None, h if keep_h else None, *xq, *hq, g, u, w_gate, w_up, w_down,
                               sg, su, sd, tg, tu, td, *(fused if compiling else (None, None, None)))
         ctx.flags = (fmt, dtype, x.shape, x.dtype)
@@ -100,8 +102,8 @@ class _LowBitSwiGLUFn(torch.autograd.Function):
         (x2, h, qx_c, sx_c, qh_c, sh_c, g, u, w_gate, w_up, w_down, sg, su, sd, tg, tu, td,
          acc_g, acc_u, acc_d) = ctx.saved_tensors
         if ctx.eager_accs is not None:
-            acc_g, acc_u, acc_d = ctx.eager_accs
-            check_accumulators([(w, a) for w, a in zip((w_gate, w_up, w_down), ctx.eager_accs) if a is not None])
+            acc_g, acc_u, acc_d = (a for _, a in ctx.eager_accs)
+            check_accumulators([(w, a) for w, a in ctx.eager_accs if a is not None])
         fmt, dtype, x_shape, x_dtype = ctx.flags
         f = FORMATS[fmt]
         need_x, need_g, need_u, need_d = ctx.needs_input_grad[:4]
@@ -181,6 +183,8 @@ def _unfusable(mlp: nn.Module, config: MixedPrecisionConfig) -> str | None:
     ours, theirs = LlamaMLP.forward.__code__, type(mlp).forward.__code__
     if (ours.co_code, ours.co_names, ours.co_consts) != (theirs.co_code, theirs.co_names, theirs.co_consts):
         return "its forward is not LlamaMLP's down_proj(act_fn(gate_proj(x)) * up_proj(x))"
+    if "forward" in vars(mlp):  # set on the instance (a hook: accelerate's, a patch): LowBitSwiGLUMLP would copy it
+        return "its forward is overridden on the instance (a hook or patch), not LlamaMLP's"
     if not _is_silu(mlp.act_fn):
         return f"act_fn is {type(mlp.act_fn).__name__}, not SiLU"
     for name in ("gate_proj", "up_proj", "down_proj"):
