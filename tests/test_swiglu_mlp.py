@@ -244,11 +244,11 @@ def test_config_and_arguments_refuse_what_it_cannot_do(tmp_path):
 @pytest.mark.parametrize("col_amax", [False, True], ids=["quantize_t_absmax", "kernel_absmax"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_fused_mlp_on_cuda_compiled_against_per_linear(fmt, col_amax, monkeypatch):
-    monkeypatch.setattr(swiglu_mlp, "BACKWARD_COL_AMAX", col_amax)
     """On the GPU (the Triton kernels, whose exp is not torch's): the fused MLP against the per-linear path, eager
     and compiled (fullgraph, no break), with the weight cache: every gradient within 20 dB of the eager per-linear
     path's (two low-bit paths whose codes differ where a SwiGLU value's rounding does: FP8's noise is ~-30 dB), the
-    MLP's within 20 dB of bf16's."""
+    MLP's within 20 dB of bf16's; the backward kernel's column absmax on and off (BACKWARD_COL_AMAX)."""
+    monkeypatch.setattr(swiglu_mlp, "BACKWARD_COL_AMAX", col_amax)
     base = tiny_model(intermediate_size=96).to("cuda", torch.bfloat16)
     ids = torch.randint(0, base.config.vocab_size, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
     ref = copy.deepcopy(base)
@@ -315,3 +315,23 @@ def test_all_weights_frozen_checkpointing_and_instance_forward():
     report = convert_to_mixed_precision(model, MixedPrecisionConfig(format="int8", fused_swiglu=True))
     assert model.model.layers[0].mlp is hooked and isinstance(model.model.layers[1].mlp, LowBitSwiGLUMLP)
     assert any(e.name == "model.layers.0.mlp" and "overridden on the instance" in e.reason for e in report.entries)
+
+
+def test_only_the_down_weight_and_changed_configs():
+    """Only the down projection's weight needing a gradient (the SwiGLU's backward not run, g and u not kept); a
+    projection whose config changed after the fusion: per linear, as the swap report's config said."""
+    model, _, _ = _models("int8")
+    mlp = next(m for m in model.modules() if isinstance(m, LowBitSwiGLUMLP))
+    x = torch.randn(4, model.config.hidden_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(7))
+    for layer in (mlp.gate_proj, mlp.up_proj):
+        layer.weight.requires_grad_(False)
+    mlp(x).float().square().sum().backward()
+    want = mlp.down_proj.weight.grad.clone()
+    mlp.down_proj.weight.grad = None
+    _per_linear(mlp, x).float().square().sum().backward()
+    assert torch.equal(mlp.down_proj.weight.grad, want)
+    assert mlp._fusable_now()
+    mlp.up_proj.lowbit_config = MixedPrecisionConfig(format="fp8")
+    assert not mlp._fusable_now()
+    with torch.no_grad():
+        assert torch.equal(mlp(x), mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)))

@@ -92,7 +92,8 @@ class _LowBitSwiGLUFn(torch.autograd.Function):
         # save_on_cpu, those unpack as other tensors, whose .grad is not the accumulator)
         compiling = torch.compiler.is_compiling()
         ctx.eager_accs = None if compiling else tuple(zip((w_gate, w_up, w_down), fused))
-        ctx.save_for_backward(x2 if keep_x else None, h if keep_h else None, *xq, *hq, g, u, w_gate, w_up, w_down,
+        gu = (g, u) if need[0] or need[1] or need[2] else (None, None)  # for the SwiGLU's backward, if any
+        ctx.save_for_backward(x2 if keep_x else None, h if keep_h else None, *xq, *hq, *gu, w_gate, w_up, w_down,
                               sg, su, sd, tg, tu, td, *(fused if compiling else (None, None, None)))
         ctx.flags = (fmt, dtype, x.shape, x.dtype)
         return y.reshape(*x.shape[:-1], w_down.shape[0])
@@ -139,7 +140,9 @@ class _LowBitSwiGLUFn(torch.autograd.Function):
 
 
 def _is_silu(act: nn.Module) -> bool:
-    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+    """torch's SiLU or transformers' (exactly: a subclass may compute something else)."""
+    return type(act) is nn.SiLU or (type(act).__name__ == "SiLUActivation"
+                                    and type(act).__module__ == "transformers.activations")
 
 
 class LowBitSwiGLUMLP(nn.Module):
@@ -158,10 +161,11 @@ class LowBitSwiGLUMLP(nn.Module):
 
     def _fusable_now(self) -> bool:
         layers = (self.gate_proj, self.up_proj, self.down_proj)
-        return all(type(m) is MixedPrecisionLinear and not isinstance(m.weight, GatheredLowBitWeight) for m in layers)
+        return (all(type(m) is MixedPrecisionLinear and not isinstance(m.weight, GatheredLowBitWeight) for m in layers)
+                and layers[0].lowbit_config == layers[1].lowbit_config == layers[2].lowbit_config)
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self._fusable_now():  # PEFT wrapped a projection, or FSDP2 gathered codes: per linear
+        if not self._fusable_now():  # PEFT wrapped a projection, FSDP2 gathered codes, configs changed: per linear
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         layers = (self.gate_proj, self.up_proj, self.down_proj)
         config = self.down_proj.lowbit_config
