@@ -14,9 +14,9 @@ forward 0.69 against 0.32 / 0.38). Here, at 2048 and 16384 tokens x 14,336 (bf16
   op ``hf_lowbit::swiglu_quant``'s kernel at each ``--tiles``);
 - backward, ``dg``, ``du`` and the row codes of ``dg·diag(s_g)``, ``du·diag(s_u)`` (the gate / up input gradients'
   operands): the same four;
-- the column side of the weight gradients (``dg``, ``du`` quantized per column for ``dW``): today
-  ``quantize_t`` of each (an absmax pass + an encode pass) after ``ours``' backward, against ``ours`` with
-  ``col_amax`` (the column absmax taken in the backward kernel by atomics) + the encode pass alone.
+- the column side of the weight gradients (``h``, ``dg``, ``du`` quantized per column for ``dW``): today
+  ``quantize_t`` of each (an absmax pass + an encode pass) after ours, against ours with ``col_amax`` (the column
+  absmax taken in the kernel by atomics; ``hf_lowbit.mixed_precision.swiglu.COL_AMAX``) + the encode pass alone.
 
 Each of ours is checked against the plain-torch reference: codes and scales bit for bit given its own SwiGLU values,
 and those values against Inductor's (the count of elements that differ, by one step of bf16 where the GPU's ``exp``
@@ -134,22 +134,33 @@ def measure(fmt: str, M: int, a) -> list[dict]:
             out[2:6], (*f.quantize(out[0].float() * mg, dim=1), *f.quantize(out[1].float() * mu, dim=1))))
         time("backward", "ours", lambda t=t: swiglu_backward_quant_triton(dh, g, u, f.dtype, f.qmax, mg, mu, tiles=t),
              name, codes_exact=exact, values_differ_from_inductor=int((out[0] != dg_ind).sum()))
-    # the column side: today quantize_t of dg and du after the backward; or the absmax taken in it, then encode only
+    # the column side: today quantize_t of h (forward) and of dg, du (backward) after ours; or each column absmax
+    # taken in our kernel, then quantize_t's encode pass alone
     kw = {"variant": "atomic_rcp"}
+    h = swiglu_quant_triton(g, u, f.dtype, f.qmax)[0]
     dg, du = swiglu_backward_quant_triton(dh, g, u, f.dtype, f.qmax, mg, mu)[:2]
-    time("columns", "quantize_t", lambda: (quantize_t(dg, fmt), quantize_t(du, fmt)))
+    time("columns_forward", "quantize_t", lambda: quantize_t(h, fmt))
+    time("columns_backward", "quantize_t", lambda: (quantize_t(dg, fmt), quantize_t(du, fmt)))
+
+    def amax_exact(vals, amax):  # the kernel's column absmax, and quantize_t's bits from it in one read
+        enc = quantize_t_triton(vals, f.dtype, f.qmax, col_amax=amax, **kw)
+        return torch.equal(amax, (vals.float().view(torch.int32) & 0x7FFFFFFF).amax(0)) and \
+            all(torch.equal(_bits(x), _bits(y)) for x, y in zip(enc, quantize_t(vals, fmt)))
+
     for t in a.col_tiles:
         name = "x".join(map(str, t))
-        out = swiglu_backward_quant_triton(dh, g, u, f.dtype, f.qmax, mg, mu, col_amax=True, tiles=t)
-        exact = torch.equal(out[6], (out[0].float().view(torch.int32) & 0x7FFFFFFF).amax(0)) and \
-            torch.equal(out[7], (out[1].float().view(torch.int32) & 0x7FFFFFFF).amax(0))
-        enc = quantize_t_triton(out[0], f.dtype, f.qmax, col_amax=out[6], **kw)
-        exact = exact and all(torch.equal(_bits(x), _bits(y)) for x, y in zip(enc, quantize_t(out[0], fmt)))
-        time("backward", "ours_col_amax", lambda t=t: swiglu_backward_quant_triton(
-            dh, g, u, f.dtype, f.qmax, mg, mu, col_amax=True, tiles=t), name, codes_exact=exact)
-        time("columns", "encode_only", lambda o=out: (quantize_t_triton(o[0], f.dtype, f.qmax, col_amax=o[6], **kw),
-                                                       quantize_t_triton(o[1], f.dtype, f.qmax, col_amax=o[7], **kw)),
+        fo = swiglu_quant_triton(g, u, f.dtype, f.qmax, col_amax=True, tiles=t)
+        time("forward", "ours_col_amax", lambda t=t: swiglu_quant_triton(g, u, f.dtype, f.qmax, col_amax=True, tiles=t),
+             name, codes_exact=amax_exact(fo[0], fo[3]))
+        time("columns_forward", "encode_only", lambda o=fo: quantize_t_triton(o[0], f.dtype, f.qmax, col_amax=o[3], **kw),
              name)
+        out = swiglu_backward_quant_triton(dh, g, u, f.dtype, f.qmax, mg, mu, col_amax=True, tiles=t)
+        time("backward", "ours_col_amax", lambda t=t: swiglu_backward_quant_triton(
+            dh, g, u, f.dtype, f.qmax, mg, mu, col_amax=True, tiles=t), name,
+             codes_exact=amax_exact(out[0], out[6]) and amax_exact(out[1], out[7]))
+        time("columns_backward", "encode_only", lambda o=out: (
+            quantize_t_triton(o[0], f.dtype, f.qmax, col_amax=o[6], **kw),
+            quantize_t_triton(o[1], f.dtype, f.qmax, col_amax=o[7], **kw)), name)
     return rows
 
 
@@ -169,18 +180,21 @@ def table(rows: list[dict]) -> list[str]:
                        f"{best['gpu_ms']:.3f} ({best['tiles']}) | {best['gpu_ms'] / by['inductor']['gpu_ms']:.2f} | "
                        f"{best['floor_gbs']:,.0f} | {all(r['codes_exact'] for r in ours)} | "
                        f"{max(r['values_differ_from_inductor'] for r in ours):,} |")
-    out += ["", "Column side of the weight gradients (dg and du per column): quantize_t of each after our backward, "
-            "against our backward with the column absmax + the encode pass alone (ms per layer call):", "",
-            "| format | tokens | ours backward + quantize_t x2 | tiles | ours backward with col_amax + encode x2 | "
-            "codes exact |", "|---|---|---|---|---|---|"]
+    out += ["", "Column side of the weight gradients (h, and dg and du, per column): quantize_t after our kernel (an "
+            "absmax pass + an encode pass each), against our kernel with the column absmax + the encode pass alone "
+            "(ms per layer call, the kernel included):", "",
+            "| format | tokens | direction | ours + quantize_t | tiles | ours with col_amax + encode | codes exact |",
+            "|---|---|---|---|---|---|---|"]
     for k in dict.fromkeys(key(r) for r in rows):
         mine = [r for r in rows if key(r) == k]
-        best = min((r for r in mine if r["direction"] == "backward" and r["impl"] == "ours"), key=lambda r: r["gpu_ms"])
-        qt = next(r for r in mine if r["impl"] == "quantize_t")
-        for r in (r for r in mine if r["impl"] == "ours_col_amax"):
-            enc = next(e for e in mine if e["impl"] == "encode_only" and e["tiles"] == r["tiles"])
-            out.append(f"| {k[0]} | {k[1]} | {best['gpu_ms'] + qt['gpu_ms']:.3f} | {r['tiles']} | "
-                       f"{r['gpu_ms'] + enc['gpu_ms']:.3f} | {r['codes_exact']} |")
+        for d in ("forward", "backward"):
+            best = min((r for r in mine if r["direction"] == d and r["impl"] == "ours"), key=lambda r: r["gpu_ms"])
+            qt = next(r for r in mine if r["direction"] == f"columns_{d}" and r["impl"] == "quantize_t")
+            for r in (r for r in mine if r["direction"] == d and r["impl"] == "ours_col_amax"):
+                enc = next(e for e in mine if e["direction"] == f"columns_{d}" and e["impl"] == "encode_only"
+                           and e["tiles"] == r["tiles"])
+                out.append(f"| {k[0]} | {k[1]} | {d} | {best['gpu_ms'] + qt['gpu_ms']:.3f} ({best['tiles']}) | "
+                           f"{r['tiles']} | {r['gpu_ms'] + enc['gpu_ms']:.3f} | {r['codes_exact']} |")
     return out
 
 

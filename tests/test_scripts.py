@@ -1124,11 +1124,14 @@ def test_benchmark_swiglu_smoke_interpreted(tmp_path):
         mine = {(r["direction"], r["impl"], r["tiles"]) for r in rows if r["fmt"] == fmt and r["tokens"] == 8}
         assert mine == {("forward", "bf16", ""), ("forward", "inductor", ""), ("backward", "bf16", ""),
                         ("backward", "inductor", ""), ("forward", "ours", "2x16x4"), ("forward", "ours", "1x64x4"),
-                        ("backward", "ours", "2x16x4"), ("backward", "ours", "1x64x4"), ("columns", "quantize_t", ""),
-                        ("backward", "ours_col_amax", "4x16x4"), ("columns", "encode_only", "4x16x4")}, mine
+                        ("backward", "ours", "2x16x4"), ("backward", "ours", "1x64x4"),
+                        ("columns_forward", "quantize_t", ""), ("columns_backward", "quantize_t", ""),
+                        ("forward", "ours_col_amax", "4x16x4"), ("columns_forward", "encode_only", "4x16x4"),
+                        ("backward", "ours_col_amax", "4x16x4"), ("columns_backward", "encode_only", "4x16x4")}, mine
     assert all(r["codes_exact"] for r in rows if "codes_exact" in r) and all(r["gpu_ms"] > 0 for r in rows)
     md = (tmp_path / "swiglu.md").read_text()
     assert "| int8 | 8 | backward |" in md and "| fp8 | 8 | forward |" in md and "| 4x16x4 |" in md
+    assert md.count("| 4x16x4 |") == 4  # the column tables: both formats, both directions
     bad = subprocess.run(cmd[:2] + ["--device", "cpu", "--tiles", "2x16"], capture_output=True, text=True, cwd=ROOT,
                          env=env, timeout=120)
     assert bad.returncode != 0 and "--tiles '2x16': give BLOCK_RxBLOCK_NxWARPS triples" in bad.stderr

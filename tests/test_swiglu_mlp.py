@@ -58,7 +58,7 @@ def _equal_bits(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("cache", [False, True], ids=["uncached", "cached"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_fused_mlp_is_the_per_linear_path_bit_for_bit(fmt, cache, col_amax, monkeypatch):
-    monkeypatch.setattr(swiglu_mlp, "BACKWARD_COL_AMAX", col_amax)
+    monkeypatch.setattr(swiglu_mlp, "COL_AMAX", col_amax)
     model, ref, report = _models(fmt, weight_cache=cache)
     mlps = [m for m in model.modules() if isinstance(m, LowBitSwiGLUMLP)]
     assert len(mlps) == model.config.num_hidden_layers
@@ -247,8 +247,8 @@ def test_fused_mlp_on_cuda_compiled_against_per_linear(fmt, col_amax, monkeypatc
     """On the GPU (the Triton kernels, whose exp is not torch's): the fused MLP against the per-linear path, eager
     and compiled (fullgraph, no break), with the weight cache: every gradient within 20 dB of the eager per-linear
     path's (two low-bit paths whose codes differ where a SwiGLU value's rounding does: FP8's noise is ~-30 dB), the
-    MLP's within 20 dB of bf16's; the backward kernel's column absmax on and off (BACKWARD_COL_AMAX)."""
-    monkeypatch.setattr(swiglu_mlp, "BACKWARD_COL_AMAX", col_amax)
+    MLP's within 20 dB of bf16's; the backward kernel's column absmax on and off (COL_AMAX)."""
+    monkeypatch.setattr(swiglu_mlp, "COL_AMAX", col_amax)
     base = tiny_model(intermediate_size=96).to("cuda", torch.bfloat16)
     ids = torch.randint(0, base.config.vocab_size, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
     ref = copy.deepcopy(base)

@@ -6,8 +6,8 @@ input) and, in the backward, with the row quantizations of ``dg``, ``du`` (the g
 looped reductions over 14,336-wide rows that ran at ~2x their traffic floor on the H200 (docs/benchmarks.md, "What
 the 8x2048 layers row would still need"). Here the MLP is one ``autograd.Function`` around the
 :mod:`hf_lowbit.kernels.swiglu` ops, one Triton kernel each way, whose codes go straight to the matmuls; the
-backward's kernel also takes ``dg``'s and ``du``'s column absmax, so their weight-gradient codes are one read each
-(``quantize_t``'s ``col_amax``). X is quantized once per row for gate and up, and once per column for both weight
+kernels can also take their outputs' column absmax (``h``'s, ``dg``'s, ``du``'s), so that their weight-gradient
+column codes are one read each (``quantize_t``'s ``col_amax``; :data:`COL_AMAX`, off until measured). X is quantized once per row for gate and up, and once per column for both weight
 gradients.
 
 The bits: each matmul is the per-linear path's (same ops, same operands); the SwiGLU values are rounded once from
@@ -39,11 +39,12 @@ from .linear import (MixedPrecisionConfig, MixedPrecisionLinear, check_accumulat
                      weight_operands)
 
 
-# Whether the backward's SwiGLU kernel also takes dg's and du's column absmax (an atomic max per column of each row
-# block), so that their weight-gradient column codes are one read each, instead of quantize_t's own absmax pass (one
-# more read of each, ~3 of the 4.9 ms of column absmax a step at 8x2048 in the recorded profile). Off until
-# benchmarks/benchmark_swiglu.py's column table (the atomics' cost against the pass they save) says otherwise
-BACKWARD_COL_AMAX = False
+# Whether the SwiGLU kernels also take their outputs' column absmax (an atomic max per column of each row block): h's
+# in the forward, dg's and du's in the backward, so that the weight gradients' column codes of those are one read
+# each instead of quantize_t's own absmax pass and encode pass (~3 of the 4.9 ms of column absmax a step at 8x2048 in
+# the recorded profile were dg's and du's). Off until benchmarks/benchmark_swiglu.py's column tables (the atomics'
+# cost against the pass they save) say otherwise
+COL_AMAX = False
 
 
 def _weight_grad(fmt: str, g: Tensor, g_amax: Tensor | None, xq: tuple[Tensor, Tensor], acc: Tensor | None,
@@ -76,16 +77,18 @@ class _LowBitSwiGLUFn(torch.autograd.Function):
         qx, sx = quantize_operand(fmt, x2, 1)  # once for gate and up
         g = f.scaled_mm(qx, qg, sx, sg, dtype)
         u = f.scaled_mm(qx, qu, sx, su, dtype)
-        h, qh, sh, _ = swiglu_quant(g, u, fmt)
-        y = f.scaled_mm(qh, qd, sh, sd, dtype)
         need = ctx.needs_input_grad
+        h_amax = COL_AMAX and need[3]  # h's column absmax for the down weight's gradient
+        h, qh, sh, ha = swiglu_quant(g, u, fmt, h_amax)
+        ha = ha if h_amax else None
+        y = f.scaled_mm(qh, qd, sh, sd, dtype)
         keep_x, keep_h = need[1] or need[2], need[3]
         xq = hq = (None, None)
         if x_codes:  # the weight gradients' column codes now, instead of X and h
             if keep_x:
                 xq, keep_x = quantize_operand(fmt, x2, 0, shared=True), False
             if keep_h:
-                hq, keep_h = quantize_operand(fmt, h, 0), False
+                hq, keep_h = quantize_t(h, fmt, col_amax=ha), False
         fused = (acc_gate if need[1] else None, acc_up if need[2] else None, acc_down if need[3] else None)
         # the accumulators as _MixedPrecisionLinearFn keeps its one: saved in a compiled graph, referenced eagerly
         # with their weights (not the saved ones: under saved-tensor hooks, e.g. non-reentrant checkpointing or
@@ -93,14 +96,15 @@ class _LowBitSwiGLUFn(torch.autograd.Function):
         compiling = torch.compiler.is_compiling()
         ctx.eager_accs = None if compiling else tuple(zip((w_gate, w_up, w_down), fused))
         gu = (g, u) if need[0] or need[1] or need[2] else (None, None)  # for the SwiGLU's backward, if any
-        ctx.save_for_backward(x2 if keep_x else None, h if keep_h else None, *xq, *hq, *gu, w_gate, w_up, w_down,
+        ctx.save_for_backward(x2 if keep_x else None, h if keep_h else None, ha if keep_h else None, *xq, *hq, *gu,
+                              w_gate, w_up, w_down,
                               sg, su, sd, tg, tu, td, *(fused if compiling else (None, None, None)))
         ctx.flags = (fmt, dtype, x.shape, x.dtype)
         return y.reshape(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        (x2, h, qx_c, sx_c, qh_c, sh_c, g, u, w_gate, w_up, w_down, sg, su, sd, tg, tu, td,
+        (x2, h, ha, qx_c, sx_c, qh_c, sh_c, g, u, w_gate, w_up, w_down, sg, su, sd, tg, tu, td,
          acc_g, acc_u, acc_d) = ctx.saved_tensors
         if ctx.eager_accs is not None:
             acc_g, acc_u, acc_d = (a for _, a in ctx.eager_accs)
@@ -111,7 +115,7 @@ class _LowBitSwiGLUFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, w_down.shape[0])
         dx = dwg = dwu = dwd = None
         if need_d:  # dW_down = dYᵀ · h
-            hq = (qh_c, sh_c) if qh_c is not None else quantize_operand(fmt, h, 0)
+            hq = (qh_c, sh_c) if qh_c is not None else quantize_t(h, fmt, col_amax=ha)
             if acc_d is not None:
                 scaled_matmul_accumulate(fmt, acc_d, dy2, 0, hq[0], hq[1])
             else:
@@ -121,9 +125,10 @@ class _LowBitSwiGLUFn(torch.autograd.Function):
             dh = scaled_matmul_input_grad(fmt, dy2, td, sd, dtype)
             # dg, du and their row codes times gate's / up's row scales (the input gradient's operands); their
             # column absmax for the weight gradients
+            amax = COL_AMAX and (need_g or need_u)
             dg, du, qdg, sdg, qdu, sdu, ag, au = swiglu_backward_quant(
-                dh, g, u, fmt, sg.reshape(-1).float(), su.reshape(-1).float(), BACKWARD_COL_AMAX and (need_g or need_u))
-            ag, au = (ag, au) if BACKWARD_COL_AMAX else (None, None)
+                dh, g, u, fmt, sg.reshape(-1).float(), su.reshape(-1).float(), amax)
+            ag, au = (ag, au) if amax else (None, None)
             if need_x:  # dX = q(dg·diag(s_g)) · Wg + q(du·diag(s_u)) · Wu
                 tg, _ = input_grad_codes(fmt, w_gate, sg, tg)
                 tu, _ = input_grad_codes(fmt, w_up, su, tu)
