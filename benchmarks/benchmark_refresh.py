@@ -166,13 +166,9 @@ def main():
         raise SystemExit(f"--tiles {a.tiles}: give BLOCK_RxBLOCK_KxWARPS triples, e.g. 16x256x8")
     import torch
 
-    from benchmarks.driver import meta, write_results
+    from benchmarks.driver import meta, require_device, write_results
 
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("benchmark_refresh.py needs a CUDA GPU (--device cpu --scale 64 under TRITON_INTERPRET=1 "
-                         "smoke-tests it)")
-    if a.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1")
+    require_device(a.device, "benchmark_refresh.py", "--device cpu --scale 64")
     rows = []
     for fmt in a.formats.split(","):
         for per, shapes in (("layer", SHAPES), ("model", MODEL_SHAPES)):

@@ -220,13 +220,9 @@ def main():
         setattr(a, flag, tiles)
     import torch
 
-    from benchmarks.driver import meta, write_results
+    from benchmarks.driver import meta, require_device, write_results
 
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("benchmark_swiglu.py needs a CUDA GPU (--device cpu --scale 256 under TRITON_INTERPRET=1 "
-                         "smoke-tests it)")
-    if a.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1")
+    require_device(a.device, "benchmark_swiglu.py", "--device cpu --scale 256")
     rows = []
     for fmt in a.formats.split(","):
         for M in (int(t) // (a.scale if a.device == "cpu" else 1) for t in a.tokens.split(",")):

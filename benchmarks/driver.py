@@ -803,6 +803,15 @@ def median_ms(fn: Callable[[], object], device: str = "cuda", reps: int = 20, wa
     return sorted(times)[len(times) // 2]
 
 
+def require_device(device: str, script: str, smoke: str) -> None:
+    """A GPU benchmark's device check: ``cuda`` needs one; ``cpu`` runs its Triton kernels in the interpreter
+    (``TRITON_INTERPRET=1``), a smoke test whose flags ``smoke`` names."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU ({smoke} under TRITON_INTERPRET=1 smoke-tests it)")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1")
+
+
 def kernel_us(fn: Callable[[], object], device: str) -> tuple[float, str]:
     """Microseconds of one ``fn()`` and how they were taken. CUDA: :func:`graph_ms` (the GPU alone: timed eagerly, a
     ~50 µs kernel read the host's launch time on the H200, 53dd5e7); a call that cannot be captured falls back to

@@ -80,18 +80,29 @@ def _swiglu_tile(g_ptr, u_ptr, h_ptr, rows, offs_n, mask, stride_gm, stride_um, 
 
 
 @triton.jit
+def _row_block(M, BLOCK_R: tl.constexpr):
+    """This program's rows: their indices, mask and 64-bit indices (row offsets past 2**31 elements)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return offs_r, offs_r < M, offs_r.to(tl.int64)
+
+
+@triton.jit
+def _columns(n0, N, mask_r, BLOCK_N: tl.constexpr):
+    """The tile's columns from ``n0`` and the tile's mask."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return offs_n, mask_r[:, None] & (offs_n[None, :] < N)
+
+
+@triton.jit
 def _swiglu_quant_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, camax_ptr, M, N, stride_gm, stride_um, stride_hm,
                          QMAX: tl.constexpr, IS_INT8: tl.constexpr, NATIVE_FP8: tl.constexpr,
                          COL_AMAX: tl.constexpr, ONE_TILE: tl.constexpr, SOFT: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """Forward: ``h = silu(g) * u`` in ``h``'s dtype and its row codes ``q [M, N]`` (contiguous), scales ``s [M]``.
     ``ONE_TILE``: ``BLOCK_N >= N``, a row in one tile (encoded from the registers)."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = offs_r < M
-    rows = offs_r.to(tl.int64)
+    offs_r, mask_r, rows = _row_block(M, BLOCK_R)
     if ONE_TILE:
-        offs_n = tl.arange(0, BLOCK_N)
-        mask = mask_r[:, None] & (offs_n[None, :] < N)
+        offs_n, mask = _columns(0, N, mask_r, BLOCK_N)
         h = _swiglu_tile(g_ptr, u_ptr, h_ptr, rows, offs_n, mask, stride_gm, stride_um, stride_hm, SOFT)
         bits = _abs_bits(h)
         if COL_AMAX:
@@ -102,8 +113,7 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, camax_ptr, M, N, str
     else:
         acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.int32)
         for n0 in range(0, N, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask = mask_r[:, None] & (offs_n[None, :] < N)
+            offs_n, mask = _columns(n0, N, mask_r, BLOCK_N)
             h = _swiglu_tile(g_ptr, u_ptr, h_ptr, rows, offs_n, mask, stride_gm, stride_um, stride_hm, SOFT)
             bits = _abs_bits(h)
             acc = tl.maximum(acc, bits)
@@ -114,8 +124,7 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, camax_ptr, M, N, str
         tl.debug_barrier()  # pass 1's stores seen by every thread of the program
         n_blocks = tl.cdiv(N, BLOCK_N)
         for i in range(0, n_blocks):  # backwards: the columns stored last are the likeliest in L2
-            offs_n = (n_blocks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = mask_r[:, None] & (offs_n[None, :] < N)
+            offs_n, mask = _columns((n_blocks - 1 - i) * BLOCK_N, N, mask_r, BLOCK_N)
             h = tl.load(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
             _row_codes(h, offs_n, mask, scale, q_ptr, rows[:, None] * N, N, s_ptr, QMAX, IS_INT8, NATIVE_FP8, False)
 
@@ -152,12 +161,9 @@ def _swiglu_backward_quant_kernel(dh_ptr, g_ptr, u_ptr, mg_ptr, mu_ptr, dg_ptr, 
     """Backward of ``h = silu(g) * u`` given ``dh``: ``dg``, ``du`` in their dtype and the row codes of
     ``dg * mg``, ``du * mu`` (``mg``, ``mu`` [N] float32, the gate / up weights' row scales, with ``HAS_MUL``);
     ``COL_AMAX``: the column absmax of ``dg``, ``du`` themselves (the weight gradients' operands)."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = offs_r < M
-    rows = offs_r.to(tl.int64)
+    offs_r, mask_r, rows = _row_block(M, BLOCK_R)
     if ONE_TILE:
-        offs_n = tl.arange(0, BLOCK_N)
-        mask = mask_r[:, None] & (offs_n[None, :] < N)
+        offs_n, mask = _columns(0, N, mask_r, BLOCK_N)
         dg, du = _swiglu_backward_tile(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, rows, offs_n, mask, stride_dhm,
                                        stride_gm, stride_um, stride_dgm, stride_dum, SOFT)
         if COL_AMAX:
@@ -175,8 +181,7 @@ def _swiglu_backward_quant_kernel(dh_ptr, g_ptr, u_ptr, mg_ptr, mu_ptr, dg_ptr, 
         acc_g = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.int32)
         acc_u = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.int32)
         for n0 in range(0, N, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask = mask_r[:, None] & (offs_n[None, :] < N)
+            offs_n, mask = _columns(n0, N, mask_r, BLOCK_N)
             dg, du = _swiglu_backward_tile(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, rows, offs_n, mask, stride_dhm,
                                            stride_gm, stride_um, stride_dgm, stride_dum, SOFT)
             if COL_AMAX:
@@ -191,8 +196,7 @@ def _swiglu_backward_quant_kernel(dh_ptr, g_ptr, u_ptr, mg_ptr, mu_ptr, dg_ptr, 
         tl.debug_barrier()
         n_blocks = tl.cdiv(N, BLOCK_N)
         for i in range(0, n_blocks):
-            offs_n = (n_blocks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = mask_r[:, None] & (offs_n[None, :] < N)
+            offs_n, mask = _columns((n_blocks - 1 - i) * BLOCK_N, N, mask_r, BLOCK_N)
             dg = tl.load(dg_ptr + rows[:, None] * stride_dgm + offs_n[None, :], mask=mask, other=0.0)
             du = tl.load(du_ptr + rows[:, None] * stride_dum + offs_n[None, :], mask=mask, other=0.0)
             _row_codes(dg.to(tl.float32), offs_n, mask, scale_g, qg_ptr, rows[:, None] * N, N, mg_ptr, QMAX, IS_INT8,
