@@ -93,8 +93,8 @@ class LowBitArgumentsMixin:
     lowbit_dual_grad_quant: bool | None = field(default=None, metadata={"help": (
         "INT8/FP8: dY quantized for dX and dW by one op, same bits; slower on the H200 (docs/usage.md). Unset: off.")})
     lowbit_fused_swiglu: bool | None = field(default=None, metadata={"help": (
-        "INT8/FP8: each Llama-style MLP as one autograd function whose SwiGLU and its row codes are one Triton kernel "
-        "each way (LowBitSwiGLUMLP). Unset: off (unmeasured; docs/usage.md).")})
+        "INT8/FP8: Llama-style MLPs as one function, the SwiGLU and its codes one Triton kernel each way. Unset: off "
+        "(unmeasured; docs/usage.md).")})
     lowbit_save_x_codes: bool | None = field(default=None, metadata={"help": (
         "INT8/FP8: linears keep their input's weight-gradient codes (1 byte, same bits), not the input; eager "
         "only (compiled, the partitioner already decides; docs/usage.md). Unset: off.")})
