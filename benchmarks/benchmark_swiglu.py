@@ -152,8 +152,8 @@ def measure(fmt: str, M: int, a) -> list[dict]:
         fo = swiglu_quant_triton(g, u, f.dtype, f.qmax, col_amax=True, tiles=t)
         time("forward", "ours_col_amax", lambda t=t: swiglu_quant_triton(g, u, f.dtype, f.qmax, col_amax=True, tiles=t),
              name, codes_exact=amax_exact(fo[0], fo[3]))
-        time("columns_forward", "encode_only", lambda o=fo: quantize_t_triton(o[0], f.dtype, f.qmax, col_amax=o[3], **kw),
-             name)
+        time("columns_forward", "encode_only",
+             lambda o=fo: quantize_t_triton(o[0], f.dtype, f.qmax, col_amax=o[3], **kw), name)
         out = swiglu_backward_quant_triton(dh, g, u, f.dtype, f.qmax, mg, mu, col_amax=True, tiles=t)
         time("backward", "ours_col_amax", lambda t=t: swiglu_backward_quant_triton(
             dh, g, u, f.dtype, f.qmax, mg, mu, col_amax=True, tiles=t), name,

@@ -106,8 +106,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
     "swiglu": ("issue 25: a Llama-8B MLP's SwiGLU with its row quantizations at 2048 and 16384 tokens: Inductor's fusion "
                "(what the low-bit layers run today; also with triton.multi_kernel=1) against hf_lowbit's kernels "
                "(hf_lowbit::swiglu_quant / swiglu_backward_quant, tiles swept, a row in one tile or looped), and the "
-               "weight gradients' column side (quantize_t of dg, du against the column absmax taken in the backward "
-               "kernel + the encode pass alone); GPU ms, GB/s of the floor, codes checked; first the CUDA tests of "
+               "weight gradients' column side (quantize_t of h, dg, du against the column absmax taken in our "
+               "kernels + the encode pass alone); GPU ms, GB/s of the floor, codes checked; first the CUDA tests of "
                "the kernels and of the fused MLP (LowBitSwiGLUMLP, eager and compiled). Then regimes with "
                "BLOCKS=layers_b8_swiglu / layers_b1_swiglu (profiled) for whole steps (docs/design.md, 'The MLP as one "
                "function')", "~4 min (estimate; not yet run: ~30 Inductor compiles)", [

@@ -250,7 +250,8 @@ def test_fused_mlp_on_cuda_compiled_against_per_linear(fmt, col_amax, monkeypatc
     MLP's within 20 dB of bf16's; the backward kernel's column absmax on and off (COL_AMAX)."""
     monkeypatch.setattr(swiglu_mlp, "COL_AMAX", col_amax)
     base = tiny_model(intermediate_size=96).to("cuda", torch.bfloat16)
-    ids = torch.randint(0, base.config.vocab_size, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
+    ids = torch.randint(0, base.config.vocab_size, (2, 64), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(6))
     ref = copy.deepcopy(base)
     ref(ids, labels=ids).loss.backward()
     runs = {}

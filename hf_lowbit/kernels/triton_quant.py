@@ -482,8 +482,8 @@ def _tiles(tiles, default, what: str, fn: str = "quantize_t_triton") -> tuple[in
 
 
 # what to do about an operand past 2**31 elements, by where the kernel runs (``_check_32bit_offsets``'s ``advice``)
-TRAINING_ADVICE = ("use fewer tokens per micro-batch (more gradient_accumulation_steps), or leave this layer out of the "
-                   "low-bit recipe")
+TRAINING_ADVICE = ("use fewer tokens per micro-batch (more gradient_accumulation_steps), or leave this layer out of "
+                   "the low-bit recipe")
 SERVING_ADVICE = "serve fewer rows at once (a smaller batch or prompt chunk), or leave this layer unquantized"
 
 
@@ -576,7 +576,8 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
                          f"row_mul={'given' if row_mul is not None else None}, tensorwise={tensorwise}")
     if col_amax is not None and (variant not in FP8_CAST_VARIANTS or row_mul is not None):
         raise ValueError(f"quantize_t_triton: col_amax is implemented for the 'atomic' and 'atomic_rcp' variants "
-                         f"without row_mul, got variant={variant!r}, row_mul={'given' if row_mul is not None else None}")
+                         f"without row_mul, got variant={variant!r}, "
+                         f"row_mul={'given' if row_mul is not None else None}")
     if fp8_cast not in (None, "native", "soft"):
         raise ValueError(f"quantize_t_triton: fp8_cast must be 'native', 'soft' or None, got {fp8_cast!r}")
     if fp8_cast is not None and variant not in FP8_CAST_VARIANTS:

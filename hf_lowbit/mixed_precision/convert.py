@@ -43,4 +43,5 @@ def convert_to_mixed_precision(model: nn.Module, config: MixedPrecisionConfig,
 def _low_bit_already(module: nn.Module) -> bool:
     """A mixed-precision layer, or a module told to compute by one of our configs: a QLoRA base with INT8 compute
     (its ``compute``; recognised by the config, so this recipe needs no import of the QLoRA one, which uses it)."""
-    return isinstance(module, MixedPrecisionLinear) or isinstance(getattr(module, "compute", None), MixedPrecisionConfig)
+    return isinstance(module, MixedPrecisionLinear) or isinstance(getattr(module, "compute", None),
+                                                                  MixedPrecisionConfig)

@@ -92,7 +92,8 @@ class MixedPrecisionConfig:
         return replace(base, multiple_of=get_format(self.format).alignment)
 
 
-def weight_operands(fmt: str, weight: Tensor, cached: tuple[Tensor, ...] | None) -> tuple[Tensor, Tensor, Tensor | None]:
+def weight_operands(fmt: str, weight: Tensor,
+                    cached: tuple[Tensor, ...] | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The forward's operand of ``weight``: ``(codes [N, K], row scales [N], codes transposed [K, N] or None)``, from
     the cache (:func:`hf_lowbit.kernels.quantize_weight`'s three; FSDP2's gathered codes have no transposed ones) or
     quantized now (the transposed codes then re-encoded from the scales in the backward: :func:`input_grad_codes`)."""

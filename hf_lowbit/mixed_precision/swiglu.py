@@ -7,8 +7,8 @@ looped reductions over 14,336-wide rows that ran at ~2x their traffic floor on t
 the 8x2048 layers row would still need"). Here the MLP is one ``autograd.Function`` around the
 :mod:`hf_lowbit.kernels.swiglu` ops, one Triton kernel each way, whose codes go straight to the matmuls; the
 kernels can also take their outputs' column absmax (``h``'s, ``dg``'s, ``du``'s), so that their weight-gradient
-column codes are one read each (``quantize_t``'s ``col_amax``; :data:`COL_AMAX`, off until measured). X is quantized once per row for gate and up, and once per column for both weight
-gradients.
+column codes are one read each (``quantize_t``'s ``col_amax``; :data:`COL_AMAX`, off until measured). X is
+quantized once per row for gate and up, and once per column for both weight gradients.
 
 The bits: each matmul is the per-linear path's (same ops, same operands); the SwiGLU values are rounded once from
 float32 (the per-linear path's eager SiLU rounds ``silu(g)`` to the dtype before the product; compiled, Inductor
@@ -49,8 +49,8 @@ COL_AMAX = False
 
 def _weight_grad(fmt: str, g: Tensor, g_amax: Tensor | None, xq: tuple[Tensor, Tensor], acc: Tensor | None,
                  dtype: torch.dtype) -> Tensor | None:
-    """``dW = gᵀ · X`` with ``X``'s column codes ``xq``: ``g`` quantized per column (from its known absmax, if given),
-    added into ``acc`` by the matmul (then None) or returned in ``dtype``."""
+    """``dW = gᵀ · X`` with ``X``'s column codes ``xq``: ``g`` quantized per column (from its known absmax if
+    given), added into ``acc`` by the matmul (then None) or returned in ``dtype``."""
     qg, sg = quantize_t(g, fmt, col_amax=g_amax)
     if acc is not None:
         scaled_mm_accumulate_(acc, qg, xq[0], sg, xq[1])
@@ -97,8 +97,8 @@ class _LowBitSwiGLUFn(torch.autograd.Function):
         ctx.eager_accs = None if compiling else tuple(zip((w_gate, w_up, w_down), fused))
         gu = (g, u) if need[0] or need[1] or need[2] else (None, None)  # for the SwiGLU's backward, if any
         ctx.save_for_backward(x2 if keep_x else None, h if keep_h else None, ha if keep_h else None, *xq, *hq, *gu,
-                              w_gate, w_up, w_down,
-                              sg, su, sd, tg, tu, td, *(fused if compiling else (None, None, None)))
+                              w_gate, w_up, w_down, sg, su, sd, tg, tu, td,
+                              *(fused if compiling else (None, None, None)))
         ctx.flags = (fmt, dtype, x.shape, x.dtype)
         return y.reshape(*x.shape[:-1], w_down.shape[0])
 
@@ -160,7 +160,8 @@ class LowBitSwiGLUMLP(nn.Module):
         for name, value in vars(mlp).items():  # config, hidden_size, intermediate_size, ...
             if not name.startswith("_") and name != "training":
                 setattr(self, name, value)
-        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.act_fn = mlp.act_fn
         self.train(mlp.training)
         self.fused_from = type(mlp).__name__
 
