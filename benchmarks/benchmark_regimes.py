@@ -70,7 +70,9 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
 * ``layers_b8_swiglu``, ``layers_b1_swiglu`` (profiled), ``layers_b1_ga8_swiglu``, ``trainer_b1_ga8_swiglu``,
   ``trainer_b8_swiglu`` (issue 25): int8 and fp8 beside ``int8_swiglu`` / ``fp8_swiglu`` (``lowbit_fused_swiglu``:
   each Llama MLP one autograd function whose SwiGLU and its row codes are one Triton kernel each way,
-  ``LowBitSwiGLUMLP``);
+  ``LowBitSwiGLUMLP``); ``layers_b1_levers``, ``layers_b8_levers``, ``layers_b1_ga8_levers``: both levers together
+  (``<fmt>_swiglu_adamw``: the fused MLP and ``LowBitAdamW``) beside each alone and neither, bf16 with
+  ``LowBitAdamW`` too;
 * ``layers_b1_ga8_fga`` (profiled), ``trainer_b1_ga8_fga``: int8 and fp8 beside ``int8_fga`` / ``fp8_fga``
   (``lowbit_fused_grad_accum``: the weight gradient added into ``.grad`` in its matmul's epilogue);
   ``layers_b1_ga8_sync``: the layers path at accumulation 8 with ``--mask_sync`` (transformers' packed-sequence check
@@ -136,6 +138,8 @@ ADAMW_TRAINER = "bf16,int8,int8_adamw,fp8,fp8_adamw"  # (a Trainer block of 6 re
 MULTIKERNEL = "bf16,bf16_multikernel,int8,int8_multikernel,fp8,fp8_multikernel"
 # each format with the MLP per linear (Inductor's SwiGLU fusion) and as one function around hf_lowbit's SwiGLU kernels
 SWIGLU = "bf16,int8,int8_swiglu,fp8,fp8_swiglu"
+# issue 25's two levers together against each alone and neither: LowBitAdamW and the fused MLP (bf16 with LowBitAdamW)
+LEVERS = "bf16,bf16_adamw,int8,int8_adamw,int8_swiglu,int8_swiglu_adamw,fp8,fp8_swiglu_adamw"
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)
@@ -164,6 +168,9 @@ BLOCKS = {
     "layers_b1_ga8_swiglu": ("layers", 1, 8, "default", SWIGLU, []),
     "trainer_b1_ga8_swiglu": ("trainer", 1, 8, "default", SWIGLU, []),
     "trainer_b8_swiglu": ("trainer", 8, 1, "default", SWIGLU, []),
+    "layers_b1_levers": ("layers", 1, 1, "default", LEVERS, []),
+    "layers_b8_levers": ("layers", 8, 1, "default", LEVERS, []),
+    "layers_b1_ga8_levers": ("layers", 1, 8, "default", LEVERS, []),
     "trainer_b1": ("trainer", 1, 1, "default", "bf16,int8,fp8", []),
     "trainer_b8": ("trainer", 8, 1, "default", "bf16,int8,fp8", []),
     # + a kernel profile, and bf16 through LowBitTrainer (bf16_lbt): what bounds the 8x2048 rows (issue 25)

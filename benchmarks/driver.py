@@ -116,11 +116,14 @@ SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
 FGA_VARIANTS = {f"{fmt}_fga": fmt for fmt in ("int8", "fp8")}
 # LowBitAdamW (lowbit_fused_adamw, issue 25; off by default): AdamW in one Triton pass for each parameter of >= 2**20
 # elements, a pass that for a cached per-row weight also leaves its row absmax (the refresh then reads the weight
-# once); against bf16 / <fmt> in the same run. recipe -> (format, None for bf16; the weight cache forced on: with
+# once); against bf16 / <fmt> in the same run. recipe -> (format, None for bf16; the weight cache forced on (with
 # gradient accumulation LowBitTrainer turns it on anyway, at GA 1 <fmt>_cache_adamw is the cache's and the fused
-# refresh's case, <fmt>_adamw the optimizer's alone)
-ADAMW_VARIANTS = {"bf16_adamw": (None, False), **{f"{fmt}_adamw": (fmt, False) for fmt in ("int8", "fp8")},
-                  **{f"{fmt}_cache_adamw": (fmt, True) for fmt in ("int8", "fp8")}}
+# refresh's case, <fmt>_adamw the optimizer's alone); the fused MLP on)
+ADAMW_VARIANTS = {"bf16_adamw": (None, False, False), **{f"{fmt}_adamw": (fmt, False, False) for fmt in ("int8", "fp8")},
+                  **{f"{fmt}_cache_adamw": (fmt, True, False) for fmt in ("int8", "fp8")},
+                  # + each MLP as one function around our SwiGLU kernels (lowbit_fused_swiglu): the two issue-25
+                  # levers together, what a default with both would run
+                  **{f"{fmt}_swiglu_adamw": (fmt, False, True) for fmt in ("int8", "fp8")}}
 # the trainer path only: the layers path keeps the LM head bf16 and compiles only the decoder layers (apply_recipe)
 HEAD_VARIANTS = tuple(r for r, (_, field) in SWITCH_VARIANTS.items() if field == "include_lm_head")
 # bf16 / INT8 / FP8 with Inductor's partitioner free to recompute, in the backward, activations that a matmul or a
@@ -262,9 +265,9 @@ def mixed_precision_args(recipe: str) -> dict:
     if recipe in FGA_VARIANTS:
         return {f"{FGA_VARIANTS[recipe]}_mixed_precision": True, "lowbit_fused_grad_accum": True}
     if recipe in ADAMW_VARIANTS:
-        fmt, cache = ADAMW_VARIANTS[recipe]
+        fmt, cache, swiglu = ADAMW_VARIANTS[recipe]
         return {**({f"{fmt}_mixed_precision": True} if fmt else {}), **({"lowbit_weight_cache": True} if cache else {}),
-                "lowbit_fused_adamw": True}
+                **({"lowbit_fused_swiglu": True} if swiglu else {}), "lowbit_fused_adamw": True}
     return {f"{recipe}_mixed_precision": True}
 
 
@@ -469,7 +472,9 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
         return
     mlp = model.model.layers[0].mlp
     mod = mlp.up_proj
-    if SWITCH_VARIANTS.get(recipe, (None, None))[1] == "fused_swiglu" and type(mlp).__name__ != "LowBitSwiGLUMLP":
+    fused_mlp = (SWITCH_VARIANTS.get(recipe, (None, None))[1] == "fused_swiglu"
+                 or ADAMW_VARIANTS.get(recipe, (None, None, False))[2])
+    if fused_mlp and type(mlp).__name__ != "LowBitSwiGLUMLP":
         raise RuntimeError(f"recipe {recipe!r} is not active: the MLP is a {type(mlp).__name__}")
     if recipe.endswith(("_cache", "_cache_adamw")) and not getattr(mod, "weight_cache", False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")

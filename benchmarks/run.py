@@ -45,7 +45,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                 "layers_b1_ga8_adamw, layers_b8_adamw, trainer_b1_ga8_adamw, trainer_b8_adamw; Inductor's multi-kernel "
                 "for wide reductions: layers_b8_multikernel, layers_b1_multikernel (profiled); the MLP as one function with "
                 "our SwiGLU kernels (lowbit_fused_swiglu): layers_b8_swiglu, layers_b1_swiglu (profiled), "
-                "layers_b1_ga8_swiglu, trainer_b1_ga8_swiglu, trainer_b8_swiglu; EXTRA: flags for "
+                "layers_b1_ga8_swiglu, trainer_b1_ga8_swiglu, trainer_b8_swiglu; both with LowBitAdamW: layers_b1_levers, "
+                "layers_b8_levers, layers_b1_ga8_levers; EXTRA: flags for "
                 "benchmark_train.py, e.g. EXTRA='--recipes bf16,fp8_unshared' to run part of a block)",
                 "~3.5 min per 5-recipe layers block (5600f0c: 205 s at 8x2048, 158 s at 1x2048); a Trainer block of 4 "
                 "recipes ~6 min (5600f0c: 345 s, warm-ups 32-76 s a recipe with the Triton analysis cache; 85-120 s "

@@ -469,6 +469,17 @@ def test_benchmark_swiglu_recipes():
         bench.apply_recipe(plain, fmt, min_features=16)
         with pytest.raises(RuntimeError, match="not active: the MLP is a LlamaMLP"):
             bench.check_recipe_active(plain, recipe, "cpu")
+    combined = bench.mixed_precision_args("fp8_swiglu_adamw")
+    assert combined == {"fp8_mixed_precision": True, "lowbit_fused_swiglu": True, "lowbit_fused_adamw": True}
+    model = tiny_model().bfloat16()
+    bench.apply_recipe(model, "int8_swiglu_adamw", min_features=16)
+    bench.check_recipe_active(model, "int8_swiglu_adamw", "cpu")
+    with pytest.raises(RuntimeError, match="not active: the MLP is a LlamaMLP"):
+        bench.check_recipe_active(plain, "fp8_swiglu_adamw", "cpu")
+    levers = "bf16,bf16_adamw,int8,int8_adamw,int8_swiglu,int8_swiglu_adamw,fp8,fp8_swiglu_adamw"
+    assert {k: BLOCKS[k][:5] for k in BLOCKS if k.endswith("_levers")} == {
+        "layers_b1_levers": ("layers", 1, 1, "default", levers), "layers_b8_levers": ("layers", 8, 1, "default", levers),
+        "layers_b1_ga8_levers": ("layers", 1, 8, "default", levers)}
     recipes = "bf16,int8,int8_swiglu,fp8,fp8_swiglu"
     assert {k: BLOCKS[k][:5] for k in BLOCKS if k.endswith("_swiglu")} == {
         "layers_b8_swiglu": ("layers", 8, 1, "default", recipes), "layers_b1_swiglu": ("layers", 1, 1, "default", recipes),
