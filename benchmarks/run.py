@@ -101,7 +101,7 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                       "BLOCKS=layers_b1_adamw (profiled), layers_b1_ga8_adamw, trainer_b1_ga8_adamw (and "
                       "layers_b8_adamw, trainer_b8_adamw)", "~2 min (estimate; not yet run)", [
         "python3 -m pytest -q -rfEs -p no:cacheprovider -v tests/test_triton_int8.py -k 'adamw and cuda' 2>&1 "
-        "| tee $OUT/pytest_cuda_adamw.txt",
+        "| tee $OUT/pytest_cuda_adamw.txt || echo 'CUDA TESTS FAILED: the benchmark still runs (it checks its bits)'",
         B + "benchmark_refresh.py --tiles 4x256x4,16x256x8,8x512x8,8x1024x8 --json $OUT/refresh_h200.json "
         "--markdown $OUT/refresh_h200.md"]),
     "swiglu": ("issue 25: a Llama-8B MLP's SwiGLU with its row quantizations at 2048 and 16384 tokens: Inductor's fusion "
@@ -113,7 +113,8 @@ STAGES = {  # stage: (what it measures, roughly how long on one H200, its comman
                "BLOCKS=layers_b8_swiglu / layers_b1_swiglu (profiled) for whole steps (docs/design.md, 'The MLP as one "
                "function')", "~4 min (estimate; not yet run: ~30 Inductor compiles)", [
         "python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_triton_int8.py tests/test_swiglu_mlp.py "
-        "-k 'cuda and (swiglu or fused_mlp)' 2>&1 | tee $OUT/pytest_cuda_swiglu.txt",
+        "-k 'cuda and (swiglu or fused_mlp)' 2>&1 | tee $OUT/pytest_cuda_swiglu.txt "
+        "|| echo 'CUDA TESTS FAILED: the benchmark still runs (it checks its own codes)'",
         B + "benchmark_swiglu.py --json $OUT/swiglu_h200.json --markdown $OUT/swiglu_h200.md"]),
     "quant_dual": ("issue 25: dY quantized per row (times the weight's scales, for dX) and per column (for dW): "
                    "today's pair (compiled plain torch + quantize_t, three reads of dY) vs quantize_dual_triton (two "

@@ -1021,7 +1021,8 @@ def check_swiglu(device: str) -> int:
         if device != "cuda" and ref.dtype != torch.float32:  # float32's exp and sigmoid: numpy's against torch's
             torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0, equal_nan=True, msg=what)
             return
-        steps = 4 if ref.dtype == torch.float32 else 1  # float32: a few roundings apart (sigmoid, products)
+        # float32: a few roundings apart (sigmoid, products; on the GPU its approximate exp and division, ~2 ulp each)
+        steps = 16 if ref.dtype == torch.float32 else 1
         step = steps * torch.finfo(ref.dtype).eps * ref.float().abs().clamp(min=torch.finfo(ref.dtype).tiny)
         ok = ((got.cpu().float() - ref.float()).abs() <= step) | (got.cpu().isnan() & ref.isnan())
         assert ok.all(), f"{what}: {(~ok).sum().item()} values more than a step from the reference"
