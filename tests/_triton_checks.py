@@ -569,7 +569,9 @@ def check_adamw_rows(device: str) -> int:
                 opt.step()
             a, b = ours[0].float().cpu(), theirs.detach().float().cpu()
             differ = (a != b).float().mean().item()
-            assert differ <= 0.02 and _near_torch_adamw(a, b, dtype, 3e-3), (
+            # float32: last-bit differences in most elements on the H200 (61.5% at 0232f11: torch's CUDA kernel forms
+            # some products in float64), each within the bound; bf16 rounds them away in all but a few
+            assert (dtype == torch.float32 or differ <= 0.02) and _near_torch_adamw(a, b, dtype, 3e-3), (
                 f"adamw {(R, K)} {dtype}: {differ:.2%} differ from torch's fused AdamW")
             print(f"adamw {(R, K)} {dtype}: {differ:.4%} of the weight differs from torch's fused AdamW after 3 steps")
             n += 1
@@ -989,6 +991,12 @@ def check_quantize_dual(device: str) -> int:
     return n
 
 
+def _nan_as_one(bits: torch.Tensor) -> torch.Tensor:
+    """|x|'s int32 float bits with every NaN (above inf's 0x7F800000) as 0x7FC00000: an absmax that kept a NaN keeps
+    whichever payload the GPU's arithmetic gave it, where the reference's comes from the stored values."""
+    return torch.where(bits > 0x7F800000, torch.full_like(bits, 0x7FC00000), bits)
+
+
 def swiglu_tiles(device: str) -> list:
     """``(BLOCK_R, BLOCK_N, num_warps)`` the SwiGLU kernels are checked at beside their defaults (None): a row in one
     tile and rows looped over, one row a program and several (on CUDA the sweep's shapes)."""
@@ -1032,8 +1040,8 @@ def check_swiglu(device: str) -> int:
         q, sc = f.quantize(x, dim=1)
         return x, q, sc.reshape(-1)
 
-    def col_bits(vals):
-        return (vals.cpu().float().view(torch.int32) & 0x7FFFFFFF).amax(0)
+    def col_bits(vals):  # NaN's payload is the GPU's to choose (it kept the float32 NaN's): any NaN as one
+        return _nan_as_one((vals.cpu().float().view(torch.int32) & 0x7FFFFFFF).amax(0))
 
     for M, N in shapes:
         base = torch.randn(M, 2 * N, generator=gen) * 3
@@ -1060,7 +1068,8 @@ def check_swiglu(device: str) -> int:
                             x, rq, rs = codes_of(h, None, f)
                             torch.testing.assert_close(sc.cpu(), rs, rtol=0, atol=0, equal_nan=True, msg=what)
                             _assert_codes(q, rq, x, rs[:, None], what + " codes")
-                            assert torch.isnan(sc[M // 2]) and (not col or torch.equal(amax.cpu(), col_bits(h)))
+                            assert torch.isnan(sc[M // 2]) and (not col or torch.equal(_nan_as_one(amax.cpu()),
+                                                                                       col_bits(h)))
                             with PoisonedAllocations():
                                 out = swiglu_backward_quant_triton(d, g, u, f.dtype, f.qmax, mul.to(device),
                                                                    (mul * 2).to(device), col_amax=col, tiles=tiles)
@@ -1071,8 +1080,8 @@ def check_swiglu(device: str) -> int:
                                 torch.testing.assert_close(ss.cpu(), rs, rtol=0, atol=0, equal_nan=True, msg=what)
                                 _assert_codes(qq, rq, x, rs[:, None], what + " grad codes")
                             if col:
-                                assert torch.equal(out[6].cpu(), col_bits(out[0])) and \
-                                    torch.equal(out[7].cpu(), col_bits(out[1])), what
+                                assert torch.equal(_nan_as_one(out[6].cpu()), col_bits(out[0])) and \
+                                    torch.equal(_nan_as_one(out[7].cpu()), col_bits(out[1])), what
                                 # the weight gradient's column codes from that absmax: quantize_t's bits, one read
                                 kq, ks = quantize_t_triton(out[0], f.dtype, f.qmax, variant="atomic_rcp",
                                                            col_amax=out[6])
@@ -1103,7 +1112,8 @@ def check_swiglu(device: str) -> int:
         for fo, bo in runs:
             x, rq, rs = codes_of(fo[0], None, f)
             assert torch.equal(fo[2].cpu(), rs) and torch.equal(fo[1].cpu().view(torch.uint8), rq.view(torch.uint8))
-            assert torch.equal(fo[3].cpu(), col_bits(fo[0])) and torch.equal(bo[6].cpu(), col_bits(bo[0]))
+            assert torch.equal(_nan_as_one(fo[3].cpu()), col_bits(fo[0])) and \
+                torch.equal(_nan_as_one(bo[6].cpu()), col_bits(bo[0]))
             x, rq, rs = codes_of(bo[0], mg, f)
             assert torch.equal(bo[3].cpu(), rs) and torch.equal(bo[2].cpu().view(torch.uint8), rq.view(torch.uint8))
             n += 1

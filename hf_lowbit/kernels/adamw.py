@@ -36,9 +36,10 @@ from torch import Tensor
 from ._launch import on_operand_device
 from .triton_quant import _abs_bits
 
-# (BLOCK_R, BLOCK_K, num_warps) on CUDA: a first guess for an elementwise pass (16 elements a thread at 4 warps),
-# to be swept on the H200 (benchmarks/benchmark_refresh.py); the interpreter (CPU) uses small tiles
-_TILES = (8, 256, 4)
+# (BLOCK_R, BLOCK_K, num_warps) on CUDA: the fastest of the H200 sweep at 0232f11 (docs/results/refresh_h200.md: every
+# weight shape, both formats; gate/up 0.207 ms against 0.220 at (8, 256, 4), the first guess, and 0.250 at (16, 256,
+# 8)); the interpreter (CPU) uses small tiles
+_TILES = (4, 256, 4)
 _CPU_TILES = (4, 16, 1)
 
 
