@@ -499,6 +499,17 @@ def _check_32bit_offsets(fn: str, x: torch.Tensor, advice: str = TRAINING_ADVICE
                          f"the 2**31 these Triton kernels address in 32 bits; {advice}")
 
 
+def native_fp8_cast(fn: str, qdtype: torch.dtype, device: torch.device, fp8_cast: str | None) -> bool:
+    """Whether ``fn``'s FP8 codes come from the hardware cast (``fp8_cast``: None, the default, on CUDA; "native";
+    "soft": rounded in float32 first, the interpreter's only way); refuses a bad value in one line."""
+    if fp8_cast not in (None, "native", "soft"):
+        raise ValueError(f"{fn}: fp8_cast must be 'native', 'soft' or None, got {fp8_cast!r}")
+    if fp8_cast == "native" and device.type == "cpu":
+        raise ValueError(f"{fn}: fp8_cast='native' needs a GPU: Triton's interpreter casts float32 to e4m3 with ties "
+                         "rounded up (not torch's cast); use 'soft' or None on the CPU")
+    return qdtype != torch.int8 and (fp8_cast or ("soft" if device.type == "cpu" else "native")) == "native"
+
+
 @on_operand_device
 def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m: int | None = None,
                       out: tuple[torch.Tensor, ...] | None = None, stochastic: bool = False,
@@ -578,14 +589,10 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         raise ValueError(f"quantize_t_triton: col_amax is implemented for the 'atomic' and 'atomic_rcp' variants "
                          f"without row_mul, got variant={variant!r}, "
                          f"row_mul={'given' if row_mul is not None else None}")
-    if fp8_cast not in (None, "native", "soft"):
-        raise ValueError(f"quantize_t_triton: fp8_cast must be 'native', 'soft' or None, got {fp8_cast!r}")
+    native_fp8 = native_fp8_cast("quantize_t_triton", qdtype, x.device, fp8_cast)
     if fp8_cast is not None and variant not in FP8_CAST_VARIANTS:
         raise ValueError(f"quantize_t_triton: fp8_cast is the 'atomic' and 'atomic_rcp' variants' choice, not "
                          f"{variant!r}'s (they round in float32 arithmetic)")
-    if fp8_cast == "native" and x.device.type == "cpu":
-        raise ValueError("quantize_t_triton: fp8_cast='native' needs a GPU: Triton's interpreter casts float32 to "
-                         "e4m3 with ties rounded up (not torch's cast); use 'soft' or None on the CPU")
     if variant not in _TWO_PASS and (amax_tiles, quant_tiles, chunk_m) != (None, None, None):
         raise ValueError(f"quantize_t_triton: amax_tiles, quant_tiles and chunk_m are the two-kernel path's, not "
                          f"{variant!r}'s (it takes tiles)")
@@ -614,7 +621,6 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         raise ValueError(f"quantize_t_triton: row_mul must be {M} float32 values, got {tuple(row_mul.shape)} {row_mul.dtype}")
     consts = dict(QMAX=qmax, IS_INT8=qdtype == torch.int8, STOCHASTIC=stochastic, HAS_MUL=row_mul is not None,
                   BOTH_LAYOUTS=both_layouts)
-    native_fp8 = qdtype != torch.int8 and (fp8_cast or ("soft" if small else "native")) == "native"
     # the nearest path never reads seed_ptr (STOCHASTIC is a constexpr): any tensor will do there; nor mul_ptr
     # without HAS_MUL, nor qx_ptr without BOTH_LAYOUTS
     seed = torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device) if stochastic else scale

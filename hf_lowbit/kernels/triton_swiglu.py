@@ -35,7 +35,7 @@ from torch.library import wrap_triton
 
 from ._launch import on_operand_device
 from .triton_int4 import _round_bf16
-from .triton_quant import _abs_bits, _div_rcp, _encode_q, _rcp_of, _scale_of
+from .triton_quant import _abs_bits, _div_rcp, _encode_q, _rcp_of, _scale_of, _tiles, native_fp8_cast
 
 # (BLOCK_R, BLOCK_N, num_warps) on CUDA: first guesses, to be swept (benchmarks/benchmark_swiglu.py). A row of a
 # Llama-8B MLP is 14,336 wide: BLOCK_N = 16384 holds it in one tile (one pass, no re-read), 2048 loops over it.
@@ -205,15 +205,6 @@ def _swiglu_backward_quant_kernel(dh_ptr, g_ptr, u_ptr, mg_ptr, mu_ptr, dg_ptr, 
                        NATIVE_FP8, HAS_MUL)
 
 
-def _tiles(tiles, default, fn: str) -> tuple[int, int, int]:
-    if tiles is None:
-        return default
-    if not (len(tiles) == 3 and all(isinstance(t, int) and t > 0 and t & (t - 1) == 0 for t in tiles)
-            and tiles[2] <= 32):
-        raise ValueError(f"{fn}: tiles must be (BLOCK_R, BLOCK_N, num_warps), powers of two, got {tiles}")
-    return tuple(tiles)
-
-
 def _check(fn: str, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
     """One shape, one device, floating dtypes, rows of any stride with contiguous columns (the kernels' layout)."""
     first = next(iter(tensors.values()))
@@ -229,15 +220,6 @@ def _check(fn: str, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
     return first.shape
 
 
-def _native_fp8(qdtype: torch.dtype, device: torch.device, fp8_cast: str | None) -> bool:
-    if fp8_cast not in (None, "native", "soft"):
-        raise ValueError(f"fp8_cast must be 'native', 'soft' or None, got {fp8_cast!r}")
-    if fp8_cast == "native" and device.type == "cpu":
-        raise ValueError("fp8_cast='native' needs a GPU: Triton's interpreter casts float32 to e4m3 with ties rounded "
-                         "up (not torch's cast); use 'soft' or None on the CPU")
-    return qdtype != torch.int8 and (fp8_cast or ("soft" if device.type == "cpu" else "native")) == "native"
-
-
 @on_operand_device
 def swiglu_quant_triton(g: torch.Tensor, u: torch.Tensor, qdtype: torch.dtype, qmax: float, *, col_amax: bool = False,
                         tiles: tuple[int, int, int] | None = None,
@@ -250,9 +232,9 @@ def swiglu_quant_triton(g: torch.Tensor, u: torch.Tensor, qdtype: torch.dtype, q
     M, N = _check("swiglu_quant_triton", {"g": g, "u": u})
     if u.dtype != g.dtype:
         raise ValueError(f"swiglu_quant_triton: g and u must have one dtype, got {g.dtype} and {u.dtype}")
-    native = _native_fp8(qdtype, g.device, fp8_cast)
+    native = native_fp8_cast("swiglu_quant_triton", qdtype, g.device, fp8_cast)
     default = _CPU_TILES if g.device.type == "cpu" else _COL_TILES if col_amax else _FWD_TILES
-    br, bn, warps = _tiles(tiles, default, "swiglu_quant_triton")
+    br, bn, warps = _tiles(tiles, default, "tiles", "swiglu_quant_triton")
     h = torch.empty((M, N), dtype=g.dtype, device=g.device)
     q = torch.empty((M, N), dtype=qdtype, device=g.device)
     scale = torch.empty((M,), dtype=torch.float32, device=g.device)
@@ -284,9 +266,9 @@ def swiglu_backward_quant_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Ten
                               or (N > 1 and m.stride(0) != 1)):
             raise ValueError(f"swiglu_backward_quant_triton: {name} must be {N} contiguous float32 values on "
                              f"{g.device}, got {tuple(m.shape)} {m.dtype} on {m.device}")
-    native = _native_fp8(qdtype, g.device, fp8_cast)
+    native = native_fp8_cast("swiglu_backward_quant_triton", qdtype, g.device, fp8_cast)
     default = _CPU_TILES if g.device.type == "cpu" else _COL_TILES if col_amax else _BWD_TILES
-    br, bn, warps = _tiles(tiles, default, "swiglu_backward_quant_triton")
+    br, bn, warps = _tiles(tiles, default, "tiles", "swiglu_backward_quant_triton")
     dev = g.device
     dg, du = (torch.empty((M, N), dtype=g.dtype, device=dev) for _ in range(2))
     qg, qu = (torch.empty((M, N), dtype=qdtype, device=dev) for _ in range(2))
