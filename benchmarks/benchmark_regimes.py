@@ -62,17 +62,18 @@ same run). Blocks (``--blocks`` takes a comma-separated subset, or ``all``):
 * ``layers_b1_adamw`` (profiled), ``layers_b1_ga8_adamw``, ``layers_b8_adamw``, ``trainer_b1_ga8_adamw``,
   ``trainer_b8_adamw`` (issue 25): torch's fused AdamW against ``LowBitAdamW`` (``lowbit_fused_adamw``: one Triton
   pass a large parameter, which also refreshes a cached weight's codes from its row absmax): ``bf16_adamw`` (the
-  layers blocks), ``int8_adamw``, ``fp8_adamw`` and at 1x2048 the weight cache forced on with either optimizer
-  (``<fmt>_cache``, ``<fmt>_cache_adamw``);
+  layers blocks), ``int8_adamw``, ``fp8_adamw`` (this lever alone) against ``<fmt>_plain`` (both levers off, the
+  default before session 34) and at 1x2048 the weight cache forced on with either optimizer (``<fmt>_cache_plain``,
+  ``<fmt>_cache_adamw``);
 * ``layers_b8_multikernel``, ``layers_b1_multikernel`` (profiled; issue 25): bf16, int8, fp8 beside
   ``*_multikernel`` (Inductor's ``config.triton.multi_kernel = 1``: reductions up to 16x wider than usual also get a
   persistent variant, picked by timing; the quantizing SwiGLU kernels reduce over 14,336-wide rows);
 * ``layers_b8_swiglu``, ``layers_b1_swiglu`` (profiled), ``layers_b1_ga8_swiglu``, ``trainer_b1_ga8_swiglu``,
-  ``trainer_b8_swiglu`` (issue 25): int8 and fp8 beside ``int8_swiglu`` / ``fp8_swiglu`` (``lowbit_fused_swiglu``:
-  each Llama MLP one autograd function whose SwiGLU and its row codes are one Triton kernel each way,
+  ``trainer_b8_swiglu`` (issue 25): ``<fmt>_plain`` beside ``int8_swiglu`` / ``fp8_swiglu`` (``lowbit_fused_swiglu``
+  alone: each Llama MLP one autograd function whose SwiGLU and its row codes are one Triton kernel each way,
   ``LowBitSwiGLUMLP``); ``layers_b1_levers``, ``layers_b8_levers``, ``layers_b1_ga8_levers``: both levers together
-  (``<fmt>_swiglu_adamw``: the fused MLP and ``LowBitAdamW``) beside each alone and neither, bf16 with
-  ``LowBitAdamW`` too;
+  (``int8`` / ``fp8``, the default since session 34; before it ``<fmt>_swiglu_adamw``) beside each alone and neither
+  (``<fmt>_plain``), bf16 with ``LowBitAdamW`` too;
 * ``layers_b1_ga8_fga`` (profiled), ``trainer_b1_ga8_fga``: int8 and fp8 beside ``int8_fga`` / ``fp8_fga``
   (``lowbit_fused_grad_accum``: the weight gradient added into ``.grad`` in its matmul's epilogue);
   ``layers_b1_ga8_sync``: the layers path at accumulation 8 with ``--mask_sync`` (transformers' packed-sequence check
@@ -130,16 +131,17 @@ FGA = "bf16,int8,int8_fga,fp8,fp8_fga"
 # also refreshes a cached weight's codes from its row absmax), bf16 with it too (its share apart from the low-bit
 # compute's); at GA 1 also with the weight cache forced on, after torch's AdamW (<fmt>_cache: the rows refresh) and
 # LowBitAdamW's (<fmt>_cache_adamw: the refresh from its absmax)
-ADAMW = "bf16,bf16_adamw,int8,int8_adamw,fp8,fp8_adamw"
-ADAMW_B1 = ("bf16,bf16_adamw,int8,int8_cache,int8_adamw,int8_cache_adamw,fp8,fp8_cache,fp8_adamw,"
-            "fp8_cache_adamw")
-ADAMW_TRAINER = "bf16,int8,int8_adamw,fp8,fp8_adamw"  # (a Trainer block of 6 recipes may outrun a 10-minute call)
+ADAMW = "bf16,bf16_adamw,int8_plain,int8_adamw,fp8_plain,fp8_adamw"
+ADAMW_B1 = ("bf16,bf16_adamw,int8_plain,int8_cache_plain,int8_adamw,int8_cache_adamw,fp8_plain,fp8_cache_plain,"
+            "fp8_adamw,fp8_cache_adamw")
+ADAMW_TRAINER = "bf16,int8_plain,int8_adamw,fp8_plain,fp8_adamw"  # (a Trainer block of 6 recipes may outrun a 10-minute call)
 # each recipe with Inductor's multi-kernel (persistent variants of wide reductions, picked by timing) and without
 MULTIKERNEL = "bf16,bf16_multikernel,int8,int8_multikernel,fp8,fp8_multikernel"
 # each format with the MLP per linear (Inductor's SwiGLU fusion) and as one function around hf_lowbit's SwiGLU kernels
-SWIGLU = "bf16,int8,int8_swiglu,fp8,fp8_swiglu"
-# issue 25's two levers together against each alone and neither: LowBitAdamW and the fused MLP (bf16 with LowBitAdamW)
-LEVERS = "bf16,bf16_adamw,int8,int8_adamw,int8_swiglu,int8_swiglu_adamw,fp8,fp8_swiglu_adamw"
+SWIGLU = "bf16,int8_plain,int8_swiglu,fp8_plain,fp8_swiglu"
+# issue 25's two levers together (int8 / fp8: the default since session 34) against each alone and neither
+# (<fmt>_plain): LowBitAdamW and the fused MLP (bf16 with LowBitAdamW)
+LEVERS = "bf16,bf16_adamw,int8_plain,int8_adamw,int8_swiglu,int8,fp8_plain,fp8"
 # name -> (path, batch, grad_accum, compile mode, recipes, extra flags)
 BLOCKS = {
     # + the weight cache forced on without accumulation (LowBitTrainer's default turns it on only with it)

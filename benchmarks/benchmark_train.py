@@ -37,11 +37,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.driver import (ADAMW_VARIANTS, FGA_VARIANTS, FULL_RECIPES, HEAD_VARIANTS,  # noqa: E402
+from benchmarks.driver import (FGA_VARIANTS, FULL_RECIPES, HEAD_VARIANTS,  # noqa: E402
                                LORA_RECIPES, MASK_VARIANTS, OURS, OURS_LORA, RECIPES, GpuTelemetry, add_int_flags,
                                build_model,
                                check_recipe_active, check_recipes, compile_layers, cudagraph_skips, error_cell,
-                               load_blocks, meta, plot_results, profile_summary, recipe_args, run_worker, save_json,
+                               levers, load_blocks, meta, plot_results, profile_summary, recipe_args, run_worker,
+                               save_json,
                                timed_steps, torchao_version, train_step, write_results)
 
 # the flags trainer_worker reads beyond the model's, with main()'s defaults
@@ -139,7 +140,7 @@ def trainer_worker(a) -> dict:
         if trainer.lowbit_fused_grad_accum != (a.recipe in FGA_VARIANTS):
             raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_fused_grad_accum resolved to "
                                f"{trainer.lowbit_fused_grad_accum}")
-        if trainer.lowbit_fused_adamw != (a.recipe in ADAMW_VARIANTS):
+        if trainer.lowbit_fused_adamw != levers(a.recipe, a.device)[0]:
             raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_fused_adamw resolved to "
                                f"{trainer.lowbit_fused_adamw}")
         chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
@@ -189,7 +190,7 @@ def worker(a) -> dict:
     if not a.no_compile:
         compile_layers(model, a.layers, mode=mode)
     params = [p for p in model.parameters() if p.requires_grad]
-    if a.recipe in ADAMW_VARIANTS:  # lowbit_fused_adamw's optimizer (LowBitTrainer makes it itself)
+    if levers(a.recipe, a.device)[0]:  # lowbit_fused_adamw's optimizer, as LowBitTrainer makes it itself
         from hf_lowbit import LowBitAdamW
 
         opt = LowBitAdamW(params, lr=a.lr, fused=cuda)

@@ -114,16 +114,20 @@ SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
 # against autograd's separate add: the layers path's hand loop calls FusedGradAccumulation.prepare before each
 # micro-batch, LowBitTrainer does it itself
 FGA_VARIANTS = {f"{fmt}_fga": fmt for fmt in ("int8", "fp8")}
-# LowBitAdamW (lowbit_fused_adamw, issue 25; off by default): AdamW in one Triton pass for each parameter of >= 2**20
-# elements, a pass that for a cached per-row weight also leaves its row absmax (the refresh then reads the weight
-# once); against bf16 / <fmt> in the same run. recipe -> (format, None for bf16; the weight cache forced on (with
-# gradient accumulation LowBitTrainer turns it on anyway, at GA 1 <fmt>_cache_adamw is the cache's and the fused
-# refresh's case, <fmt>_adamw the optimizer's alone); the fused MLP on)
+# LowBitAdamW (lowbit_fused_adamw, issue 25; unset: on for INT8/FP8 full fine-tuning on CUDA since session 34): AdamW
+# in one Triton pass for each parameter of >= 2**20 elements, a pass that for a cached per-row weight also leaves its
+# row absmax (the refresh then reads the weight once). recipe -> (format, None for bf16; the weight cache forced on
+# (with gradient accumulation LowBitTrainer turns it on anyway, at GA 1 <fmt>_cache_adamw is the cache's and the fused
+# refresh's case, <fmt>_adamw the optimizer's alone); the fused MLP on (off: this lever alone))
 ADAMW_VARIANTS = {"bf16_adamw": (None, False, False), **{f"{fmt}_adamw": (fmt, False, False) for fmt in ("int8", "fp8")},
                   **{f"{fmt}_cache_adamw": (fmt, True, False) for fmt in ("int8", "fp8")},
                   # + each MLP as one function around our SwiGLU kernels (lowbit_fused_swiglu): the two issue-25
                   # levers together, what a default with both would run
                   **{f"{fmt}_swiglu_adamw": (fmt, False, True) for fmt in ("int8", "fp8")}}
+# INT8 / FP8 (and with the weight cache forced on) with both issue-25 levers off, LowBitAdamW and the fused MLP (the
+# default before session 34: torch's AdamW, each MLP per linear), to measure the levers against in the same run
+PLAIN_VARIANTS = {f"{base}_plain": base for base in ("int8", "fp8", "int8_cache", "fp8_cache")}
+LEVERS_OFF = {"lowbit_fused_adamw": False, "lowbit_fused_swiglu": False}
 # the trainer path only: the layers path keeps the LM head bf16 and compiles only the decoder layers (apply_recipe)
 HEAD_VARIANTS = tuple(r for r, (_, field) in SWITCH_VARIANTS.items() if field == "include_lm_head")
 # bf16 / INT8 / FP8 with Inductor's partitioner free to recompute, in the backward, activations that a matmul or a
@@ -162,12 +166,12 @@ STOCK_BF16 = ("bf16", "bf16_recompute", "bf16_multikernel")
 MASK_VARIANTS = {"bf16_lbt_mask": "bf16_lbt", "int8_mask": "int8", "fp8_mask": "fp8",
                  "fp8_tensorwise_mask": "fp8_tensorwise"}
 OURS = ("int8", "fp8", "fp8_tensorwise", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, *FGA_VARIANTS,
-        *ADAMW_VARIANTS, "bf16_lbt",
+        *ADAMW_VARIANTS, *PLAIN_VARIANTS, "bf16_lbt",
         "int8_recompute",
         "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *QUANT_VARIANTS, *CAST_VARIANTS,
         "int8_multikernel", "fp8_multikernel", *MASK_VARIANTS)  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS) + tuple(FGA_VARIANTS)
-                + tuple(ADAMW_VARIANTS)
+                + tuple(ADAMW_VARIANTS) + tuple(PLAIN_VARIANTS)
                 + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS)
                 + tuple(SHARED_VARIANTS) + tuple(QUANT_VARIANTS) + tuple(CAST_VARIANTS) + tuple(MULTIKERNEL_VARIANTS)
                 + tuple(MASK_VARIANTS))  # compared with bf16
@@ -253,7 +257,7 @@ def _bnb_nf4_lora(model, r: int):
 
 def mixed_precision_args(recipe: str) -> dict:
     """The ``LowBitTrainingArguments`` fields of our INT8/FP8 recipe ``recipe`` (``int8``, ``fp8``, INT8_VARIANTS,
-    CACHE_VARIANTS, SWITCH_VARIANTS, FGA_VARIANTS, ADAMW_VARIANTS, PROCESS_VARIANTS)."""
+    CACHE_VARIANTS, SWITCH_VARIANTS, FGA_VARIANTS, ADAMW_VARIANTS, PLAIN_VARIANTS, PROCESS_VARIANTS)."""
     recipe = PROCESS_VARIANTS.get(recipe, recipe)
     if recipe in INT8_VARIANTS:
         return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
@@ -261,13 +265,17 @@ def mixed_precision_args(recipe: str) -> dict:
         return {f"{CACHE_VARIANTS[recipe]}_mixed_precision": True, "lowbit_weight_cache": True}
     if recipe in SWITCH_VARIANTS:
         fmt, field = SWITCH_VARIANTS[recipe]
-        return {f"{fmt}_mixed_precision": True, f"lowbit_{field}": True}
+        # <fmt>_swiglu: the fused MLP alone, without LowBitAdamW (the other lever, on by default)
+        return {f"{fmt}_mixed_precision": True, f"lowbit_{field}": True,
+                **({"lowbit_fused_adamw": False} if field == "fused_swiglu" else {})}
+    if recipe in PLAIN_VARIANTS:
+        return {**mixed_precision_args(PLAIN_VARIANTS[recipe]), **LEVERS_OFF}
     if recipe in FGA_VARIANTS:
         return {f"{FGA_VARIANTS[recipe]}_mixed_precision": True, "lowbit_fused_grad_accum": True}
     if recipe in ADAMW_VARIANTS:
         fmt, cache, swiglu = ADAMW_VARIANTS[recipe]
-        return {**({f"{fmt}_mixed_precision": True} if fmt else {}), **({"lowbit_weight_cache": True} if cache else {}),
-                **({"lowbit_fused_swiglu": True} if swiglu else {}), "lowbit_fused_adamw": True}
+        return {**({f"{fmt}_mixed_precision": True, "lowbit_fused_swiglu": swiglu} if fmt else {}),
+                **({"lowbit_weight_cache": True} if cache else {}), "lowbit_fused_adamw": True}
     return {f"{recipe}_mixed_precision": True}
 
 
@@ -472,10 +480,10 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
         return
     mlp = model.model.layers[0].mlp
     mod = mlp.up_proj
-    fused_mlp = (SWITCH_VARIANTS.get(recipe, (None, None))[1] == "fused_swiglu"
-                 or ADAMW_VARIANTS.get(recipe, (None, None, False))[2])
-    if fused_mlp and type(mlp).__name__ != "LowBitSwiGLUMLP":
-        raise RuntimeError(f"recipe {recipe!r} is not active: the MLP is a {type(mlp).__name__}")
+    fused_mlp = levers(recipe, device)[1]
+    if fused_mlp != (type(mlp).__name__ == "LowBitSwiGLUMLP"):
+        raise RuntimeError(f"recipe {recipe!r} is not active: the MLP is a {type(mlp).__name__}, the fused one "
+                           f"expected: {fused_mlp}")
     if recipe.endswith(("_cache", "_cache_adamw")) and not getattr(mod, "weight_cache", False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")
     if recipe in SWITCH_VARIANTS and not getattr(getattr(mod, "lowbit_config", None), SWITCH_VARIANTS[recipe][1], False):
@@ -573,6 +581,21 @@ def check_recipes(recipes: list[str], known: tuple[str, ...], path: str) -> None
         if recipe in HEAD_VARIANTS and path != "trainer":
             raise SystemExit(f"--recipes: {recipe} swaps the LM head, which the {path} path keeps bf16 (it compiles "
                              "the decoder layers only): --path trainer only")
+
+
+def levers(recipe: str, device) -> tuple[bool, bool]:
+    """(LowBitAdamW, the fused MLP): issue 25's two levers as ``LowBitTrainingArguments`` resolve them for ``recipe`` on
+    ``device`` (full fine-tuning, not sharded; unset: on for INT8/FP8 on CUDA); both off for recipes not ours."""
+    if recipe not in OURS:
+        return False, False
+    from hf_lowbit import LowBitTrainingArguments
+
+    # the device given, not TrainingArguments' own: its set-up resets accelerate's state, which a Trainer made before
+    # this call in the same process still reads
+    on = type("OnDevice", (LowBitTrainingArguments,), {"device": property(lambda self: torch.device(device))})
+    with tempfile.TemporaryDirectory() as tmp:
+        args = on(output_dir=tmp, report_to="none", **recipe_args(recipe))
+        return args.resolved_fused_adamw(sharded=False), args.resolved_fused_swiglu()
 
 
 def recipe_args(recipe: str) -> dict:

@@ -9,6 +9,7 @@ flag, and is validated in ``__post_init__`` with an error that names it.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -81,9 +82,8 @@ class LowBitArgumentsMixin:
         "Gradient accumulation: add low-bit weight gradients into .grad in their matmul, not by a separate add; one "
         "process only. Unset: off (not yet faster on the H200; docs/usage.md).")})
     lowbit_fused_adamw: bool | None = field(default=None, metadata={"help": (
-        "AdamW in one Triton pass for each parameter of >= 2**20 elements (LowBitAdamW); with the weight cache, "
-        "that pass also yields each cached weight's row absmax, so the refresh reads it once. Unset: off "
-        "(unmeasured; docs/usage.md).")})
+        "AdamW in one Triton pass a parameter of >= 2**20 elements (LowBitAdamW), refreshing the weight cache "
+        "too. Unset: on for INT8/FP8 full fine-tuning on CUDA (docs/usage.md).")})
     lowbit_stochastic_rounding: bool = field(default=False, metadata={"help": (
         "INT8 mixed precision: round the backward's operands stochastically (the output gradient in both "
         "gradient matmuls, the input in the weight gradient) instead of to nearest, so their rounding is "
@@ -93,8 +93,8 @@ class LowBitArgumentsMixin:
     lowbit_dual_grad_quant: bool | None = field(default=None, metadata={"help": (
         "INT8/FP8: dY quantized for dX and dW by one op, same bits; slower on the H200 (docs/usage.md). Unset: off.")})
     lowbit_fused_swiglu: bool | None = field(default=None, metadata={"help": (
-        "INT8/FP8: Llama-style MLPs as one function, the SwiGLU and its codes one Triton kernel each way. Unset: off "
-        "(unmeasured; docs/usage.md).")})
+        "INT8/FP8: Llama-style MLPs as one function, the SwiGLU one Triton kernel each way. Unset: on for "
+        "full fine-tuning on CUDA (docs/usage.md).")})
     lowbit_save_x_codes: bool | None = field(default=None, metadata={"help": (
         "INT8/FP8: linears keep their input's weight-gradient codes (1 byte, same bits), not the input; eager "
         "only (compiled, the partitioner already decides; docs/usage.md). Unset: off.")})
@@ -307,6 +307,37 @@ class LowBitArgumentsMixin:
     def lowbit_recipes(self) -> list[str]:
         """The low-bit recipes these arguments switch on, in the order they are applied."""
         return [name for name in MIXED_PRECISION_RECIPES if getattr(self, name)]
+
+    def sharded_by_launch(self) -> bool:
+        """FSDP or DeepSpeed, from these arguments or an accelerate launch config (before the Trainer exists)."""
+        return bool(self.fsdp) or bool(self.deepspeed) or any(
+            os.environ.get(v, "false").lower() in ("1", "true") for v in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
+
+    def resolved_fused_swiglu(self, adapters: bool = False) -> bool:
+        """``lowbit_fused_swiglu``, unset resolved: on for full fine-tuning (no ``adapters``, no QLoRA base) in INT8/FP8
+        row-wise compute of all three matmuls with nearest rounding, on a CUDA device (where the SwiGLU kernels run),
+        not sharded, unless Liger patches the SwiGLU. On the H200 it gained in whole steps (docs/benchmarks.md, "Issue
+        25, session 34"); anything else (LoRA, FSDP: unmeasured) keeps the MLP per linear."""
+        if self.lowbit_fused_swiglu is not None:
+            return self.lowbit_fused_swiglu
+        liger_swiglu = getattr(self, "use_liger_kernel", False) and \
+            (getattr(self, "liger_kernel_config", None) or {}).get("swiglu", True)
+        return bool((self.int8_mixed_precision or self.fp8_mixed_precision) and not self.fp8_tensorwise_mixed_precision
+                    and not adapters and not self.lora_base_quant and not self.lowbit_stochastic_rounding
+                    and not liger_swiglu
+                    and self.lowbit_output and self.lowbit_grad_input and self.lowbit_grad_weight
+                    and not self.sharded_by_launch() and self.device.type == "cuda")
+
+    def resolved_fused_adamw(self, sharded: bool, adapters: bool = False) -> bool:
+        """``lowbit_fused_adamw``, unset resolved: on for INT8/FP8 full fine-tuning (no ``adapters``, no QLoRA base:
+        their trained parameters are all small) with torch's AdamW (``optim='adamw_torch_fused'``, the default, or
+        ``'adamw_torch'``) on a CUDA device, not ``sharded`` (FSDP, DeepSpeed). On the H200 its step took 0.72x torch's
+        fused AdamW's, +0.07 on the 1x2048 ratio (docs/benchmarks.md, "Issue 25, session 34")."""
+        if self.lowbit_fused_adamw is not None:
+            return self.lowbit_fused_adamw
+        optim = getattr(self.optim, "value", self.optim)
+        return bool(self.lowbit_recipes and not adapters and not self.lora_base_quant and not sharded
+                    and optim in ("adamw_torch", "adamw_torch_fused") and self.device.type == "cuda")
 
 
 @dataclass

@@ -31,8 +31,9 @@ def base_filter(args: LowBitArgumentsMixin) -> LinearFilter:
     return LinearFilter(exclude=tuple(args.lowbit_exclude_modules), min_features=args.lowbit_min_features)
 
 
-def recipes_from_args(args: LowBitArgumentsMixin) -> list[tuple[Callable, object]]:
-    """``(convert, config)`` of every recipe ``args`` switch on, in the order they are applied.
+def recipes_from_args(args: LowBitArgumentsMixin, adapters: bool = False) -> list[tuple[Callable, object]]:
+    """``(convert, config)`` of every recipe ``args`` switch on, in the order they are applied (``adapters``: LoRA
+    will be attached, which an unset ``lowbit_fused_swiglu`` resolves by).
 
     The QLoRA base goes first: it is stored quantized and computes as the mixed-precision switches ask
     (INT8 only, no weight gradient: the base is frozen), so the mixed-precision pass then leaves it alone.
@@ -54,7 +55,7 @@ def recipes_from_args(args: LowBitArgumentsMixin) -> list[tuple[Callable, object
             # None (automatic) is LowBitTrainer's to decide: it knows the gradient accumulation
             weight_cache=bool(args.lowbit_weight_cache), stochastic_rounding=args.lowbit_stochastic_rounding,
             dual_grad_quant=dual, save_x_codes=x_codes, include_lm_head=args.lowbit_include_lm_head,
-            fused_swiglu=bool(args.lowbit_fused_swiglu))))
+            fused_swiglu=args.resolved_fused_swiglu(adapters))))
     if args.qat_scheme is not None:
         recipes.append((convert_to_qat, QATConfig(
             scheme=args.qat_scheme, group_size=args.qat_group_size, include_lm_head=args.qat_include_lm_head,
@@ -79,7 +80,7 @@ def apply_recipes(model: nn.Module, args: LowBitArgumentsMixin, peft_config=None
                          "the base linears, which then cannot train: pass peft_config=LoraConfig(...) too")
     linear_filter = base_filter(args)
     reports = []
-    for convert, config in recipes_from_args(args):
+    for convert, config in recipes_from_args(args, adapters=peft_config is not None):
         report = convert(model, config, linear_filter)
         if isinstance(config, QATConfig) and not report.swapped and not any(
                 e.reason.startswith("already") for e in report.entries):

@@ -91,7 +91,7 @@ class LowBitTrainerMixin:
         self._lowbit_cached_layers: list[MixedPrecisionLinear] | None = None  # found on the first step
         # AdamW in one Triton pass a large parameter, which refreshes a cached weight's cache too (LowBitAdamW, made
         # in create_optimizer)
-        self.lowbit_fused_adamw = bool(args.lowbit_fused_adamw)
+        self.lowbit_fused_adamw = args.resolved_fused_adamw(sharded, adapters=peft_config is not None)
         if self.lowbit_fused_adamw and sharded:
             raise ValueError(f"{args_name}.lowbit_fused_adamw=True: not with FSDP or DeepSpeed, whose sharded "
                              "parameters and optimizers it does not take; leave it unset")
@@ -460,9 +460,7 @@ def _use_cuda_graphs(args: LowBitArgumentsMixin, adapters: bool = False) -> bool
     low_bit_compute = bool(args.lowbit_recipes)
     # FSDP / DeepSpeed (from the arguments or an accelerate launch config): their hooks and collectives
     # run between the graphs, and the graphs would capture parameters that the wrappers swap
-    sharded = bool(args.fsdp) or bool(args.deepspeed) or any(
-        os.environ.get(v, "false").lower() in ("1", "true") for v in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
-    return (low_bit_compute and args.torch_compile and args.torch_compile_mode is None and not sharded
+    return (low_bit_compute and args.torch_compile and args.torch_compile_mode is None and not args.sharded_by_launch()
             and args.device.type == "cuda")
 
 

@@ -80,7 +80,8 @@ def test_help_is_short_honest_and_quiet(sft_help):
     out = proc.stdout
     assert len(out.splitlines()) < 393  # 359 before fp8_tensorwise_mixed_precision (5 lines), 364 with it, 370 with
     # lowbit_include_lm_head (6), 376 with lowbit_skip_causal_mask (6: its --no_ form too), 381 with
-    # lowbit_fused_grad_accum (5), 386 with lowbit_fused_adamw (5), 391 with lowbit_fused_swiglu (5)
+    # lowbit_fused_grad_accum (5), 386 with lowbit_fused_adamw (5), 391 with lowbit_fused_swiglu (5), 390 with both
+    # levers on by default (their help shortened)
     # the low-bit flags come first, before any TrainingArguments flag
     options = out[out.index("low-bit recipes (hf_lowbit):"):]
     assert options.index("--int8_mixed_precision") < options.index("--model_name_or_path") < options.index("--learning_rate")

@@ -460,7 +460,8 @@ def test_benchmark_swiglu_recipes():
     for fmt in ("int8", "fp8"):
         recipe = f"{fmt}_swiglu"
         assert recipe in bench.OURS and recipe in bench.FULL_RECIPES
-        assert bench.mixed_precision_args(recipe) == {f"{fmt}_mixed_precision": True, "lowbit_fused_swiglu": True}
+        assert bench.mixed_precision_args(recipe) == {f"{fmt}_mixed_precision": True, "lowbit_fused_swiglu": True,
+                                                      "lowbit_fused_adamw": False}
         model = tiny_model().bfloat16()
         bench.apply_recipe(model, recipe, min_features=16)
         assert all(type(layer.mlp).__name__ == "LowBitSwiGLUMLP" for layer in model.model.layers)
@@ -469,6 +470,14 @@ def test_benchmark_swiglu_recipes():
         bench.apply_recipe(plain, fmt, min_features=16)
         with pytest.raises(RuntimeError, match="not active: the MLP is a LlamaMLP"):
             bench.check_recipe_active(plain, recipe, "cpu")
+        # off CUDA the default keeps the MLP per linear: a fused one is refused under the plain recipe's name
+        with pytest.raises(RuntimeError, match="not active: the MLP is a LowBitSwiGLUMLP"):
+            bench.check_recipe_active(model, fmt, "cpu")
+        assert bench.mixed_precision_args(f"{fmt}_plain") == {f"{fmt}_mixed_precision": True,
+                                                              "lowbit_fused_adamw": False, "lowbit_fused_swiglu": False}
+        assert bench.levers(f"{fmt}_plain", "cpu") == bench.levers(fmt, "cpu") == (False, False)
+        assert bench.levers(f"{fmt}_adamw", "cpu") == (True, False) and bench.levers(recipe, "cpu") == (False, True)
+    assert bench.levers("bf16_adamw", "cpu") == (True, False) and bench.levers("bf16", "cpu") == (False, False)
     combined = bench.mixed_precision_args("fp8_swiglu_adamw")
     assert combined == {"fp8_mixed_precision": True, "lowbit_fused_swiglu": True, "lowbit_fused_adamw": True}
     model = tiny_model().bfloat16()
@@ -476,11 +485,11 @@ def test_benchmark_swiglu_recipes():
     bench.check_recipe_active(model, "int8_swiglu_adamw", "cpu")
     with pytest.raises(RuntimeError, match="not active: the MLP is a LlamaMLP"):
         bench.check_recipe_active(plain, "fp8_swiglu_adamw", "cpu")
-    levers = "bf16,bf16_adamw,int8,int8_adamw,int8_swiglu,int8_swiglu_adamw,fp8,fp8_swiglu_adamw"
+    levers = "bf16,bf16_adamw,int8_plain,int8_adamw,int8_swiglu,int8,fp8_plain,fp8"
     assert {k: BLOCKS[k][:5] for k in BLOCKS if k.endswith("_levers")} == {
         "layers_b1_levers": ("layers", 1, 1, "default", levers), "layers_b8_levers": ("layers", 8, 1, "default", levers),
         "layers_b1_ga8_levers": ("layers", 1, 8, "default", levers)}
-    recipes = "bf16,int8,int8_swiglu,fp8,fp8_swiglu"
+    recipes = "bf16,int8_plain,int8_swiglu,fp8_plain,fp8_swiglu"
     assert {k: BLOCKS[k][:5] for k in BLOCKS if k.endswith("_swiglu")} == {
         "layers_b8_swiglu": ("layers", 8, 1, "default", recipes), "layers_b1_swiglu": ("layers", 1, 1, "default", recipes),
         "layers_b1_ga8_swiglu": ("layers", 1, 8, "default", recipes),

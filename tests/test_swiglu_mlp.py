@@ -14,6 +14,7 @@ from hf_lowbit import MixedPrecisionConfig, enable_fused_grad_accumulation
 from hf_lowbit.kernels.swiglu import swiglu_backward_quant_reference, swiglu_quant_reference
 from hf_lowbit.mixed_precision import LowBitSwiGLUMLP, convert_to_mixed_precision
 from hf_lowbit.mixed_precision import swiglu as swiglu_mlp
+from hf_lowbit.prepare import recipes_from_args
 from hf_lowbit.swap import LinearFilter
 
 
@@ -232,11 +233,47 @@ def test_config_and_arguments_refuse_what_it_cannot_do(tmp_path):
         lowbit_args(tmp_path, int8_mixed_precision=True, lowbit_fused_swiglu=True, use_liger_kernel=True)
     lowbit_args(tmp_path, int8_mixed_precision=True, lowbit_fused_swiglu=True, use_liger_kernel=True,
                 liger_kernel_config={"swiglu": False})
-    from hf_lowbit.prepare import recipes_from_args
-
     (_, config), = recipes_from_args(lowbit_args(tmp_path, fp8_mixed_precision=True, lowbit_fused_swiglu=True))
     assert config.fused_swiglu and config.format == "fp8"
     (_, config), = recipes_from_args(lowbit_args(tmp_path, fp8_mixed_precision=True))
+    assert not config.fused_swiglu  # unset, off CUDA: the MLP per linear (the kernels are CUDA's)
+
+
+def test_unset_levers_resolve_on_for_full_fine_tuning_on_cuda(tmp_path, monkeypatch):
+    """lowbit_fused_swiglu and lowbit_fused_adamw unset (issue 25's two levers, on by default since the H200's whole
+    steps gained with them): on for INT8/FP8 full fine-tuning on a CUDA device; off wherever they are unmeasured or
+    cannot serve (CPU, LoRA and QLoRA, FSDP/DeepSpeed, tensorwise FP8, stochastic rounding, a bf16 matmul, Liger's
+    SwiGLU, another optimizer) and as given when set. The device is patched: the resolution, not the kernels."""
+    from hf_lowbit import LowBitTrainingArguments
+
+    cuda = lambda **kw: lowbit_args(tmp_path, **kw)  # noqa: E731
+    monkeypatch.setattr(LowBitTrainingArguments, "device", property(lambda self: torch.device("cuda")))
+    for fmt in ("int8", "fp8"):
+        args = cuda(**{f"{fmt}_mixed_precision": True})
+        assert args.resolved_fused_swiglu() and args.resolved_fused_adamw(sharded=False), fmt
+        assert not args.resolved_fused_swiglu(adapters=True) and not args.resolved_fused_adamw(False, adapters=True)
+        assert not args.resolved_fused_adamw(sharded=True)
+    assert not cuda().resolved_fused_swiglu() and not cuda().resolved_fused_adamw(False)  # no recipe: stock
+    for kw in (dict(fp8_tensorwise_mixed_precision=True), dict(int8_mixed_precision=True, lowbit_stochastic_rounding=True),
+               dict(int8_mixed_precision=True, lowbit_grad_weight=False),
+               dict(int8_mixed_precision=True, use_liger_kernel=True),
+               dict(int8_mixed_precision=True, lora_base_quant="nf4"),
+               dict(int8_mixed_precision=True, lowbit_fused_swiglu=False)):
+        assert not cuda(**kw).resolved_fused_swiglu(), kw
+    assert cuda(int8_mixed_precision=True, use_liger_kernel=True,
+                liger_kernel_config={"swiglu": False}).resolved_fused_swiglu()
+    for kw in (dict(optim="sgd"), dict(lora_base_quant="nf4"), dict(lowbit_fused_adamw=False)):
+        assert not cuda(int8_mixed_precision=True, **kw).resolved_fused_adamw(False), kw
+    assert cuda(int8_mixed_precision=True, optim="adamw_torch").resolved_fused_adamw(False)
+    assert cuda(fp8_tensorwise_mixed_precision=True).resolved_fused_adamw(False)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # an accelerate launch config's FSDP
+    assert not cuda(int8_mixed_precision=True).resolved_fused_swiglu()
+    (_, config), = recipes_from_args(cuda(fp8_mixed_precision=True))
+    assert not config.fused_swiglu
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    (_, config), = recipes_from_args(cuda(fp8_mixed_precision=True))
+    assert config.fused_swiglu
+    (_, config), = recipes_from_args(cuda(fp8_mixed_precision=True), adapters=True)
     assert not config.fused_swiglu
 
 
