@@ -173,8 +173,9 @@ _FP8_SERVING = _SERVE_CODE.format(
     swap_line="use_fp8_kernels(model)  # FP8 GEMV for decode (activation quantized once), _scaled_mm for prefill") + """
 
 Measured by hf_lowbit on one H200 (32 Llama-8B-shaped layers, the compiled path above without the deferred stop
-check, the bf16 model in the same run; docs/qat.md): greedy decode at batch 1 **1.42x** the bf16 model's tokens/s,
-prefill of 2048 tokens 1.52x; 0.51x its size."""
+check, the bf16 model in the same run; docs/qat.md): greedy decode at batch 1 **1.34-1.42x** the bf16 model's tokens/s
+in two runs, prefill of 2048 tokens 1.49-1.52x (torchao's FP8 PTQ served by torchao's own path: 0.95x and 1.42x in the
+same run); 0.51x its size."""
 
 QAT_SCHEMES: dict[str, QATScheme] = {
     "8da4w": QATScheme(
