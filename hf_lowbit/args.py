@@ -31,6 +31,12 @@ def fused_cross_entropy_requested(args) -> bool:
     return bool((getattr(args, "liger_kernel_config", None) or {}).get("fused_linear_cross_entropy", True))
 
 
+def sharded_by_launch(args) -> bool:
+    """FSDP or DeepSpeed, from the arguments or an accelerate launch config (known before the Trainer exists)."""
+    return bool(args.fsdp) or bool(args.deepspeed) or any(
+        os.environ.get(v, "false").lower() in ("1", "true") for v in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
+
+
 @dataclass
 class LowBitArgumentsMixin:
     """The low-bit fields and their validation, mixed in before a ``TrainingArguments`` subclass.
@@ -308,11 +314,6 @@ class LowBitArgumentsMixin:
         """The low-bit recipes these arguments switch on, in the order they are applied."""
         return [name for name in MIXED_PRECISION_RECIPES if getattr(self, name)]
 
-    def sharded_by_launch(self) -> bool:
-        """FSDP or DeepSpeed, from these arguments or an accelerate launch config (before the Trainer exists)."""
-        return bool(self.fsdp) or bool(self.deepspeed) or any(
-            os.environ.get(v, "false").lower() in ("1", "true") for v in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
-
     def resolved_fused_swiglu(self, adapters: bool = False) -> bool:
         """``lowbit_fused_swiglu``, unset resolved: on for full fine-tuning (no ``adapters``, no QLoRA base) in INT8/FP8
         row-wise compute of all three matmuls with nearest rounding, on a CUDA device (where the SwiGLU kernels run),
@@ -326,7 +327,7 @@ class LowBitArgumentsMixin:
                     and not adapters and not self.lora_base_quant and not self.lowbit_stochastic_rounding
                     and not liger_swiglu
                     and self.lowbit_output and self.lowbit_grad_input and self.lowbit_grad_weight
-                    and not self.sharded_by_launch() and self.device.type == "cuda")
+                    and not sharded_by_launch(self) and self.device.type == "cuda")
 
     def resolved_fused_adamw(self, sharded: bool, adapters: bool = False) -> bool:
         """``lowbit_fused_adamw``, unset resolved: on for INT8/FP8 full fine-tuning (no ``adapters``, no QLoRA base:

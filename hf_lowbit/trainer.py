@@ -17,7 +17,7 @@ import torch
 from transformers import Trainer
 
 from . import atomic
-from .args import LowBitArgumentsMixin, LowBitTrainingArguments
+from .args import LowBitArgumentsMixin, LowBitTrainingArguments, sharded_by_launch
 from .integrations.causal_mask import (FullAttentionMaskCollator, collator_mode, dispatches_batches, plain_causal_for,
                                        plain_causal_model)
 from .integrations.distributed import (check_deepspeed, prepare_integer_params_for_fsdp2, prepare_lowbit_all_gather,
@@ -460,7 +460,7 @@ def _use_cuda_graphs(args: LowBitArgumentsMixin, adapters: bool = False) -> bool
     low_bit_compute = bool(args.lowbit_recipes)
     # FSDP / DeepSpeed (from the arguments or an accelerate launch config): their hooks and collectives
     # run between the graphs, and the graphs would capture parameters that the wrappers swap
-    return (low_bit_compute and args.torch_compile and args.torch_compile_mode is None and not args.sharded_by_launch()
+    return (low_bit_compute and args.torch_compile and args.torch_compile_mode is None and not sharded_by_launch(args)
             and args.device.type == "cuda")
 
 

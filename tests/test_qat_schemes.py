@@ -443,11 +443,16 @@ def test_model_card_serving_figures_are_the_records():
                            (before["decode_vs_bf16_b8_deferred"], "{}x at batch 8"),
                            (p["prefill_vs_bf16"], "tokens {}x"), (row["size_vs_bf16"], "{}x its size")):
         assert context.format(f"{value:.2f}") in " ".join(int4.split()), (value, context)
+    # FP8: two runs (226593a's; 06f72c1's with torchao's FP8 PTQ on its own path beside ours), the lower figure first
     row, p = phase("serve_fp8k_l32_h200.json", "qat_fp8_rowwise", "compiled_fp8k_stacked")
+    _, again = phase("serve_fp8k_l32_defer_ptq_h200.json", "qat_fp8_rowwise", "compiled_fp8k_stacked")
+    _, peer = phase("serve_fp8k_l32_defer_ptq_h200.json", "ptq_fp8_rowwise", "compiled_lean")
     fp8 = " ".join(get_scheme("fp8_rowwise").serving.split())
-    for value, context in ((p["decode_vs_bf16_b1"], "batch 1 **{}x**"), (p["prefill_vs_bf16"], "tokens {}x"),
-                           (row["size_vs_bf16"], "{}x its size")):
-        assert context.format(f"{value:.2f}") in fp8, (value, context)
+    for context, *values in (("batch 1 **{}-{}x**", again["decode_vs_bf16_b1"], p["decode_vs_bf16_b1"]),
+                             ("tokens {}-{}x", again["prefill_vs_bf16"], p["prefill_vs_bf16"]),
+                             ("own path: {}x and {}x in the same run", peer["decode_vs_bf16_b1"], peer["prefill_vs_bf16"]),
+                             ("{}x its size", row["size_vs_bf16"])):
+        assert context.format(*(f"{v:.2f}" for v in values)) in fp8, (values, context)
     assert 'decode="triton_mma"' in int4 and "{name}" in int4
     assert get_scheme("8da4w").serving == get_scheme("int4_weight_only").serving == ""
 
