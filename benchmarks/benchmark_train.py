@@ -143,8 +143,12 @@ def trainer_worker(a) -> dict:
         if trainer.lowbit_fused_adamw != levers(a.recipe, a.device)[0]:
             raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_fused_adamw resolved to "
                                f"{trainer.lowbit_fused_adamw}")
+        fused_mlp = any(type(m).__name__ == "LowBitSwiGLUMLP" for m in trainer.model.modules())
+        if fused_mlp != levers(a.recipe, a.device)[1]:
+            raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's MLPs fused: {fused_mlp}")
         chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
                   "fused_grad_accum": trainer.lowbit_fused_grad_accum, "fused_adamw": trainer.lowbit_fused_adamw,
+                  "fused_swiglu": fused_mlp,
                   "cuda_graphs": trainer.lowbit_cuda_graphs, "non_blocking": trainer.accelerator.non_blocking,
                   "skip_causal_mask": trainer.lowbit_skip_causal_mask}
     else:
