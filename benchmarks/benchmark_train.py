@@ -140,11 +140,12 @@ def trainer_worker(a) -> dict:
         if trainer.lowbit_fused_grad_accum != (a.recipe in FGA_VARIANTS):
             raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_fused_grad_accum resolved to "
                                f"{trainer.lowbit_fused_grad_accum}")
-        if trainer.lowbit_fused_adamw != levers(a.recipe, a.device)[0]:
+        fused_adamw, fused_swiglu = levers(a.recipe, a.device)
+        if trainer.lowbit_fused_adamw != fused_adamw:
             raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's lowbit_fused_adamw resolved to "
                                f"{trainer.lowbit_fused_adamw}")
         fused_mlp = any(type(m).__name__ == "LowBitSwiGLUMLP" for m in trainer.model.modules())
-        if fused_mlp != levers(a.recipe, a.device)[1]:
+        if fused_mlp != fused_swiglu:
             raise RuntimeError(f"recipe {a.recipe!r}: LowBitTrainer's MLPs fused: {fused_mlp}")
         chosen = {"torch_compile_mode": args.torch_compile_mode, "weight_cache": trainer.lowbit_weight_cache,
                   "fused_grad_accum": trainer.lowbit_fused_grad_accum, "fused_adamw": trainer.lowbit_fused_adamw,

@@ -24,11 +24,17 @@ MIXED_PRECISION_RECIPES = {"int8_mixed_precision": "int8", "fp8_mixed_precision"
 FLCE_OFF = "liger_kernel_config={'fused_linear_cross_entropy': False}"
 
 
-def fused_cross_entropy_requested(args) -> bool:
-    """Whether ``args`` ask Liger for its fused linear cross-entropy (the default of Liger's Llama-family patches)."""
+def liger_requested(args, kernel: str) -> bool:
+    """Whether ``args`` ask Liger for ``kernel`` (a ``liger_kernel_config`` key: each is on by default in Liger's
+    Llama-family patches)."""
     if not getattr(args, "use_liger_kernel", False):
         return False
-    return bool((getattr(args, "liger_kernel_config", None) or {}).get("fused_linear_cross_entropy", True))
+    return bool((getattr(args, "liger_kernel_config", None) or {}).get(kernel, True))
+
+
+def fused_cross_entropy_requested(args) -> bool:
+    """Whether ``args`` ask Liger for its fused linear cross-entropy (the default of Liger's Llama-family patches)."""
+    return liger_requested(args, "fused_linear_cross_entropy")
 
 
 def sharded_by_launch(args) -> bool:
@@ -208,8 +214,7 @@ class LowBitArgumentsMixin:
         if self.lowbit_fused_swiglu and self.fp8_tensorwise_mixed_precision:
             raise ValueError(f"{cls}.lowbit_fused_swiglu=True quantizes the SwiGLU per row: it needs "
                              "int8_mixed_precision or fp8_mixed_precision, not fp8_tensorwise_mixed_precision")
-        if self.lowbit_fused_swiglu and getattr(self, "use_liger_kernel", False) and \
-                (getattr(self, "liger_kernel_config", None) or {}).get("swiglu", True):
+        if self.lowbit_fused_swiglu and liger_requested(self, "swiglu"):
             raise ValueError(f"{cls}.lowbit_fused_swiglu=True with use_liger_kernel=True: Liger's SwiGLU patch would "
                              "replace the fused MLP's forward; pass liger_kernel_config={'swiglu': False} (Liger's "
                              "other kernels still apply) or lowbit_fused_swiglu=False")
@@ -321,11 +326,9 @@ class LowBitArgumentsMixin:
         25, session 34"); anything else (LoRA, FSDP: unmeasured) keeps the MLP per linear."""
         if self.lowbit_fused_swiglu is not None:
             return self.lowbit_fused_swiglu
-        liger_swiglu = getattr(self, "use_liger_kernel", False) and \
-            (getattr(self, "liger_kernel_config", None) or {}).get("swiglu", True)
         return bool((self.int8_mixed_precision or self.fp8_mixed_precision) and not self.fp8_tensorwise_mixed_precision
                     and not adapters and not self.lora_base_quant and not self.lowbit_stochastic_rounding
-                    and not liger_swiglu
+                    and not liger_requested(self, "swiglu")
                     and self.lowbit_output and self.lowbit_grad_input and self.lowbit_grad_weight
                     and not sharded_by_launch(self) and self.device.type == "cuda")
 
