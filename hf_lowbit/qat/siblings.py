@@ -137,7 +137,11 @@ def fuse_siblings(model: nn.Module, kind: type, concat: Callable[[list[nn.Module
             if child is not None:
                 homes[id(child)] = homes.get(id(child), 0) + 1
     fused: list[str] = []
-    for parent_name, parent in list(model.named_modules()):
+    # the parents alone, not every module: a list of all of them would keep each replaced sibling (its bytes) alive
+    # until the walk ends, so a stacked 8B model would peak at its siblings' bytes twice (4 GiB in FP8)
+    names_in_groups = {n for names in groups for n in names}
+    parents = [(n, p) for n, p in model.named_modules() if names_in_groups & p._modules.keys()]
+    for parent_name, parent in parents:
         for names in groups:
             mods = [getattr(parent, n, None) for n in names]
             ours = [isinstance(m, kind) for m in mods]
