@@ -615,6 +615,63 @@ def check_lowbit_adamw(device: str) -> int:
     return sum(_check_lowbit_adamw(device, min_numel) for min_numel in (None, 1040))
 
 
+def check_trainer_levers(device: str) -> int:
+    """The users' default path for INT8 / FP8 full fine-tuning on a GPU, through ``LowBitTrainer``: ``LowBitAdamW``
+    (its kernel updating the large weights and refreshing their caches from its row absmax: accumulation 2 keeps
+    the weight cache on) and the MLPs as one function (``LowBitSwiGLUMLP``), a checkpoint at step 2 and a run
+    resumed from it. On CUDA both levers are left unset and must resolve on, compiled as ``LowBitTrainer`` chooses
+    (CUDA graphs), bf16 autocast, INT8 and FP8; the resumed steps' losses within 1% of the full run's (SDPA's
+    backward may sum in another order). On the CPU (Triton's interpreter, INT8 alone, eager, float32) the levers
+    resolve off and are forced on, and the resumed run repeats the full one bit for bit: losses, weights, the
+    optimizer's step counts (the other CPU Trainer tests never make the kernel take a weight). Returns the runs."""
+    import tempfile
+
+    from conftest import arithmetic_blocks, tiny_model
+
+    from hf_lowbit import LowBitAdamW, LowBitTrainer, LowBitTrainingArguments
+    from hf_lowbit.mixed_precision.swiglu import LowBitSwiGLUMLP
+
+    cuda = device == "cuda"
+    runs = 0
+    for fmt in ("int8", "fp8") if cuda else ("int8",):
+        with tempfile.TemporaryDirectory() as out:
+            def run(resume=None):
+                args = LowBitTrainingArguments(
+                    output_dir=out, max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                    learning_rate=3e-3, warmup_steps=1, logging_steps=1, save_strategy="steps", save_steps=2,
+                    report_to="none", seed=0, lowbit_min_features=16, disable_tqdm=True, use_cpu=not cuda,
+                    bf16=cuda, torch_compile=cuda, **{f"{fmt}_mixed_precision": True},
+                    **({} if cuda else dict(lowbit_fused_adamw=True, lowbit_fused_swiglu=True)))
+                trainer = LowBitTrainer(tiny_model(vocab_size=96), args=args, train_dataset=arithmetic_blocks(48))
+                mlps = [layer.mlp for layer in trainer.model.model.layers]
+                assert all(isinstance(m, LowBitSwiGLUMLP) for m in mlps), f"{fmt}: MLPs not fused: {mlps[0]}"
+                assert trainer.lowbit_fused_adamw and trainer.lowbit_weight_cache, fmt
+                assert trainer.lowbit_cuda_graphs == cuda, f"{fmt}: CUDA graphs {trainer.lowbit_cuda_graphs}"
+                trainer.train(resume_from_checkpoint=resume)
+                optimizer = trainer.optimizer.optimizer  # inside accelerate's wrapper
+                assert isinstance(optimizer, LowBitAdamW), type(optimizer).__name__
+                assert len(optimizer._lowbit_amax) >= 7 * len(mlps), f"{fmt}: the kernel refreshed " \
+                    f"{len(optimizer._lowbit_amax)} cached weights"
+                losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+                steps = {float(st["step"]) for st in optimizer.state_dict()["state"].values()}
+                return trainer, losses, steps
+
+            full, full_losses, full_steps = run()
+            resumed, losses, steps = run(resume=f"{out}/checkpoint-2")
+            # (the resumed run's log keeps the checkpoint's steps 1-2 as they were logged)
+            assert {3, 4} <= set(losses) and full_steps == steps == {4.0}, (sorted(losses), full_steps, steps)
+            for step in (3, 4):
+                ref, got = full_losses[step], losses[step]
+                ok = got == ref if not cuda else abs(got - ref) <= 0.01 * abs(ref)
+                assert ok, f"{fmt}: the resumed run's loss at step {step} is {got}, the full run's {ref}"
+            if not cuda:
+                weights = dict(full.model.named_parameters())
+                differ = [n for n, p in resumed.model.named_parameters() if not torch.equal(p, weights[n])]
+                assert not differ, f"{fmt}: weights differ after the resumed run: {differ[:4]}"
+            runs += 2
+    return runs
+
+
 def check_lowbit_adamw_groups(device: str) -> int:
     """``LowBitAdamW`` with two parameter groups of their own lr, betas, eps and weight decay (float32 and bf16
     weights, every one through the kernel: ``kernel_min_numel=0``) against ``torch.optim.AdamW`` (fused), 3 steps:
@@ -1649,6 +1706,7 @@ MODES = {
     "adamw": lambda: ("checked", check_adamw_rows("cpu"), "AdamW steps and refreshes from their absmax"),
     "lowbit_adamw": lambda: ("checked", check_lowbit_adamw("cpu") + check_lowbit_adamw_groups("cpu"),
                              "LowBitAdamW steps against torch's AdamW"),
+    "trainer_levers": lambda: ("checked", check_trainer_levers("cpu"), "LowBitTrainer runs with both levers"),
     "rcp_binades": lambda: ("checked", _with(exact_fma_interpreter(), check_rcp_binades, "cpu"),
                             "columns of every binade"),
     "fp8_ties": lambda: ("checked", _with(exact_fma_interpreter(), check_fp8_ties, "cpu"), "FP8 quantizations of ties"),

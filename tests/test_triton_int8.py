@@ -351,6 +351,21 @@ def test_lowbit_adamw_interpreted():
     assert "checked 15 LowBitAdamW steps against torch's AdamW" in run_interpreted("lowbit_adamw")
 
 
+def test_trainer_with_both_levers_resumes_interpreted():
+    """The default INT8/FP8 path on a GPU (LowBitAdamW's kernel refreshing the weight cache, the fused MLP) through
+    LowBitTrainer, forced on under the interpreter: a run resumed from its step-2 checkpoint repeats the full run
+    bit for bit (losses, weights, step counts)."""
+    assert "checked 2 LowBitTrainer runs with both levers" in run_interpreted("trainer_levers")
+
+
+@pytest.mark.cuda
+def test_trainer_with_both_levers_resumes_cuda():
+    """The same on a GPU with the levers unset (they resolve on), compiled with CUDA graphs, INT8 and FP8."""
+    from _triton_checks import check_trainer_levers
+
+    assert check_trainer_levers("cuda") == 4
+
+
 @pytest.mark.cuda
 def test_lowbit_adamw_cuda():
     from _triton_checks import check_lowbit_adamw, check_lowbit_adamw_groups
