@@ -1357,6 +1357,39 @@ def check_nf4_to_int8(device: str) -> int:
     return n
 
 
+def _same_as_contiguous(launch, views, what: str) -> int:
+    """``launch(*views)`` (operands in layouts the public ops accept: strided rows or columns) equals
+    ``launch`` of their contiguous copies, bit for bit (NaN as NaN), whatever the launcher returns (a tensor or a
+    tuple of them); the contiguous launch is what the other checks hold to the references. Returns 1."""
+    assert any(not v.is_contiguous() for v in views if isinstance(v, torch.Tensor)), what
+    got = launch(*views)
+    ref = launch(*(v.contiguous() if isinstance(v, torch.Tensor) else v for v in views))
+    for g, r in zip(*((t,) if isinstance(t, torch.Tensor) else t for t in (got, ref))):
+        if g is None:
+            continue
+        same = torch.equal(g, r) if not g.is_floating_point() else torch.equal(g.isnan(), r.isnan()) and torch.equal(
+            g.nan_to_num(), r.nan_to_num())
+        assert same, f"{what}: the strided operands' launch differs from the contiguous one"
+    return 1
+
+
+def check_strided_operands(device: str) -> int:
+    """Launchers given operands in other layouts than their kernels address, as the public ops accept them (e.g.
+    ``hf_lowbit::nf4_to_int8``'s codes, a column slice of a wider weight's): each launch equals the same launch on
+    contiguous copies. Returns the number of launches checked."""
+    from hf_lowbit.kernels.nf4 import nf4_int8_multipliers, nf4_lut, quantize_nf4
+    from hf_lowbit.kernels.triton_nf4 import nf4_to_int8_triton
+
+    n = 0
+    data = quantize_nf4((torch.randn(24, 384, device=device) * 0.05).bfloat16())
+    mul, _ = nf4_int8_multipliers(data)
+    lut = nf4_lut(torch.bfloat16, device)
+    for transposed in (False, True):  # the first 256 columns: codes and multipliers with rows of the wider weight
+        n += _same_as_contiguous(lambda c, m: nf4_to_int8_triton(c, m, lut, transposed),
+                                 (data.codes[:, :128], mul[:, :4]), f"NF4 -> INT8 transposed={transposed}")
+    return n
+
+
 def _int4_tol(x, w, ref):
     """How far two float32 sums of the same exact products (bf16 x·w), in different orders, each rounded to bf16
     once, may differ: each sum errs by at most ``K·2**-24·Σ|x_k w_k|`` (the standard bound for K terms), and the
@@ -1716,6 +1749,7 @@ MODES = {
                      "quant_dual candidates"),
     "swiglu": lambda: ("checked", check_swiglu("cpu"), "SwiGLU quantizations"),
     "nf4": lambda: ("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes"),
+    "strided_operands": lambda: ("checked", check_strided_operands("cpu"), "launches on strided operands"),
     "int4": lambda: ("checked", check_int4("cpu"), "int4 dequantizations and matmuls"),
     "int4_tile": lambda: ("checked", check_int4_tile("cpu"), "int4 tile-layout dequantizations and GEMVs"),
     "int4_large_offsets": lambda: ("checked", check_int4_large_offsets("cpu"),

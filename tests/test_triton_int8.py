@@ -479,6 +479,37 @@ def test_nf4_to_int8_refuses_weights_past_32bit_offsets(monkeypatch):
             triton_nf4.nf4_to_int8_triton(codes, mul, lut, transposed)
 
 
+def test_launchers_take_strided_operands_interpreted():
+    """Operands the public ops accept in layouts the kernels do not address (strided rows or columns) give the
+    launch of their contiguous copies: made contiguous by the launcher, not read as if they were."""
+    assert "checked 2 launches on strided operands" in run_interpreted("strided_operands")
+
+
+@pytest.mark.cuda
+def test_launchers_take_strided_operands_cuda():
+    from _triton_checks import check_strided_operands
+
+    assert check_strided_operands("cuda") == 2
+
+
+def test_nf4_to_int8_refuses_other_block_sizes(monkeypatch):
+    """The NF4 -> INT8 kernel takes blocks of 64 (one multiplier a block): codes of another block size (quantize_nf4's
+    block_size=32: twice the multipliers) or a K that is not a multiple of 64 are refused in one line, before any
+    launch, instead of decoded with the wrong multipliers or left unwritten."""
+    import torch
+
+    from hf_lowbit.kernels import triton_nf4
+
+    monkeypatch.setattr(triton_nf4, "wrap_triton", no_launch)
+    lut = torch.empty(16, device="meta")
+    for K, blocks in ((256, 8), (96, 1)):  # block size 32; K = 96, not a multiple of 64
+        codes, mul = torch.empty(8, K // 2, dtype=torch.uint8, device="meta"), torch.empty(8, blocks, device="meta")
+        with pytest.raises(ValueError, match=rf"^nf4_to_int8_triton: mul must be \[8, {K // 64}\] \(one multiplier a "
+                                             rf"64-element block of codes \[8, {K // 2}\]\), got \[8, {blocks}\]; "
+                                             r"NF4 -> INT8 takes blocks of 64 \(quantize_nf4's default block_size\)$"):
+            triton_nf4.nf4_to_int8_triton(codes, mul, lut, False)
+
+
 @pytest.mark.cuda
 def test_triton_nf4_to_int8_cuda():
     from _triton_checks import check_nf4_to_int8

@@ -93,8 +93,14 @@ def _nf4_to_int8_kernel(codes_ptr, mul_ptr, lut_ptr, q_ptr, N, K, TRANSPOSED: tl
 def nf4_to_int8_triton(codes: torch.Tensor, mul: torch.Tensor, lut: torch.Tensor, transposed: bool) -> torch.Tensor:
     """``codes`` uint8 ``[N, K/2]``, ``mul`` float32 ``[N, K/64]``, ``lut`` float32 ``[16]`` -> int8 ``[N, K]``
     (``[K, N]`` if ``transposed``), contiguous. Offsets are 32-bit (a QLoRA base's weights are far below 2**31
-    elements): a weight of 2**31 elements or more is refused, before any launch."""
+    elements): a weight of 2**31 elements or more is refused, before any launch. The kernel addresses its operands
+    as contiguous: views in other layouts are copied (a slice of a wider weight's codes; small, and rare)."""
     N, K = codes.shape[0], codes.shape[1] * 2
+    if K % 64 or tuple(mul.shape) != (N, K // 64):
+        raise ValueError(f"nf4_to_int8_triton: mul must be [{N}, {K // 64}] (one multiplier a 64-element block of codes "
+                         f"[{N}, {K // 2}]), got {list(mul.shape)}; NF4 -> INT8 takes blocks of 64 (quantize_nf4's "
+                         "default block_size)")
+    codes, mul, lut = codes.contiguous(), mul.contiguous(), lut.contiguous()
     q = torch.empty((K, N) if transposed else (N, K), dtype=torch.int8, device=codes.device)
     _check_32bit_offsets("nf4_to_int8_triton", q)  # (the codes and multipliers are a half and a 64th of it)
 
