@@ -1387,6 +1387,36 @@ def check_strided_operands(device: str) -> int:
     for transposed in (False, True):  # the first 256 columns: codes and multipliers with rows of the wider weight
         n += _same_as_contiguous(lambda c, m: nf4_to_int8_triton(c, m, lut, transposed),
                                  (data.codes[:, :128], mul[:, :4]), f"NF4 -> INT8 transposed={transposed}")
+    n += _check_strided_int4(device)
+    return n
+
+
+def _check_strided_int4(device: str) -> int:
+    """:func:`check_strided_operands`' int4 launches: zeros (or scale_and_zero) not laid out as the scales are,
+    packed codes and ``x`` with strided columns."""
+    from hf_lowbit.kernels.int4 import pack_tinygemm_tiles
+    from hf_lowbit.kernels.triton_int4 import (int4_decode_triton, int4_dequant_triton, int4_tile_decode_triton,
+                                               int4_tile_dequant_triton)
+
+    N, K, gs = 16, 256, 64
+    q, p, s, z = int4_operands(N, K, gs, device)
+    zeros = torch.stack([z, torch.zeros_like(z)], dim=2).flatten(1)[:, ::2]  # rows 2G apart, columns 2
+    scales = s.T.contiguous().T  # column-major
+    codes = torch.stack([p, p], dim=2).flatten(1)[:, ::2]  # columns 2 bytes apart
+    x = torch.randn(3, 2 * K, device=device).bfloat16()[:, ::2]
+    n = 0
+    for M in (1, 3):
+        n += _same_as_contiguous(lambda *t: int4_decode_triton(*t, gs), (x[:M], codes, scales, zeros),
+                                 f"int4 decode M={M}")
+    n += _same_as_contiguous(lambda *t: int4_dequant_triton(*t, gs), (codes, scales, zeros), "int4 dequantize")
+    # tinygemm's layout: scale_and_zero [G, N, 2] as a view of an [N, G, 2] tensor
+    sz = torch.stack([s, z], dim=2).transpose(0, 1)
+    qdata = pack_tinygemm_tiles(q).to(device)
+    for kernel in ("tile", "factored", "mma"):
+        for M in (1, 3):
+            n += _same_as_contiguous(lambda *t: int4_tile_decode_triton(x[:M], *t, gs, N, kernel=kernel), (qdata, sz),
+                                     f"int4 tile decode {kernel} M={M}")
+    n += _same_as_contiguous(lambda *t: int4_tile_dequant_triton(*t, gs, (N, K)), (qdata, sz), "int4 tile dequantize")
     return n
 
 

@@ -219,11 +219,15 @@ def _decode_tiles(M: int, group_size: int, tiles: tuple[int, int, int] | None):
 def int4_decode_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        group_size: int, split_k: int | None = None,
                        tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x [M, K]`` bf16 (M ≤ 16, rows of any stride, columns contiguous) times the int4 weight, bf16 ``[M, N]``.
+    """``x [M, K]`` bf16 (M ≤ 16, any strides) times the int4 weight, bf16 ``[M, N]``.
     ``split_k`` / ``tiles`` (BLOCK_N, BLOCK_K, warps) override the defaults (tests, benchmarks). Offsets are 32-bit
     (a decode's operands are far below 2**31 elements): an operand past that is refused, before any launch."""
     for t in (x, packed, scales, zeros):
         _check_32bit_offsets("int4_decode_triton", t, SERVING_ADVICE)
+    # the kernel addresses the codes, scales and zeros as contiguous (the zeros with the scales' row stride) and x's
+    # columns as contiguous: other layouts are copied (int4_linear passes them so)
+    packed, scales, zeros = packed.contiguous(), scales.contiguous(), zeros.contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
     M, K = x.shape
     N = packed.shape[0]
     bn, bk, warps = _decode_tiles(M, group_size, tiles)
@@ -252,6 +256,7 @@ def int4_decode_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 def int4_dequant_triton(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                         tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The bf16 weight ``[N, K]`` of the packed codes (bit for bit :func:`hf_lowbit.kernels.int4.int4_dequantize`)."""
+    packed, scales, zeros = packed.contiguous(), scales.contiguous(), zeros.contiguous()  # as int4_decode_triton
     N, K = packed.shape[0], packed.shape[1] * 2
     bn, bk, warps = tiles or (DEQUANT_TILES_INTERPRET if _INTERPRET else DEQUANT_TILES)
     bk = min(bk, group_size)
@@ -679,6 +684,9 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
         raise ValueError(f"int4_tile_decode_triton: kernel {kernel!r} is not one of {TILE_KERNELS}")
     for t in (x, qdata, scale_and_zero):
         _check_32bit_offsets("int4_tile_decode_triton", t, SERVING_ADVICE)
+    # the kernels address the words and the scale/zero pairs as contiguous: other layouts are copied (as
+    # int4_tile_linear passes them)
+    qdata, scale_and_zero = qdata.contiguous(), scale_and_zero.contiguous()
     M = x.shape[0]
     NP, KP = qdata.shape[0] * 8, qdata.shape[1] * 128
     if kernel == "factored" and M > 1:
@@ -742,6 +750,7 @@ def int4_tile_dequant_triton(qdata: torch.Tensor, scale_and_zero: torch.Tensor, 
     2**31 elements, before any launch."""
     for t in (qdata, scale_and_zero):
         _check_32bit_offsets("int4_tile_dequant_triton", t, SERVING_ADVICE)
+    qdata, scale_and_zero = qdata.contiguous(), scale_and_zero.contiguous()  # as int4_tile_decode_triton
     N, K = shape
     bn, bk, warps = tiles or (TILE_DEQUANT_TILES_INTERPRET if _INTERPRET else TILE_DEQUANT_TILES)
     sz = scale_and_zero.view(torch.int32).squeeze(-1)
