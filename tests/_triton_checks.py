@@ -1388,6 +1388,29 @@ def check_strided_operands(device: str) -> int:
         n += _same_as_contiguous(lambda c, m: nf4_to_int8_triton(c, m, lut, transposed),
                                  (data.codes[:, :128], mul[:, :4]), f"NF4 -> INT8 transposed={transposed}")
     n += _check_strided_int4(device)
+    n += _check_strided_quantize_t(device)
+    return n
+
+
+def _check_strided_quantize_t(device: str) -> int:
+    """:func:`check_strided_operands`' column quantizations: ``row_mul``, ``col_amax`` and ``row_amax`` as strided
+    views (``hf_lowbit::quantize_t`` takes any ``row_mul`` and ``col_amax``; ``quantize_weight`` any ``row_amax``)."""
+    from hf_lowbit.kernels.triton_quant import quantize_t_triton
+
+    x = torch.randn(40, 24, device=device)
+    every_other = lambda t: torch.stack([t, t], dim=-1).flatten()[::2]  # noqa: E731 - t's values, 2 apart
+    row_mul = every_other(torch.rand(40, device=device) + 0.5)
+    col_amax = every_other((x.view(torch.int32) & 0x7FFFFFFF).amax(0))
+    n = 0
+    for variant in ("two_kernel", "atomic", "fused", "rows"):
+        n += _same_as_contiguous(lambda rm: quantize_t_triton(x, torch.int8, 127.0, row_mul=rm, variant=variant),
+                                 (row_mul,), f"quantize_t {variant} row_mul")
+    for variant in ("atomic", "atomic_rcp"):
+        n += _same_as_contiguous(lambda ca: quantize_t_triton(x, torch.int8, 127.0, variant=variant, col_amax=ca),
+                                 (col_amax,), f"quantize_t {variant} col_amax")
+    w = x.T.contiguous()  # rows as the weight refresh takes them, with each row's absmax given
+    n += _same_as_contiguous(lambda ra: quantize_t_triton(w.T, torch.int8, 127.0, variant="rows", row_amax=ra),
+                             (col_amax,), "quantize_t rows row_amax")
     return n
 
 

@@ -482,14 +482,29 @@ def test_nf4_to_int8_refuses_weights_past_32bit_offsets(monkeypatch):
 def test_launchers_take_strided_operands_interpreted():
     """Operands the public ops accept in layouts the kernels do not address (strided rows or columns) give the
     launch of their contiguous copies: made contiguous by the launcher, not read as if they were."""
-    assert "checked 12 launches on strided operands" in run_interpreted("strided_operands")
+    assert "checked 19 launches on strided operands" in run_interpreted("strided_operands")
 
 
 @pytest.mark.cuda
 def test_launchers_take_strided_operands_cuda():
     from _triton_checks import check_strided_operands
 
-    assert check_strided_operands("cuda") == 12
+    assert check_strided_operands("cuda") == 19
+
+
+def test_quantize_t_refuses_a_strided_scale_buffer(monkeypatch):
+    """quantize_t_triton writes its scales [N] contiguous: an ``out`` whose scale buffer is a strided view (the weight
+    cache's buffers, given to quantize_weight) is refused in one line before any launch, as strided codes are."""
+    import torch
+
+    from hf_lowbit.kernels import triton_quant
+
+    monkeypatch.setattr(triton_quant, "wrap_triton", no_launch)
+    x = torch.empty(64, 32, device="meta")
+    q, scale = torch.empty(32, 64, dtype=torch.int8, device="meta"), torch.empty(64, device="meta")[::2]
+    with pytest.raises(ValueError, match=r"^quantize_t_triton: out must be \(32x64 contiguous torch.int8, 32 contiguous "
+                                         r"float32\)$"):
+        triton_quant.quantize_t_triton(x, torch.int8, 127.0, out=(q, scale))
 
 
 def test_nf4_to_int8_refuses_other_block_sizes(monkeypatch):

@@ -613,12 +613,14 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     else:
         q, scale, qx = (*out, None) if len(out) == 2 else out
         if q.shape != (N, M) or not q.is_contiguous() or q.dtype != qdtype or scale.shape != (N,) \
-                or scale.dtype != torch.float32 or (qx is None) == both_layouts or (
+                or not scale.is_contiguous() or scale.dtype != torch.float32 or (qx is None) == both_layouts or (
                 both_layouts and (qx.shape != (M, N) or not qx.is_contiguous() or qx.dtype != qdtype)):
-            raise ValueError(f"quantize_t_triton: out must be ({N}x{M} contiguous {qdtype}, {N} float32"
+            raise ValueError(f"quantize_t_triton: out must be ({N}x{M} contiguous {qdtype}, {N} contiguous float32"
                              + (f", {M}x{N} contiguous {qdtype})" if both_layouts else ")"))
     if row_mul is not None and (row_mul.shape != (M,) or row_mul.dtype != torch.float32):
         raise ValueError(f"quantize_t_triton: row_mul must be {M} float32 values, got {tuple(row_mul.shape)} {row_mul.dtype}")
+    # the kernels read row_mul, row_amax and col_amax as contiguous vectors: strided views are copied (small)
+    row_mul, row_amax, col_amax = (None if t is None else t.contiguous() for t in (row_mul, row_amax, col_amax))
     consts = dict(QMAX=qmax, IS_INT8=qdtype == torch.int8, STOCHASTIC=stochastic, HAS_MUL=row_mul is not None,
                   BOTH_LAYOUTS=both_layouts)
     # the nearest path never reads seed_ptr (STOCHASTIC is a constexpr): any tensor will do there; nor mul_ptr
