@@ -1389,6 +1389,26 @@ def check_strided_operands(device: str) -> int:
                                  (data.codes[:, :128], mul[:, :4]), f"NF4 -> INT8 transposed={transposed}")
     n += _check_strided_int4(device)
     n += _check_strided_quantize_t(device)
+    n += _check_strided_fp8_gemv(device)
+    return n
+
+
+def _check_strided_fp8_gemv(device: str) -> int:
+    """:func:`check_strided_operands`' FP8 GEMVs: the weight's scales and the bias as strided views
+    (``hf_lowbit::fp8_rowwise_linear`` takes any with one value a row of ``w``), both designs, split K or not."""
+    from hf_lowbit.kernels.triton_fp8_gemv import fp8_gemv_triton
+
+    N, K = 32, 96
+    w = (torch.randn(N, K, device=device) * 0.1).to(torch.float8_e4m3fn)
+    w_scale = (torch.rand(N, 2, device=device) * 0.01 + 1e-3)[:, 0]
+    bias = torch.randn(N, 2, device=device).bfloat16()[:, 1]
+    n = 0
+    for design in ("codes", "fused"):
+        for M in (1, 3):
+            x = torch.randn(M, K, device=device).bfloat16()
+            for split in (1, 2):
+                n += _same_as_contiguous(lambda ws, b: fp8_gemv_triton(x, w, ws, b, design=design, split_k=split),
+                                         (w_scale, bias), f"FP8 GEMV {design} M={M} split_k={split}")
     return n
 
 

@@ -434,7 +434,9 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per_split)  # no empty splits
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    w_scale = w_scale.reshape(-1)
+    # the kernels read the scales and the bias as contiguous vectors: strided views are copied (N values)
+    w_scale = w_scale.reshape(-1).contiguous()
+    bias = None if bias is None else bias.reshape(-1).contiguous()
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else w_scale
     _check_32bit_offsets("fp8_gemv_triton", ws, SERVING_ADVICE)  # (the split-K partials; out is [M, N], fewer)
     has_bias = bias is not None
