@@ -579,7 +579,7 @@ def check_adamw_rows(device: str) -> int:
     w = torch.zeros(4, 8, device=device)
     for bad, match in ((dict(g=torch.zeros(4, 9, device=device)), "one 2-D shape"),
                        (dict(step=0), "step counts from 1"),
-                       (dict(row_amax=torch.zeros(4, device=device)), "row_amax must be 4 int32"),
+                       (dict(row_amax=torch.zeros(4, device=device)), "row_amax must be 4 contiguous int32"),
                        (dict(tiles=(3, 16, 4)), "powers of two"),
                        (dict(p=torch.zeros(8, 4, device=device).T), "contiguous")):
         args = dict(p=w, g=torch.zeros_like(w), exp_avg=torch.zeros_like(w), exp_avg_sq=torch.zeros_like(w), step=1,

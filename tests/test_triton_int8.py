@@ -507,6 +507,35 @@ def test_quantize_t_refuses_a_strided_scale_buffer(monkeypatch):
         triton_quant.quantize_t_triton(x, torch.int8, 127.0, out=(q, scale))
 
 
+class _Unlaunchable:
+    """Patched over a kernel launched as ``kernel[grid](...)``: a refusal test fails if it launches first."""
+
+    def __getitem__(self, grid):
+        return no_launch
+
+
+def test_adamw_rows_refuses_past_the_grid_and_strided_row_amax(monkeypatch):
+    """adamw_rows_ launches (row blocks, column blocks): a weight of more than 65,535 column blocks (past 16.7M
+    columns at the CUDA tile's 256: a flat tensor viewed as one row) is past the 65,535 CUDA allows on a grid's second
+    axis, where the launch failed with CUDA's "invalid argument"; and row_amax is written as a contiguous vector. Both
+    refused in one line before any launch (meta tensors: nothing allocated)."""
+    import torch
+
+    from hf_lowbit.kernels import adamw
+
+    monkeypatch.setattr(adamw, "_adamw_rows_kernel", _Unlaunchable())
+    p = torch.empty(1, 20_000_000, device="meta")
+    with pytest.raises(ValueError, match=r"^adamw_rows_: p of shape \(1, 20000000\) takes 78,125 blocks of 256 columns, "
+                                         r"past the 65,535 a CUDA grid's second axis holds; view it as rows of fewer "
+                                         r"columns \(LowBitAdamW passes rows of 1024\)$"):
+        adamw.adamw_rows_(p, p, p, p, 1, lr=1e-3)
+    p = torch.empty(4, 64, device="meta")
+    amax = torch.empty(8, dtype=torch.int32, device="meta")[::2]
+    with pytest.raises(ValueError, match=r"^adamw_rows_: row_amax must be 4 contiguous int32 values on meta, got "
+                                         r"\(4,\) torch.int32 strides \(2,\) on meta$"):
+        adamw.adamw_rows_(p, p, p, p, 1, lr=1e-3, row_amax=amax)
+
+
 def test_nf4_to_int8_refuses_other_block_sizes(monkeypatch):
     """The NF4 -> INT8 kernel takes blocks of 64 (one multiplier a block): codes of another block size (quantize_nf4's
     block_size=32: twice the multipliers) or a K that is not a multiple of 64 are refused in one line, before any
