@@ -479,6 +479,29 @@ def test_nf4_to_int8_refuses_weights_past_32bit_offsets(monkeypatch):
             triton_nf4.nf4_to_int8_triton(codes, mul, lut, transposed)
 
 
+def test_decode_gemvs_of_no_rows_launch_nothing(monkeypatch):
+    """The FP8 codes GEMV and the int4 tile GEMV at one row read x (or its codes) without a row mask, and M = 0 took
+    that path: on an empty x, a read through its empty allocation (an illegal address on the GPU; the CPU
+    interpreter segfaults). With no rows they now return the empty output without launching (meta tensors)."""
+    import torch
+
+    from hf_lowbit.kernels import triton_fp8_gemv, triton_int4
+
+    monkeypatch.setattr(triton_fp8_gemv, "wrap_triton", no_launch)
+    monkeypatch.setattr(triton_int4, "wrap_triton", no_launch)
+    N, K = 32, 256
+    x = torch.empty(0, K, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(N, K, dtype=torch.float8_e4m3fn, device="meta")
+    for design in triton_fp8_gemv.DESIGNS:
+        y = triton_fp8_gemv.fp8_gemv_triton(x, w, torch.empty(N, device="meta"), design=design)
+        assert y.shape == (0, N) and y.dtype == torch.bfloat16
+    qdata = torch.empty(N // 8, K // 128, 32, 4, dtype=torch.int32, device="meta")
+    sz = torch.empty(K // 64, N, 2, dtype=torch.bfloat16, device="meta")
+    for kernel in triton_int4.TILE_KERNELS:
+        y = triton_int4.int4_tile_decode_triton(x, qdata, sz, 64, N, kernel=kernel)
+        assert y.shape == (0, N) and y.dtype == torch.bfloat16
+
+
 def test_launchers_take_strided_operands_interpreted():
     """Operands the public ops accept in layouts the kernels do not address (strided rows or columns) give the
     launch of their contiguous copies: made contiguous by the launcher, not read as if they were."""

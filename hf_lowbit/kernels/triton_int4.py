@@ -688,6 +688,8 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     # int4_tile_linear passes them)
     qdata, scale_and_zero = qdata.contiguous(), scale_and_zero.contiguous()
     M = x.shape[0]
+    if M == 0:  # nothing to compute; the one-row kernels read x's first row without a row mask
+        return torch.empty((0, out_features), dtype=torch.bfloat16, device=x.device)
     NP, KP = qdata.shape[0] * 8, qdata.shape[1] * 128
     if kernel == "factored" and M > 1:
         kernel = "tile"
