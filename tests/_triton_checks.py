@@ -1463,6 +1463,27 @@ def _check_strided_int4(device: str) -> int:
     return n
 
 
+def check_empty_operands(device: str) -> int:
+    """Column quantization of an operand with no rows (a linear called on no tokens: ``hf_lowbit::quantize_t``
+    takes it on CUDA): every variant writes all of the scales, those of all-zero columns (``quantize_dual``'s and
+    the single-kernel variants'), not leaves them as allocated (the weight gradient's matmul over no tokens then
+    multiplies its zeros by them: NaN where they held NaN). Returns the number of quantizations checked."""
+    from hf_lowbit.kernels.triton_quant import VARIANTS, quantize_dual_triton, quantize_t_triton
+
+    x = torch.randn(0, 24, device=device)
+    zero_col = quantize_t_triton(torch.zeros(5, 24, device=device), torch.int8, 127.0)[1]
+    n = 0
+    for variant in VARIANTS:
+        with PoisonedAllocations():
+            q, scale = quantize_t_triton(x, torch.int8, 127.0, variant=variant)
+        assert q.shape == (24, 0) and torch.equal(scale, zero_col), f"quantize_t {variant} of no rows: scales {scale}"
+        n += 1
+    with PoisonedAllocations():
+        sc = quantize_dual_triton(x, torch.int8, 127.0)[3]
+    assert torch.equal(sc, zero_col), f"quantize_dual of no rows: column scales {sc}"
+    return n + 1
+
+
 def _int4_tol(x, w, ref):
     """How far two float32 sums of the same exact products (bf16 x·w), in different orders, each rounded to bf16
     once, may differ: each sum errs by at most ``K·2**-24·Σ|x_k w_k|`` (the standard bound for K terms), and the
@@ -1822,6 +1843,7 @@ MODES = {
                      "quant_dual candidates"),
     "swiglu": lambda: ("checked", check_swiglu("cpu"), "SwiGLU quantizations"),
     "nf4": lambda: ("checked", check_nf4_to_int8("cpu"), "NF4 -> INT8 decodes"),
+    "empty_operands": lambda: ("checked", check_empty_operands("cpu"), "quantizations of no rows"),
     "strided_operands": lambda: ("checked", check_strided_operands("cpu"), "launches on strided operands"),
     "int4": lambda: ("checked", check_int4("cpu"), "int4 dequantizations and matmuls"),
     "int4_tile": lambda: ("checked", check_int4_tile("cpu"), "int4 tile-layout dequantizations and GEMVs"),

@@ -479,6 +479,20 @@ def test_nf4_to_int8_refuses_weights_past_32bit_offsets(monkeypatch):
             triton_nf4.nf4_to_int8_triton(codes, mul, lut, transposed)
 
 
+def test_quantize_t_of_no_rows_writes_its_scales_interpreted():
+    """quantize_t's two-pass variants (the activations' default, atomic_rcp) on an operand with no rows write the
+    scales of all-zero columns, as the single-kernel variants and quantize_dual do, instead of launching no program
+    that writes them."""
+    assert "checked 6 quantizations of no rows" in run_interpreted("empty_operands")
+
+
+@pytest.mark.cuda
+def test_quantize_t_of_no_rows_writes_its_scales_cuda():
+    from _triton_checks import check_empty_operands
+
+    assert check_empty_operands("cuda") == 6
+
+
 def test_decode_gemvs_of_no_rows_launch_nothing(monkeypatch):
     """The FP8 codes GEMV and the int4 tile GEMV at one row read x (or its codes) without a row mask, and M = 0 took
     that path: on an empty x, a read through its empty allocation (an illegal address on the GPU; the CPU

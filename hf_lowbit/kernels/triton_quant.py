@@ -647,14 +647,16 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
         bm, bn, warps = _tiles(amax_tiles, _CPU_TILES if small else _AMAX_TILES, "amax_tiles")
         if chunk_m is None:
             chunk_m = 64 if small and amax_tiles is None else _chunk_rows(M, N, bn, bm)
-        n_chunks = triton.cdiv(M, chunk_m)
+        # at least one chunk and one row of quantize programs: those of the first row write the scales, and with no
+        # rows (M = 0) the absmax of no element is 0 (an all-zero column's scale, as the other variants give)
+        n_chunks = max(1, triton.cdiv(M, chunk_m))
         qbm, qbn, qwarps = _tiles(quant_tiles, _CPU_TILES if small else _QUANT_TILES, "quant_tiles")
         if variant == "two_kernel":
             part = torch.empty((n_chunks, N), dtype=torch.float32, device=x.device)
             wrap_triton(_col_amax_kernel)[(n_chunks, triton.cdiv(N, bn))](
                 x, part, row_mul if row_mul is not None else part, M, N, x.stride(0), x.stride(1),
                 HAS_MUL=row_mul is not None, CHUNK_M=chunk_m, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
-            wrap_triton(_quantize_t_kernel)[(triton.cdiv(M, qbm), triton.cdiv(N, qbn))](
+            wrap_triton(_quantize_t_kernel)[(max(1, triton.cdiv(M, qbm)), triton.cdiv(N, qbn))](
                 x, part, q, scale, seed, mul, qx_arg, M, N, n_chunks, x.stride(0), x.stride(1), **consts,
                 BLOCK_M=qbm, BLOCK_N=qbn, num_warps=qwarps)
         else:  # atomic, atomic_rcp; with col_amax given, the encode pass alone
@@ -664,7 +666,7 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
                 wrap_triton(_col_amax_atomic_kernel)[(n_chunks, triton.cdiv(N, bn))](
                     x, amax_bits, mul, M, N, x.stride(0), x.stride(1), HAS_MUL=row_mul is not None, CHUNK_M=chunk_m,
                     BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=1 if small else _AMAX_STAGES, num_warps=warps)
-            wrap_triton(_quantize_t_amax_kernel)[(triton.cdiv(M, qbm), triton.cdiv(N, qbn))](
+            wrap_triton(_quantize_t_amax_kernel)[(max(1, triton.cdiv(M, qbm)), triton.cdiv(N, qbn))](
                 x, amax_bits, q, scale, seed, mul, qx_arg, M, N, x.stride(0), x.stride(1), **consts,
                 RCP=variant == "atomic_rcp", NATIVE_FP8=native_fp8, BLOCK_M=qbm, BLOCK_N=qbn, num_warps=qwarps)
     return (q, scale, qx) if both_layouts else (q, scale)
