@@ -516,6 +516,30 @@ def test_decode_gemvs_of_no_rows_launch_nothing(monkeypatch):
         assert y.shape == (0, N) and y.dtype == torch.bfloat16
 
 
+def test_decode_gemv_overrides_that_would_skip_columns_or_rows_are_refused(monkeypatch):
+    """The GEMV launchers' overrides for tests and benchmarks: fp8_gemv_triton's use_dot=False is the one-row
+    kernel (BLOCK_M = 1), which at more rows wrote the first one only; int4_tile_decode_triton's tiles step through
+    the tile layout's 128-column blocks of words, and a BLOCK_K of 64 read half of each block's words as the next
+    step's (wrong outputs). Both refused in one line before any launch (meta tensors)."""
+    import torch
+
+    from hf_lowbit.kernels import triton_fp8_gemv, triton_int4
+
+    monkeypatch.setattr(triton_fp8_gemv, "wrap_triton", no_launch)
+    monkeypatch.setattr(triton_int4, "wrap_triton", no_launch)
+    N, K = 32, 256
+    x = torch.empty(3, K, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(N, K, dtype=torch.float8_e4m3fn, device="meta")
+    with pytest.raises(ValueError, match=r"^fp8_gemv_triton: use_dot=False is the one-row GEMV, got 3 rows$"):
+        triton_fp8_gemv.fp8_gemv_triton(x, w, torch.empty(N, device="meta"), use_dot=False)
+    qdata = torch.empty(N // 8, K // 128, 32, 4, dtype=torch.int32, device="meta")
+    sz = torch.empty(K // 64, N, 2, dtype=torch.bfloat16, device="meta")
+    for kernel in triton_int4.TILE_KERNELS:
+        with pytest.raises(ValueError, match=r"^int4_tile_decode_triton: tiles' BLOCK_K must be a multiple of 128 \(the "
+                                             r"tile layout's column blocks\), got \(16, 64, 1, 1\)$"):
+            triton_int4.int4_tile_decode_triton(x[:1], qdata, sz, 64, N, kernel=kernel, tiles=(16, 64, 1, 1))
+
+
 def test_launchers_take_strided_operands_interpreted():
     """Operands the public ops accept in layouts the kernels do not address (strided rows or columns) give the
     launch of their contiguous copies: made contiguous by the launcher, not read as if they were."""

@@ -426,6 +426,8 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
         raise ValueError(f"fp8_gemv_triton: at most {MAX_M} rows, got {M}")
     if w.stride(1) != 1:
         raise ValueError("fp8_gemv_triton: the weight must have K contiguous")
+    if use_dot is False and design == "codes" and M > 1:  # (BLOCK_M = 1: the first row alone)
+        raise ValueError(f"fp8_gemv_triton: use_dot=False is the one-row GEMV, got {M} rows")
     if M == 0:  # nothing to compute; the one-row kernels read x's (codes') first row without a row mask
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
     soft_, recip_ = _soft(soft), _recip(x, recip)

@@ -694,6 +694,9 @@ def int4_tile_decode_triton(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero
     if kernel == "factored" and M > 1:
         kernel = "tile"
     bn, bk, warps, stages = _tile_decode_tiles(M, tiles, kernel)
+    if bk % 128:  # a step's words are those of whole 128-column blocks (8 rows x 16 words each)
+        raise ValueError(f"int4_tile_decode_triton: tiles' BLOCK_K must be a multiple of 128 (the tile layout's column "
+                         f"blocks), got {tiles}")
     if split_k is None:
         split_k = decode_split_k(NP, KP, bn, bk, _sms(x.device), _TILE_MAX_SPLIT_K,
                                  _MMA_WAVES if kernel == "mma" else _WAVES)
