@@ -177,9 +177,14 @@ def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], 
             continue
         report.entries.append(SwapEntry(name, mtype, shape, SKIPPED, why))
 
-    for name, module in todo:  # swap after the walk: never mutate a tree while iterating it
+    # swap after the walk (never mutate a tree while iterating it), letting go of each replaced linear as it goes: a
+    # list holding them all to the end would keep every original weight alive beside its replacement (a QLoRA base
+    # made from a loaded bf16 model would peak at the bf16 model plus all its NF4 codes)
+    for i in range(len(todo)):
+        (name, module), todo[i] = todo[i], None
         parent, attr = _parent_and_attr(model, name)
         setattr(parent, attr, make(name, module))
+        del module
     return report
 
 

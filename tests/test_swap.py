@@ -73,6 +73,26 @@ def test_walker_with_custom_factory_and_glob():
     assert [e.action for e in report.entries] == ["swapped", "skipped"]
 
 
+def test_each_replaced_linear_is_let_go_before_the_next_is_made():
+    """A recipe whose module holds new bytes (a QLoRA base's codes) must not peak at the old model plus every
+    replacement: the walker keeps no replaced linear alive once the next one is made."""
+    import gc
+    import weakref
+
+    model = tiny_model(num_hidden_layers=2)
+    gc.collect()
+    replaced, alive_at_each_make = [], []
+
+    def make(name, linear):
+        alive_at_each_make.append(sum(r() is not None for r in replaced))
+        replaced.append(weakref.ref(linear))
+        return nn.Identity()
+
+    report = swap_linears(model, make, recipe="test", target="identity", filter=LinearFilter(min_features=1))
+    assert len(report.swapped) == 14 and alive_at_each_make == [0] * 14
+    assert all(r() is None for r in replaced)
+
+
 def test_recipe_off_leaves_model_alone():
     model = tiny_model()
     prepared = prepare_model(model, LowBitTrainingArguments(output_dir="unused", report_to="none"))
