@@ -484,7 +484,7 @@ def check_recipe_active(model, recipe: str, device: str) -> None:
     if fused_mlp != (type(mlp).__name__ == "LowBitSwiGLUMLP"):
         raise RuntimeError(f"recipe {recipe!r} is not active: the MLP is a {type(mlp).__name__}, the fused one "
                            f"expected: {fused_mlp}")
-    if recipe.endswith(("_cache", "_cache_adamw")) and not getattr(mod, "weight_cache", False):
+    if recipe.endswith(("_cache", "_cache_adamw", "_cache_plain")) and not getattr(mod, "weight_cache", False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's weight cache is off")
     if recipe in SWITCH_VARIANTS and not getattr(getattr(mod, "lowbit_config", None), SWITCH_VARIANTS[recipe][1], False):
         raise RuntimeError(f"recipe {recipe!r} is not active: up_proj's {SWITCH_VARIANTS[recipe][1]} is off")
