@@ -595,7 +595,7 @@ def levers(recipe: str, device) -> tuple[bool, bool]:
     on = type("OnDevice", (LowBitTrainingArguments,), {"device": property(lambda self: torch.device(device))})
     with tempfile.TemporaryDirectory() as tmp:
         args = on(output_dir=tmp, report_to="none", **recipe_args(recipe))
-        return args.resolved_fused_adamw(sharded=False), args.resolved_fused_swiglu()
+        return args.resolved_fused_adamw(), args.resolved_fused_swiglu()
 
 
 def recipe_args(recipe: str) -> dict:

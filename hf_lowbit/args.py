@@ -332,15 +332,16 @@ class LowBitArgumentsMixin:
                     and self.lowbit_output and self.lowbit_grad_input and self.lowbit_grad_weight
                     and not sharded_by_launch(self) and self.device.type == "cuda")
 
-    def resolved_fused_adamw(self, sharded: bool, adapters: bool = False) -> bool:
+    def resolved_fused_adamw(self, adapters: bool = False) -> bool:
         """``lowbit_fused_adamw``, unset resolved: on for INT8/FP8 full fine-tuning (no ``adapters``, no QLoRA base:
         their trained parameters are all small) with torch's AdamW (``optim='adamw_torch_fused'``, the default, or
-        ``'adamw_torch'``) on a CUDA device, not ``sharded`` (FSDP, DeepSpeed). On the H200 its step took 0.72x torch's
-        fused AdamW's, +0.07 on the 1x2048 ratio (docs/benchmarks.md, "Issue 25, session 34")."""
+        ``'adamw_torch'``) on a CUDA device, not sharded (FSDP, DeepSpeed: :func:`sharded_by_launch`, the same test as
+        ``resolved_fused_swiglu``'s). On the H200 its step took 0.72x torch's fused AdamW's, +0.07 on the 1x2048 ratio
+        (docs/benchmarks.md, "Issue 25, session 34")."""
         if self.lowbit_fused_adamw is not None:
             return self.lowbit_fused_adamw
         optim = getattr(self.optim, "value", self.optim)
-        return bool(self.lowbit_recipes and not adapters and not self.lora_base_quant and not sharded
+        return bool(self.lowbit_recipes and not adapters and not self.lora_base_quant and not sharded_by_launch(self)
                     and optim in ("adamw_torch", "adamw_torch_fused") and self.device.type == "cuda")
 
 

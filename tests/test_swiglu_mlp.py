@@ -250,10 +250,9 @@ def test_unset_levers_resolve_on_for_full_fine_tuning_on_cuda(tmp_path, monkeypa
     monkeypatch.setattr(LowBitTrainingArguments, "device", property(lambda self: torch.device("cuda")))
     for fmt in ("int8", "fp8"):
         args = cuda(**{f"{fmt}_mixed_precision": True})
-        assert args.resolved_fused_swiglu() and args.resolved_fused_adamw(sharded=False), fmt
-        assert not args.resolved_fused_swiglu(adapters=True) and not args.resolved_fused_adamw(False, adapters=True)
-        assert not args.resolved_fused_adamw(sharded=True)
-    assert not cuda().resolved_fused_swiglu() and not cuda().resolved_fused_adamw(False)  # no recipe: stock
+        assert args.resolved_fused_swiglu() and args.resolved_fused_adamw(), fmt
+        assert not args.resolved_fused_swiglu(adapters=True) and not args.resolved_fused_adamw(adapters=True)
+    assert not cuda().resolved_fused_swiglu() and not cuda().resolved_fused_adamw()  # no recipe: stock
     for kw in (dict(fp8_tensorwise_mixed_precision=True), dict(int8_mixed_precision=True, lowbit_stochastic_rounding=True),
                dict(int8_mixed_precision=True, lowbit_grad_weight=False),
                dict(int8_mixed_precision=True, use_liger_kernel=True),
@@ -263,11 +262,13 @@ def test_unset_levers_resolve_on_for_full_fine_tuning_on_cuda(tmp_path, monkeypa
     assert cuda(int8_mixed_precision=True, use_liger_kernel=True,
                 liger_kernel_config={"swiglu": False}).resolved_fused_swiglu()
     for kw in (dict(optim="sgd"), dict(lora_base_quant="nf4"), dict(lowbit_fused_adamw=False)):
-        assert not cuda(int8_mixed_precision=True, **kw).resolved_fused_adamw(False), kw
-    assert cuda(int8_mixed_precision=True, optim="adamw_torch").resolved_fused_adamw(False)
-    assert cuda(fp8_tensorwise_mixed_precision=True).resolved_fused_adamw(False)
+        assert not cuda(int8_mixed_precision=True, **kw).resolved_fused_adamw(), kw
+    assert cuda(int8_mixed_precision=True, optim="adamw_torch").resolved_fused_adamw()
+    assert cuda(fp8_tensorwise_mixed_precision=True).resolved_fused_adamw()
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # an accelerate launch config's FSDP
+    # both levers read the same test: a sharded launch turns each off (the fused MLP's is chosen before a Trainer exists)
     assert not cuda(int8_mixed_precision=True).resolved_fused_swiglu()
+    assert not cuda(int8_mixed_precision=True).resolved_fused_adamw()
     (_, config), = recipes_from_args(cuda(fp8_mixed_precision=True))
     assert not config.fused_swiglu
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
