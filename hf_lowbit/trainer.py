@@ -91,8 +91,10 @@ class LowBitTrainerMixin:
         self._lowbit_cached_layers: list[MixedPrecisionLinear] | None = None  # found on the first step
         # AdamW in one Triton pass a large parameter, which refreshes a cached weight's cache too (LowBitAdamW, made
         # in create_optimizer). Unset, it resolves off when the launch is sharded (sharded_by_launch, as the fused
-        # MLP, whose choice is made before the Trainer exists); the Trainer's own test stands guard
-        self.lowbit_fused_adamw = args.resolved_fused_adamw(adapters=peft_config is not None)
+        # MLP, whose choice is made before the Trainer exists); the Trainer's own test stands guard: off if unset,
+        # refused if asked for
+        self.lowbit_fused_adamw = args.resolved_fused_adamw(adapters=peft_config is not None) and not (
+            sharded and args.lowbit_fused_adamw is None)
         if self.lowbit_fused_adamw and sharded:
             raise ValueError(f"{args_name}.lowbit_fused_adamw=True: not with FSDP or DeepSpeed, whose sharded "
                              "parameters and optimizers it does not take; leave it unset")
