@@ -105,25 +105,27 @@ CACHE_VARIANTS = {"int8_cache": "int8", "fp8_cache": "fp8"}
 # INT8 / FP8 with one of MixedPrecisionConfig's backward switches on (its LowBitTrainingArguments flag is
 # lowbit_<field>), to measure against int8 / fp8 in the same run (issue 25): dY quantized for both gradient matmuls by
 # one op (hf_lowbit::quantize_dual); X's weight-gradient codes made in the forward and kept instead of X; the LM head's
-# three matmuls in the format too (issue 25's directions: the largest matmul at 32k-128k vocab); each MLP as one
-# function whose SwiGLU and its row codes are one Triton kernel each way (LowBitSwiGLUMLP)
+# three matmuls in the format too (issue 25's directions: the largest matmul at 32k-128k vocab). (The fused MLP,
+# <fmt>_swiglu, is one of LEVER_VARIANTS.)
 SWITCH_VARIANTS = {f"{fmt}_{suffix}": (fmt, field) for fmt in ("int8", "fp8")
                    for suffix, field in (("dual", "dual_grad_quant"), ("xcodes", "save_x_codes"),
-                                         ("head", "include_lm_head"), ("swiglu", "fused_swiglu"))}
+                                         ("head", "include_lm_head"))}
 # INT8 / FP8 with the weight gradient accumulated by its matmul (lowbit_fused_grad_accum, issue 25; off by default)
 # against autograd's separate add: the layers path's hand loop calls FusedGradAccumulation.prepare before each
 # micro-batch, LowBitTrainer does it itself
 FGA_VARIANTS = {f"{fmt}_fga": fmt for fmt in ("int8", "fp8")}
-# LowBitAdamW (lowbit_fused_adamw, issue 25; unset: on for INT8/FP8 full fine-tuning on CUDA since session 34): AdamW
-# in one Triton pass for each parameter of >= 2**20 elements, a pass that for a cached per-row weight also leaves its
-# row absmax (the refresh then reads the weight once). recipe -> (format, None for bf16; the weight cache forced on
-# (with gradient accumulation LowBitTrainer turns it on anyway, at GA 1 <fmt>_cache_adamw is the cache's and the fused
-# refresh's case, <fmt>_adamw the optimizer's alone); the fused MLP on (off: this lever alone))
-ADAMW_VARIANTS = {"bf16_adamw": (None, False, False), **{f"{fmt}_adamw": (fmt, False, False) for fmt in ("int8", "fp8")},
-                  **{f"{fmt}_cache_adamw": (fmt, True, False) for fmt in ("int8", "fp8")},
-                  # + each MLP as one function around our SwiGLU kernels (lowbit_fused_swiglu): the two issue-25
-                  # levers together, what a default with both would run
-                  **{f"{fmt}_swiglu_adamw": (fmt, False, True) for fmt in ("int8", "fp8")}}
+# Issue 25's two levers, set explicitly (unset: both on for INT8/FP8 full fine-tuning on CUDA since session 34, what
+# int8 / fp8 run there). LowBitAdamW (lowbit_fused_adamw): AdamW in one Triton pass for each parameter of >= 2**20
+# elements, a pass that for a cached per-row weight also leaves its row absmax (the refresh then reads the weight once).
+# The fused MLP (lowbit_fused_swiglu): each MLP as one function whose SwiGLU and its row codes are one Triton kernel
+# each way (LowBitSwiGLUMLP). recipe -> (format, None for bf16; LowBitAdamW; the fused MLP; the weight cache forced on:
+# with gradient accumulation LowBitTrainer turns it on anyway, at GA 1 <fmt>_cache_adamw is the cache's and the fused
+# refresh's case, <fmt>_adamw the optimizer's alone). <fmt>_swiglu_adamw, both levers set, is what int8 / fp8 run on
+# CUDA now; its name is kept for the records measured under it (06f72c1)
+LEVER_VARIANTS = {"bf16_adamw": (None, True, False, False),
+                  **{f"{fmt}_{suffix}": (fmt, *levers) for fmt in ("int8", "fp8")
+                     for suffix, levers in (("adamw", (True, False, False)), ("cache_adamw", (True, False, True)),
+                                            ("swiglu", (False, True, False)), ("swiglu_adamw", (True, True, False)))}}
 # INT8 / FP8 (and with the weight cache forced on) with both issue-25 levers off, LowBitAdamW and the fused MLP (the
 # default before session 34: torch's AdamW, each MLP per linear), to measure the levers against in the same run
 PLAIN_VARIANTS = {f"{base}_plain": base for base in ("int8", "fp8", "int8_cache", "fp8_cache")}
@@ -166,12 +168,12 @@ STOCK_BF16 = ("bf16", "bf16_recompute", "bf16_multikernel")
 MASK_VARIANTS = {"bf16_lbt_mask": "bf16_lbt", "int8_mask": "int8", "fp8_mask": "fp8",
                  "fp8_tensorwise_mask": "fp8_tensorwise"}
 OURS = ("int8", "fp8", "fp8_tensorwise", *INT8_VARIANTS, *CACHE_VARIANTS, *SWITCH_VARIANTS, *FGA_VARIANTS,
-        *ADAMW_VARIANTS, *PLAIN_VARIANTS, "bf16_lbt",
+        *LEVER_VARIANTS, *PLAIN_VARIANTS, "bf16_lbt",
         "int8_recompute",
         "fp8_recompute", *UNSHARED_VARIANTS, *SHARED_VARIANTS, *QUANT_VARIANTS, *CAST_VARIANTS,
         "int8_multikernel", "fp8_multikernel", *MASK_VARIANTS)  # full fine-tunes, LowBitTrainer
 FULL_RECIPES = (RECIPES + tuple(INT8_VARIANTS) + tuple(CACHE_VARIANTS) + tuple(SWITCH_VARIANTS) + tuple(FGA_VARIANTS)
-                + tuple(ADAMW_VARIANTS) + tuple(PLAIN_VARIANTS)
+                + tuple(LEVER_VARIANTS) + tuple(PLAIN_VARIANTS)
                 + ("bf16_lbt",) + tuple(RECOMPUTE_VARIANTS) + tuple(UNSHARED_VARIANTS)
                 + tuple(SHARED_VARIANTS) + tuple(QUANT_VARIANTS) + tuple(CAST_VARIANTS) + tuple(MULTIKERNEL_VARIANTS)
                 + tuple(MASK_VARIANTS))  # compared with bf16
@@ -257,7 +259,7 @@ def _bnb_nf4_lora(model, r: int):
 
 def mixed_precision_args(recipe: str) -> dict:
     """The ``LowBitTrainingArguments`` fields of our INT8/FP8 recipe ``recipe`` (``int8``, ``fp8``, INT8_VARIANTS,
-    CACHE_VARIANTS, SWITCH_VARIANTS, FGA_VARIANTS, ADAMW_VARIANTS, PLAIN_VARIANTS, PROCESS_VARIANTS)."""
+    CACHE_VARIANTS, SWITCH_VARIANTS, FGA_VARIANTS, LEVER_VARIANTS, PLAIN_VARIANTS, PROCESS_VARIANTS)."""
     recipe = PROCESS_VARIANTS.get(recipe, recipe)
     if recipe in INT8_VARIANTS:
         return {"int8_mixed_precision": True, **INT8_VARIANTS[recipe]}
@@ -265,17 +267,15 @@ def mixed_precision_args(recipe: str) -> dict:
         return {f"{CACHE_VARIANTS[recipe]}_mixed_precision": True, "lowbit_weight_cache": True}
     if recipe in SWITCH_VARIANTS:
         fmt, field = SWITCH_VARIANTS[recipe]
-        # <fmt>_swiglu: the fused MLP alone, without LowBitAdamW (the other lever, on by default)
-        return {f"{fmt}_mixed_precision": True, f"lowbit_{field}": True,
-                **({"lowbit_fused_adamw": False} if field == "fused_swiglu" else {})}
+        return {f"{fmt}_mixed_precision": True, f"lowbit_{field}": True}
     if recipe in PLAIN_VARIANTS:
         return {**mixed_precision_args(PLAIN_VARIANTS[recipe]), **LEVERS_OFF}
     if recipe in FGA_VARIANTS:
         return {f"{FGA_VARIANTS[recipe]}_mixed_precision": True, "lowbit_fused_grad_accum": True}
-    if recipe in ADAMW_VARIANTS:
-        fmt, cache, swiglu = ADAMW_VARIANTS[recipe]
+    if recipe in LEVER_VARIANTS:
+        fmt, adamw, swiglu, cache = LEVER_VARIANTS[recipe]
         return {**({f"{fmt}_mixed_precision": True, "lowbit_fused_swiglu": swiglu} if fmt else {}),
-                **({"lowbit_weight_cache": True} if cache else {}), "lowbit_fused_adamw": True}
+                **({"lowbit_weight_cache": True} if cache else {}), "lowbit_fused_adamw": adamw}
     return {f"{recipe}_mixed_precision": True}
 
 
