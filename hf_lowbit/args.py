@@ -40,7 +40,8 @@ def fused_cross_entropy_requested(args) -> bool:
 def sharded_by_launch(args) -> bool:
     """FSDP or DeepSpeed, from the arguments or an accelerate launch config (known before the Trainer exists)."""
     return bool(args.fsdp) or bool(args.deepspeed) or any(
-        os.environ.get(v, "false").lower() in ("1", "true") for v in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
+        os.environ.get(v, "false").lower() in ("1", "true")
+        for v in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
 
 
 @dataclass
@@ -86,10 +87,10 @@ class LowBitArgumentsMixin:
         "too small for low-bit kernels to pay. Mixed precision and QLoRA bases; not QAT, whose export "
         "quantizes every linear it fake-quantized, whatever its size.")})
     lowbit_weight_cache: bool | None = field(default=None, metadata={"help": (
-        "Quantize each weight once per optimizer step (its low-bit codes in both layouts, +2 bytes per weight element) and "
-        "reuse it for every gradient-accumulation micro-batch, instead of twice per micro-batch. Recomputed "
-        "whenever the weight changes. Default (unset): on when gradient_accumulation_steps > 1 and the model "
-        "is not sharded (FSDP, DeepSpeed).")})
+        "Quantize each weight once per optimizer step (its low-bit codes in both layouts, +2 bytes per weight "
+        "element) and reuse it for every gradient-accumulation micro-batch, instead of twice per micro-batch. "
+        "Recomputed whenever the weight changes. Default (unset): on when gradient_accumulation_steps > 1 and the "
+        "model is not sharded (FSDP, DeepSpeed).")})
     lowbit_fused_grad_accum: bool | None = field(default=None, metadata={"help": (
         "Gradient accumulation: add low-bit weight gradients into .grad in their matmul, not by a separate add; one "
         "process only. Unset: off (not yet faster on the H200; docs/usage.md).")})
@@ -113,8 +114,8 @@ class LowBitArgumentsMixin:
     lowbit_cuda_graphs: bool | None = field(default=None, metadata={"help": (
         "Compile with CUDA graphs (torch_compile_mode='reduce-overhead'): at 1-2k-token micro-batches the "
         "low-bit step is otherwise bound by kernel launches. Default (unset): on for INT8/FP8 compute (full "
-        "fine-tuning, LoRA and QLoRA) with torch_compile=True, no torch_compile_mode given, on a CUDA device, without FSDP or "
-        "DeepSpeed.")})
+        "fine-tuning, LoRA and QLoRA) with torch_compile=True, no torch_compile_mode given, on a CUDA device, "
+        "without FSDP or DeepSpeed.")})
     lowbit_skip_causal_mask: bool = field(default=True, metadata={"help": (
         "Leave a plain causal mask to SDPA (is_causal) and skip a host sync (docs/usage.md).")})
     qat_scheme: str | None = field(default=None, metadata={"help": (
@@ -181,8 +182,8 @@ class LowBitArgumentsMixin:
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{cls}.{name} must be True, False or None (automatic), got {value!r}")
         if self.lowbit_fused_grad_accum and not (self.lowbit_recipes and self.lowbit_grad_weight):
-            raise ValueError(f"{cls}.lowbit_fused_grad_accum=True adds the low-bit weight-gradient matmul's product into "
-                             ".grad: it needs int8_mixed_precision or fp8_mixed_precision (or "
+            raise ValueError(f"{cls}.lowbit_fused_grad_accum=True adds the low-bit weight-gradient matmul's product "
+                             "into .grad: it needs int8_mixed_precision or fp8_mixed_precision (or "
                              "fp8_tensorwise_mixed_precision) with lowbit_grad_weight=True")
         if self.lowbit_fused_adamw:
             optim = getattr(self.optim, "value", self.optim)
@@ -261,7 +262,8 @@ class LowBitArgumentsMixin:
                 raise ValueError(f"{cls}.qat_group_size={self.qat_group_size}{per_channel} with "
                                  f"qat_scheme={self.qat_scheme!r}: {problem}")
         if not isinstance(self.lowbit_skip_causal_mask, bool):
-            raise TypeError(f"{cls}.lowbit_skip_causal_mask must be True or False, got {self.lowbit_skip_causal_mask!r}")
+            raise TypeError(f"{cls}.lowbit_skip_causal_mask must be True or False, "
+                            f"got {self.lowbit_skip_causal_mask!r}")
         if not isinstance(self.qat_include_lm_head, bool):
             raise TypeError(f"{cls}.qat_include_lm_head must be True or False, "
                             f"got {self.qat_include_lm_head!r}")

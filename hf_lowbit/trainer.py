@@ -43,8 +43,8 @@ class LowBitTrainerMixin:
     the base class sees it, so ``trainer.model`` already shows the swapped modules;
     ``trainer.lowbit_reports`` holds what each recipe swapped and skipped. With ``use_liger_kernel=True``
     Liger's patches are applied at the end of ``__init__`` over the swapped model and reported last
-    (``hf_lowbit.integrations.liger``: Liger owns the norms, the SwiGLU activation, RoPE and LM head + loss; the recipes the
-    linears). ``peft_config`` (a
+    (``hf_lowbit.integrations.liger``: Liger owns the norms, the SwiGLU activation, RoPE and LM head + loss; the recipes
+    the linears). ``peft_config`` (a
     ``peft.LoraConfig`` …) wraps the prepared model in a ``PeftModel``: here, unless the base class takes
     ``peft_config`` itself (trl's trainers), in which case it gets the swapped model and the config with
     ``"all-linear"`` resolved against the quantized bases, and wraps it once, its own way. ``args`` must
@@ -120,7 +120,8 @@ class LowBitTrainerMixin:
             # before accelerate shards the model in train(): quantized bases shardable on torch < 2.13 too
             prepare_integer_params_for_fsdp2(self.accelerator.state.fsdp_plugin, self.model, self.args.device)
         # before accelerate shards the model in train(), and before the optimizer is made (new Parameters)
-        prepare_lowbit_all_gather(args, self.model, self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None)
+        prepare_lowbit_all_gather(args, self.model,
+                                  self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None)
         if args.qat_scheme is not None:
             self.add_callback(FakeQuantScheduleCallback(args.qat_fake_quant_after_n_steps))
         if getattr(args, "use_liger_kernel", False):

@@ -1,9 +1,10 @@
 """``LowBitSFTTrainer`` / ``LowBitSFTConfig``: trl's ``SFTTrainer`` with the low-bit behaviour.
 
 Needs trl (``pip install hf_lowbit[trl]``); ``from trl import ...`` here is the library (imports are absolute:
-this module is ``hf_lowbit.trl``, named after what it adapts). ``SFTTrainer`` wraps the model in PEFT in its own ``__init__``: the mixin swaps the
-modules first and hands it the swapped model with ``peft_config`` (its ``"all-linear"`` resolved to
-include the quantized bases), so ``get_peft_model`` runs once, over our bases (``hf_lowbit.LoraLinear``).
+this module is ``hf_lowbit.trl``, named after what it adapts). ``SFTTrainer`` wraps the model in PEFT in its own
+``__init__``: the mixin swaps the modules first and hands it the swapped model with ``peft_config`` (its
+``"all-linear"`` resolved to include the quantized bases), so ``get_peft_model`` runs once, over our bases
+(``hf_lowbit.LoraLinear``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 
 from .. import atomic
 from ..args import LowBitTrainingArguments
-from ..data.records import ARITHMETIC_CHARS, DataFormatError, arithmetic_records, build_char_tokenizer, completion_accuracy
+from ..data.records import (ARITHMETIC_CHARS, DataFormatError, arithmetic_records, build_char_tokenizer,
+                            completion_accuracy)
 from ..qat import cuda_capability_problem
 from ..warnings import UnsupportedSetupError
 
@@ -426,7 +427,8 @@ def build_data(data_args: DataArguments, tokenizer, seed: int, embedded: bool):
         hfds.disable_progress_bars()  # a small file reads in a blink: its bars would only be noise
     raw = packing.load_raw(data_args.dataset, data_args.dataset_split, streaming=data_args.streaming)
     if data_args.max_records:
-        raw = raw.take(data_args.max_records) if data_args.streaming else raw.select(range(min(len(raw), data_args.max_records)))
+        raw = (raw.take(data_args.max_records) if data_args.streaming
+               else raw.select(range(min(len(raw), data_args.max_records))))
     if data_args.streaming:
         stream = packing.StreamingBlocks(packing.tokenize(raw, tokenizer, locate, completion_only=completion_only), bs)
         eval_ds = stream.head(data_args.eval_blocks) if data_args.eval_blocks else None
@@ -460,7 +462,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not embedded and model_args.model_name_or_path is None:
         raise UsageError("--dataset/--token_files need --model_name_or_path (or give neither: the embedded default)")
     if not embedded and not (data_args.dataset or data_args.token_files):
-        raise UsageError("--model_name_or_path needs --dataset or --token_files (or give neither: the embedded default)")
+        raise UsageError("--model_name_or_path needs --dataset or --token_files (or give neither: the embedded "
+                         "default)")
 
     # data first: a mistake in it shows before minutes of model loading
     tokenizer = build_char_tokenizer(ARITHMETIC_CHARS) if embedded else _load_tokenizer(model_args.model_name_or_path)

@@ -13,6 +13,6 @@ from .records import (ARITHMETIC_CHARS, LOCAL_FORMATS, RECORD_FORMATS, DataForma
                       arithmetic_records, build_char_tokenizer, completion_accuracy, format_record, format_records,
                       format_segments, iter_jsonl, load_records, split_records)
 
-__all__ = ["ARITHMETIC_CHARS", "LOCAL_FORMATS", "RECORD_FORMATS", "DataFormatError", "DataNotFoundError", "PackedDataset",
-           "arithmetic_records", "build_char_tokenizer", "completion_accuracy", "format_record", "format_records",
-           "format_segments", "iter_jsonl", "load_records", "pack", "split_records"]
+__all__ = ["ARITHMETIC_CHARS", "LOCAL_FORMATS", "RECORD_FORMATS", "DataFormatError", "DataNotFoundError",
+           "PackedDataset", "arithmetic_records", "build_char_tokenizer", "completion_accuracy", "format_record",
+           "format_records", "format_segments", "iter_jsonl", "load_records", "pack", "split_records"]

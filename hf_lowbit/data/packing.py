@@ -204,7 +204,8 @@ def tokenize(ds, tokenizer, locate: Callable[[int], str], num_proc: int | None =
         return _LocatedIterable(ds.map(fn, batched=True, batch_size=_MAP_BATCH, with_indices=True,
                                        remove_columns=list(ds.column_names or [])), locate)
     version = "v2-completion-mask" if completion_only else "v1"
-    fingerprint = hashlib.sha256(f"{ds._fingerprint}-{tokenizer_fingerprint(tokenizer)}-{version}".encode()).hexdigest()[:16]
+    fingerprint = hashlib.sha256(
+        f"{ds._fingerprint}-{tokenizer_fingerprint(tokenizer)}-{version}".encode()).hexdigest()[:16]
     columns = {"input_ids": datasets.Sequence(datasets.Value("int32"))}  # half of int64's disk
     if completion_only:
         columns["completion_mask"] = datasets.Sequence(datasets.Value("int8"))

@@ -99,8 +99,8 @@ def keep_integer_params_unsharded(fsdp_plugin, model, device, torch_version: str
 
 def enable_lowbit_all_gather(model: nn.Module) -> list[str]:
     """Let FSDP2 all-gather every :class:`~hf_lowbit.MixedPrecisionLinear` weight of ``model`` as INT8/FP8
-    codes + row scales instead of in ``param_dtype`` (see :mod:`hf_lowbit.mixed_precision.fsdp_all_gather`). Call it **before**
-    ``fully_shard`` and before creating the optimizer (each weight becomes a new ``nn.Parameter`` over the
+    codes + row scales instead of in ``param_dtype`` (see :mod:`hf_lowbit.mixed_precision.fsdp_all_gather`). Call it
+    **before** ``fully_shard`` and before creating the optimizer (each weight becomes a new ``nn.Parameter`` over the
     same storage); ``LowBitTrainer`` does with ``lowbit_fsdp_lowbit_all_gather=True``. Returns the names of
     the layers switched; raises ``ValueError`` (naming the flag) for a layer that cannot take it."""
     counts: dict[int, int] = {}
@@ -135,7 +135,8 @@ def prepare_lowbit_all_gather(args: LowBitArgumentsMixin, model, fsdp_plugin) ->
         return []
     if fsdp_plugin is None or getattr(fsdp_plugin, "fsdp_version", 1) != 2:
         raise ValueError(f"{type(args).__name__}.lowbit_fsdp_lowbit_all_gather=True needs FSDP2 (an accelerate "
-                         "config with fsdp_version: 2, e.g. accelerate_configs/fsdp2.yaml); this run is not sharded by it")
+                         "config with fsdp_version: 2, e.g. accelerate_configs/fsdp2.yaml); this run is not sharded "
+                         "by it")
     names = enable_lowbit_all_gather(model)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[hf_lowbit] lowbit_fsdp_lowbit_all_gather: {len(names)} layers all-gather their weights as "
@@ -164,7 +165,8 @@ def check_deepspeed(args) -> None:
     if stage is None or stage < 3:
         return
     cls, setting = type(args).__name__, "DeepSpeed ZeRO-3 (zero_optimization.stage 3)"
-    alternative = "shard with FSDP2 (accelerate_configs/fsdp2.yaml) or use ZeRO-2 (accelerate_configs/deepspeed_zero2.yaml)"
+    alternative = ("shard with FSDP2 (accelerate_configs/fsdp2.yaml) or use ZeRO-2 "
+                   "(accelerate_configs/deepspeed_zero2.yaml)")
     if args.lora_base_quant:
         raise UnsupportedSetupError(
             f"{cls}.lora_base_quant={args.lora_base_quant!r} under {setting}: ZeRO-3 partitions every weight into an "
@@ -186,5 +188,6 @@ def unsharded_copy(model, state: dict, args: LowBitArgumentsMixin):
     return copy
 
 
-__all__ = ["carrier_dtype", "check_deepspeed", "deepspeed_zero_stage", "enable_lowbit_all_gather", "fsdp2_shards_integer_params", "keep_integer_params_unsharded",
-           "prepare_integer_params_for_fsdp2", "prepare_lowbit_all_gather", "unsharded_copy"]
+__all__ = ["carrier_dtype", "check_deepspeed", "deepspeed_zero_stage", "enable_lowbit_all_gather",
+           "fsdp2_shards_integer_params", "keep_integer_params_unsharded", "prepare_integer_params_for_fsdp2",
+           "prepare_lowbit_all_gather", "unsharded_copy"]

@@ -111,15 +111,16 @@ def adamw_rows_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step:
         if row_amax.shape != (R,) or row_amax.dtype != torch.int32 or row_amax.device != p.device \
                 or not row_amax.is_contiguous():
             raise ValueError(f"adamw_rows_: row_amax must be {R} contiguous int32 values on {p.device}, got "
-                             f"{tuple(row_amax.shape)} {row_amax.dtype} strides {row_amax.stride()} on {row_amax.device}")
+                             f"{tuple(row_amax.shape)} {row_amax.dtype} strides {row_amax.stride()} on "
+                             f"{row_amax.device}")
         row_amax.zero_()  # |p| >= +0: the max's identity
     small = p.device.type == "cpu"
     br, bk, warps = tiles or (_CPU_TILES if small else _TILES)
     if not all(isinstance(t, int) and t > 0 and t & (t - 1) == 0 for t in (br, bk, warps)):
         raise ValueError(f"adamw_rows_: tiles must be (block, block, num_warps), powers of two, got {tiles}")
     if triton.cdiv(K, bk) > 65535:  # the grid's second axis: CUDA refuses the launch past it ("invalid argument")
-        raise ValueError(f"adamw_rows_: p of shape {tuple(p.shape)} takes {triton.cdiv(K, bk):,} blocks of {bk} columns, "
-                         "past the 65,535 a CUDA grid's second axis holds; view it as rows of fewer columns "
+        raise ValueError(f"adamw_rows_: p of shape {tuple(p.shape)} takes {triton.cdiv(K, bk):,} blocks of {bk} "
+                         "columns, past the 65,535 a CUDA grid's second axis holds; view it as rows of fewer columns "
                          "(LowBitAdamW passes rows of 1024)")
     kw = {} if small else {"enable_fp_fusion": False}  # no fma contraction: the interpreter's bits
     _adamw_rows_kernel[(triton.cdiv(R, br), triton.cdiv(K, bk))](

@@ -28,7 +28,8 @@ def _check(g: Tensor, fmt: str, col_mul: Tensor | None, stochastic: bool) -> Non
                          f"{col_mul.dtype}")
 
 
-def quantize_dual_reference(g: Tensor, fmt: str, col_mul: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_dual_reference(g: Tensor, fmt: str,
+                            col_mul: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """What the op computes, in plain torch: the row quantization of the input gradient (Inductor fuses it) and
     ``quantize_t``'s reference, one after the other."""
     f = FORMATS[fmt]

@@ -23,11 +23,11 @@ from .formats import FORMATS
 # (1x2048 layers), 1.15x -> 1.18x (Trainer, 1x2048, accumulation 8) with the same losses; FP8 1.26x -> 1.28x, 1.04x
 # -> 1.06x and (47a45b8) 1.14x -> 1.17x. FP8 waited on the two kernels because its Trainer runs ended at a loss of
 # 10.33 with either variant: the cause was the weight cache's transposed FP8 codes (fixed, de9803d), not atomic_rcp,
-# whose codes equal the two kernels' bit for bit at a Llama layer's shapes on the H200 (test_quantize_t_llama_shapes_cuda,
-# de9803d). Since session 17 FP8 takes it too; at 1x2048 GA 8 its two kernels were 41.4 ms of a 343 ms step against
-# INT8's 26.8 on atomic_rcp (session 17's profile, 2dda4b0). ``atomic_rcp`` rounds to nearest only: stochastic rounding
-# then takes ``atomic``. benchmarks/driver.py's ``{fmt}_{variant}`` recipes set one for a process, to compare them in
-# one run.
+# whose codes equal the two kernels' bit for bit at a Llama layer's shapes on the H200
+# (test_quantize_t_llama_shapes_cuda, de9803d). Since session 17 FP8 takes it too; at 1x2048 GA 8 its two kernels were
+# 41.4 ms of a 343 ms step against INT8's 26.8 on atomic_rcp (session 17's profile, 2dda4b0). ``atomic_rcp`` rounds to
+# nearest only: stochastic rounding then takes ``atomic``. benchmarks/driver.py's ``{fmt}_{variant}`` recipes set one
+# for a process, to compare them in one run.
 ACTIVATION_VARIANT = {"int8": "atomic_rcp", "fp8": "atomic_rcp"}
 # How those variants turn FP8 quotients into codes on CUDA (``quantize_t_triton``'s ``fp8_cast``; the same bits): None,
 # its default, the hardware cast; "soft" the float32 rounding first (28.4 SASS instructions an element against 19.4;

@@ -274,8 +274,8 @@ def int4_dequant_triton(packed: torch.Tensor, scales: torch.Tensor, zeros: torch
 # A program's rows ``n`` and a step's ``BLOCK_K`` columns (a multiple of 128) are ``BLOCK_K / 8`` words a row:
 # word ``j = 16·ko + 4·c + w`` of row ``n`` sits at ``(n // 8)·stride + k0 + 128·ko + 16·(n % 8) + 4·c + w``
 # (16 contiguous words a row and 128-column block, so 16-byte loads) and holds the even columns
-# ``k0 + 128·ko + 32·w + 2·c + 8·ab`` (``ab`` 0..3) in nibbles ``ab`` and the odd ones (``+1``) in nibbles ``4 + ab``.
-# ``x`` is read as bf16 pairs (int32 ``x2[k/2]``): the pair of those two columns is
+# ``k0 + 128·ko + 32·w + 2·c + 8·ab`` (``ab`` 0..3) in nibbles ``ab`` and the odd ones (``+1``) in nibbles
+# ``4 + ab``. ``x`` is read as bf16 pairs (int32 ``x2[k/2]``): the pair of those two columns is
 # ``x2[k0/2 + 64·ko + 16·w + c + 4·ab]``, the even column its low half and the odd one its high half, so a code and
 # its activation need no interleaving (the layout is tinygemm's mma fragment: lane ``4r + c`` its own columns).
 # The GEMV gets ``x`` from :func:`_tile_x`: zero-padded to the layout's K and those pairs moved to ``4j + ab``, so

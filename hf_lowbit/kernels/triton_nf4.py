@@ -97,9 +97,9 @@ def nf4_to_int8_triton(codes: torch.Tensor, mul: torch.Tensor, lut: torch.Tensor
     as contiguous: views in other layouts are copied (a slice of a wider weight's codes; small, and rare)."""
     N, K = codes.shape[0], codes.shape[1] * 2
     if K % 64 or tuple(mul.shape) != (N, K // 64):
-        raise ValueError(f"nf4_to_int8_triton: mul must be [{N}, {K // 64}] (one multiplier a 64-element block of codes "
-                         f"[{N}, {K // 2}]), got {list(mul.shape)}; NF4 -> INT8 takes blocks of 64 (quantize_nf4's "
-                         "default block_size)")
+        raise ValueError(f"nf4_to_int8_triton: mul must be [{N}, {K // 64}] (one multiplier a 64-element block of "
+                         f"codes [{N}, {K // 2}]), got {list(mul.shape)}; NF4 -> INT8 takes blocks of 64 "
+                         "(quantize_nf4's default block_size)")
     codes, mul, lut = codes.contiguous(), mul.contiguous(), lut.contiguous()
     q = torch.empty((K, N) if transposed else (N, K), dtype=torch.int8, device=codes.device)
     _check_32bit_offsets("nf4_to_int8_triton", q)  # (the codes and multipliers are a half and a 64th of it)

@@ -495,8 +495,8 @@ def _check_32bit_offsets(fn: str, x: torch.Tensor, advice: str = TRAINING_ADVICE
     # run time) cannot be decided while tracing and is let through rather than failing the trace
     span = 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
     if guard_or_false(x.numel() >= 2 ** 31) or guard_or_false(span >= 2 ** 31):
-        raise ValueError(f"{fn}: an operand of shape {tuple(x.shape)} spans {max(int(span), x.numel()):,} elements, past "
-                         f"the 2**31 these Triton kernels address in 32 bits; {advice}")
+        raise ValueError(f"{fn}: an operand of shape {tuple(x.shape)} spans {max(int(span), x.numel()):,} elements, "
+                         f"past the 2**31 these Triton kernels address in 32 bits; {advice}")
 
 
 def native_fp8_cast(fn: str, qdtype: torch.dtype, device: torch.device, fp8_cast: str | None) -> bool:
@@ -532,15 +532,16 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
     float32) without writing that product anywhere.
 
     Which kernels, all giving the same bits (the stochastic ones too, for the same seed): ``variant`` one of
-    ``VARIANTS``: ``"two_kernel"`` (this function's default: partial absmax, then quantize; ``amax_tiles`` and ``quant_tiles``
-    override their ``(BLOCK_M, BLOCK_N, num_warps)``, ``chunk_m`` the rows per partial), ``"fused"`` (one kernel,
-    column strips; meant for a row-major ``x``) or ``"rows"`` (one kernel, rows of ``x.T``; meant for ``x = w.T``
-    with ``w`` row-major, the weight refresh), ``"atomic"`` (two passes as ``"two_kernel"``, the absmax merged by an
-    atomic max instead of a partials buffer) or ``"atomic_rcp"`` (that, with one IEEE division per column instead of
-    per element; nearest rounding only: ``stochastic`` raises), both taking ``amax_tiles``, ``quant_tiles`` and
-    ``chunk_m`` (``hf_lowbit::quantize_t`` picks one per format: ``quantize_t.ACTIVATION_VARIANT``); ``tiles`` overrides the single kernel's ``(BLOCK_M, BLOCK_N,
-    num_warps)`` (``"rows"``: ``(BLOCK_R, BLOCK_K, num_warps)``, ``R`` along ``N``, ``K`` along ``M``). Block sizes
-    and warps are powers of two; on the CPU (Triton's interpreter) the defaults are 16x16 tiles.
+    ``VARIANTS``: ``"two_kernel"`` (this function's default: partial absmax, then quantize; ``amax_tiles`` and
+    ``quant_tiles`` override their ``(BLOCK_M, BLOCK_N, num_warps)``, ``chunk_m`` the rows per partial), ``"fused"``
+    (one kernel, column strips; meant for a row-major ``x``) or ``"rows"`` (one kernel, rows of ``x.T``; meant for
+    ``x = w.T`` with ``w`` row-major, the weight refresh), ``"atomic"`` (two passes as ``"two_kernel"``, the absmax
+    merged by an atomic max instead of a partials buffer) or ``"atomic_rcp"`` (that, with one IEEE division per column
+    instead of per element; nearest rounding only: ``stochastic`` raises), both taking ``amax_tiles``, ``quant_tiles``
+    and ``chunk_m`` (``hf_lowbit::quantize_t`` picks one per format: ``quantize_t.ACTIVATION_VARIANT``); ``tiles``
+    overrides the single kernel's ``(BLOCK_M, BLOCK_N, num_warps)`` (``"rows"``: ``(BLOCK_R, BLOCK_K, num_warps)``,
+    ``R`` along ``N``, ``K`` along ``M``). Block sizes and warps are powers of two; on the CPU (Triton's interpreter)
+    the defaults are 16x16 tiles.
 
     ``tensorwise`` (``variant="rows"`` only, nearest rounding, no ``row_mul``): one scale for all of ``x``, its
     absmax / ``qmax`` correctly rounded, written to each of the ``N`` entries of ``scale`` (the bits of
@@ -618,7 +619,8 @@ def quantize_t_triton(x: torch.Tensor, qdtype: torch.dtype, qmax: float, chunk_m
             raise ValueError(f"quantize_t_triton: out must be ({N}x{M} contiguous {qdtype}, {N} contiguous float32"
                              + (f", {M}x{N} contiguous {qdtype})" if both_layouts else ")"))
     if row_mul is not None and (row_mul.shape != (M,) or row_mul.dtype != torch.float32):
-        raise ValueError(f"quantize_t_triton: row_mul must be {M} float32 values, got {tuple(row_mul.shape)} {row_mul.dtype}")
+        raise ValueError(f"quantize_t_triton: row_mul must be {M} float32 values, got {tuple(row_mul.shape)} "
+                         f"{row_mul.dtype}")
     # the kernels read row_mul, row_amax and col_amax as contiguous vectors: strided views are copied (small)
     row_mul, row_amax, col_amax = (None if t is None else t.contiguous() for t in (row_mul, row_amax, col_amax))
     consts = dict(QMAX=qmax, IS_INT8=qdtype == torch.int8, STOCHASTIC=stochastic, HAS_MUL=row_mul is not None,

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..compute import compute_dtype as _compute_dtype  # the name the Function body below uses
-from ..kernels import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t, scaled_matmul_accumulate,
-                       scaled_matmul_grads, scaled_matmul_input_grad, scaled_matmul_quantized)
+from ..kernels import (FORMATS, get_format, quantize_operand, quantize_weight, quantize_weight_t,
+                       scaled_matmul_accumulate, scaled_matmul_grads, scaled_matmul_input_grad,
+                       scaled_matmul_quantized)
 from ..swap import LinearFilter
 from .fsdp_all_gather import GatheredLowBitWeight, gathered_operands
 

@@ -31,8 +31,8 @@ from .export import merge_lora, push_quantized_to_hub, save_quantized
 from .serving import (defer_stop_check, deferred_stop_check, has_deferred_stop_check, prepare_for_serving,
                       serving_compile_config, unwrap_quantized_weights)
 
-__all__ = ["QAT_SCHEMES", "PER_CHANNEL", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
-           "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled", "fake_quant_enabled_at",
+__all__ = ["QAT_SCHEMES", "PER_CHANNEL", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat",
+           "prepare_qat", "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled", "fake_quant_enabled_at",
            "FakeQuantScheduleCallback", "get_scheme",
            "save_quantized", "push_quantized_to_hub", "merge_lora",
            "defer_stop_check", "deferred_stop_check", "has_deferred_stop_check", "prepare_for_serving",

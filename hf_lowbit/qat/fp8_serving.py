@@ -7,10 +7,10 @@
 :class:`Fp8ServingLinear` holds the weight torchao loaded (``Float8Tensor``: e4m3 codes ``qdata`` [N, K] and float32
 row scales ``scale`` [N, 1]) as plain buffers, the same bytes, and calls ``hf_lowbit::fp8_rowwise_linear``
 (:mod:`hf_lowbit.kernels.fp8_gemv`): the Triton GEMV at decode (M ≤ 16 rows: by default the activation quantized
-once by a row kernel, the fp8 weight streamed once), ``torch._scaled_mm`` at prefill as the export runs it. Same arithmetic as
-torchao's linear (the activation codes bit for bit, float32 sums), except that an all-zero activation row gives the
-bias where torchao's gives NaN. Plain buffers also take the tensor-subclass flattening out of every compiled call
-(what :func:`hf_lowbit.qat.serving.unwrap_quantized_weights` does for the weights this does not swap).
+once by a row kernel, the fp8 weight streamed once), ``torch._scaled_mm`` at prefill as the export runs it. Same
+arithmetic as torchao's linear (the activation codes bit for bit, float32 sums), except that an all-zero activation row
+gives the bias where torchao's gives NaN. Plain buffers also take the tensor-subclass flattening out of every compiled
+call (what :func:`hf_lowbit.qat.serving.unwrap_quantized_weights` does for the weights this does not swap).
 
 On the H200 the GEMV's first design (``fused``) measured slow, its second (``codes``, the default) 1.03-1.93x
 ``_scaled_mm`` per linear; q/k/v and gate/up stacked (the default, :mod:`hf_lowbit.qat.siblings`) cut a 32-layer

@@ -357,7 +357,8 @@ class QATLinear(nn.Linear):
                  config: QATConfig = QATConfig()):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if not config.per_channel and in_features % config.group_size:
-            raise ValueError(f"QATLinear: in_features={in_features} is not a multiple of group_size={config.group_size}")
+            raise ValueError(f"QATLinear: in_features={in_features} is not a multiple of "
+                             f"group_size={config.group_size}")
         self.qat_config = config
         self.fake_quant_enabled = True
 
@@ -538,6 +539,6 @@ def convert_qat(model: nn.Module, config: QATConfig) -> list[str]:
     return names
 
 
-__all__ = ["QAT_SCHEMES", "PER_CHANNEL", "group_label", "QATScheme", "QATConfig", "QATLinear", "qat_linear", "convert_to_qat", "prepare_qat",
-           "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled", "fake_quant_enabled_at",
-           "FakeQuantScheduleCallback", "get_scheme"]
+__all__ = ["QAT_SCHEMES", "PER_CHANNEL", "group_label", "QATScheme", "QATConfig", "QATLinear", "qat_linear",
+           "convert_to_qat", "prepare_qat", "convert_qat", "cuda_capability_problem", "set_fake_quant_enabled",
+           "fake_quant_enabled_at", "FakeQuantScheduleCallback", "get_scheme"]

@@ -24,6 +24,6 @@ from .base import (BASE_STORAGES, QUANTIZED_LINEARS, Int8Linear, Nf4Linear, Quan
 from .loading import load_quantized_model
 from .lora import LoraLinear, dispatch_lowbit, register_with_peft, resolve_all_linear
 
-__all__ = ["BASE_STORAGES", "QUANTIZED_LINEARS", "Int8Linear", "Nf4Linear", "QuantizedBaseConfig", "QuantizedBaseLinear",
-           "QuantizedLinear", "convert_to_quantized_base", "quantize_base", "load_quantized_model", "LoraLinear",
-           "dispatch_lowbit", "register_with_peft", "resolve_all_linear"]
+__all__ = ["BASE_STORAGES", "QUANTIZED_LINEARS", "Int8Linear", "Nf4Linear", "QuantizedBaseConfig",
+           "QuantizedBaseLinear", "QuantizedLinear", "convert_to_quantized_base", "quantize_base",
+           "load_quantized_model", "LoraLinear", "dispatch_lowbit", "register_with_peft", "resolve_all_linear"]

@@ -287,8 +287,9 @@ class QuantizedBaseLinear(nn.Module):
 
     def forward_with_lora(self, x: Tensor, xd: Tensor | None, lora_a: Tensor, lora_b: Tensor,
                           scaling: float) -> Tensor:
-        """``self(x) + (xd · lora_aᵀ) · lora_bᵀ · scaling`` (``xd`` None: ``x``) with the LoRA up-projection in this
-        base's INT8 matmul epilogue (and ``dH · A`` in the input gradient's): see :class:`_FrozenQuantizedLoraFn`."""
+        """``self(x) + (xd · lora_aᵀ) · lora_bᵀ · scaling`` (``xd`` None: ``x``) with the LoRA up-projection in
+        this base's INT8 matmul epilogue (and ``dH · A`` in the input gradient's): see
+        :class:`_FrozenQuantizedLoraFn`."""
         tensors, storage = self._operands()
         return _FrozenQuantizedLoraFn.apply(x, xd, lora_a, lora_b, self.bias, tensors, storage, float(scaling),
                                             bool(self.compute.grad_input))

@@ -68,10 +68,10 @@ class LoraLinear(PeftLoraLinear):
         Adapter weights keep their own dtype (float32 by PEFT's default) and are cast per call (r x
         features, cheap); their gradients arrive in that dtype. With one active adapter over an INT8-compute
         base the up-projection is added in the base matmul's epilogue (rounded once: PEFT's result to bf16
-        rounding); otherwise, under autocast, this is PEFT's forward bit for bit. Without autocast PEFT casts ``x`` to the float32 adapters instead: float32 GEMMs,
-        float32 ``[tokens, features]`` intermediates and a float32 copy of every adapted input saved
-        for backward, a sizeable share of a bf16 QLoRA step (measured in docs/qlora.md). Mixed-batch
-        ``adapter_names``, disabled or merged adapters and variants go through PEFT's forward.
+        rounding); otherwise, under autocast, this is PEFT's forward bit for bit. Without autocast PEFT casts ``x`` to
+        the float32 adapters instead: float32 GEMMs, float32 ``[tokens, features]`` intermediates and a float32 copy of
+        every adapted input saved for backward, a sizeable share of a bf16 QLoRA step (measured in docs/qlora.md).
+        Mixed-batch ``adapter_names``, disabled or merged adapters and variants go through PEFT's forward.
         """
         if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:
             return super().forward(x, *args, **kwargs)
