@@ -66,6 +66,26 @@ def test_benchmark_regimes_trainer_path_smoke_on_cpu(tmp_path):
     assert all(r["cudagraph_skips"] == [] for r in records)  # nothing compiled for CUDA graphs on the CPU
 
 
+def test_sft_default_seeds_smoke(tmp_path):
+    """benchmarks/sft_default_seeds.py: one scripts/sft.py process per (recipe, seed), shortened to 10 steps; every
+    row trains from the same model (INT8's forward moves its first evaluation a little) and its held-out loss falls;
+    the summary has a line per recipe; an unknown recipe is refused in one line."""
+    out, md = tmp_path / "seeds.json", tmp_path / "seeds.md"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "sft_default_seeds.py"), "--recipes", "fp32,int8_no_dx",
+           "--seeds", "0", "--steps", "10", "--json", str(out), "--markdown", str(md)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["recipe"], r["seed"]) for r in rows] == [("fp32", 0), ("int8_no_dx", 0)], rows
+    # the same init and held-out data; INT8's forward (on in int8_no_dx) moves the first evaluation a little
+    assert 0 < abs(rows[0]["initial_eval_loss"] - rows[1]["initial_eval_loss"]) < 0.01, rows
+    assert all(r["eval_loss"] < r["initial_eval_loss"] and 0 <= r["eval_accuracy"] <= 1 for r in rows), rows
+    text = md.read_text()
+    assert "| fp32 | 1 |" in text and "| int8_no_dx | 1 |" in text
+    bad = subprocess.run([*cmd[:2], "--recipes", "int9"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "--recipes: unknown int9" in bad.stderr
+
+
 def test_kernel_categories_of_the_h200_profiles():
     """Kernel names from the H200 profiles land in their categories (first match wins: the optimizer's and the
     FP8 matmul's names before the generic ones); autograd's .grad adds apart from "other"."""
