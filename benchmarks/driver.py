@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import math
 import os
 import platform
 import re
@@ -751,11 +752,11 @@ class GpuTelemetry:
         if not any(columns):
             return None
 
-        def spread(values):  # [min, median, max]
+        def min_median_max(values):
             v = sorted(values)
             return [v[0], v[len(v) // 2], v[-1]] if v else None
 
-        sm, power, temp = (spread(v) for v in columns)
+        sm, power, temp = (min_median_max(v) for v in columns)
         return {"samples": samples, "every_ms": self.ms, "sm_mhz": sm, "power_w": power, "temp_c": temp,
                 "clock_event_reasons": sorted(reasons)}
 
@@ -1001,6 +1002,13 @@ def save_json(path: str | None, data, indent: int = 1) -> None:
     after every row, so a run cut short keeps the rows it finished."""
     if path:
         write_atomic(path, json.dumps(data, indent=indent))
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, min, max and sample standard deviation (0 for one value) of a result over seeds."""
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return {"mean": mean, "min": min(values), "max": max(values), "std": math.sqrt(var), "n": len(values)}
 
 
 def error_cell(error: str, n: int = 80) -> str:

@@ -64,7 +64,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from benchmarks.corpus import corpus_blocks  # noqa: E402
-from benchmarks.driver import add_int_flags, llama_config, meta, save_json, train_step, write_results  # noqa: E402
+from benchmarks.driver import (add_int_flags, llama_config, meta, save_json, spread, train_step,  # noqa: E402
+                               write_results)
 from hf_lowbit.qat import PER_CHANNEL, QAT_SCHEMES, QATConfig, convert_qat, prepare_qat  # noqa: E402
 from hf_lowbit.qat.linear import group_label  # noqa: E402
 
@@ -239,13 +240,6 @@ def loss_recovery(ppl: dict) -> dict:
     return {"loss_bf16": bf16, "loss_ptq": ptq_, "loss_qat": qat, "ptq_loss_increase": lost / bf16,
             "qat_loss_increase": (qat - bf16) / bf16,
             "recovered_loss": (ptq_ - qat) / lost if lost > 0 else float("nan")}
-
-
-def spread(values: list[float]) -> dict:
-    """Mean, min, max and sample standard deviation (0 for one value)."""
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
-    return {"mean": mean, "min": min(values), "max": max(values), "std": math.sqrt(var), "n": len(values)}
 
 
 def ptq(model, config: QATConfig, exclude: tuple[str, ...] = ("lm_head",)):

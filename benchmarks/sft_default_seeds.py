@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..")
 sys.path.insert(0, ROOT)
 
-from benchmarks.driver import meta, write_results  # noqa: E402
+from benchmarks.driver import error_cell, meta, spread, write_results  # noqa: E402
 
 RECIPE_FLAGS = {"fp32": ["--int8_mixed_precision", "False"], "int8": [],
                 "fp8": ["--int8_mixed_precision", "False", "--fp8_mixed_precision", "True"],
@@ -66,7 +65,7 @@ def table(rows: list[dict], recipes: list[str]) -> list[str]:
              "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['recipe']} | {r['seed']} | error | – | – | – |")
+            lines.append(f"| {r['recipe']} | {r['seed']} | {error_cell(r['error'])} | – | – | – |")
         else:
             lines.append(f"| {r['recipe']} | {r['seed']} | {r['initial_eval_loss']:.3f} | {r['eval_loss']:.3f} | "
                          f"{r['eval_accuracy']:.3f} | {_f3(r['last_train_loss'])} |")
@@ -75,9 +74,9 @@ def table(rows: list[dict], recipes: list[str]) -> list[str]:
         ok = [r for r in rows if r["recipe"] == recipe and "error" not in r]
         if not ok:
             continue
-        loss, acc = [r["eval_loss"] for r in ok], [r["eval_accuracy"] for r in ok]
-        lines.append(f"| {recipe} | {len(ok)} | {statistics.mean(loss):.3f} ({min(loss):.3f} – {max(loss):.3f}) | "
-                     f"{statistics.mean(acc):.3f} ({min(acc):.3f} – {max(acc):.3f}) |")
+        loss, acc = spread([r["eval_loss"] for r in ok]), spread([r["eval_accuracy"] for r in ok])
+        lines.append(f"| {recipe} | {len(ok)} | {loss['mean']:.3f} ({loss['min']:.3f} – {loss['max']:.3f}) | "
+                     f"{acc['mean']:.3f} ({acc['min']:.3f} – {acc['max']:.3f}) |")
     return lines
 
 
